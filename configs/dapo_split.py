@@ -1,0 +1,24 @@
+"""DAPO on a split mesh: generation and learning on disjoint sub-meshes, at once.
+
+Clip-higher (0.2 / 0.28), token-mean loss, dynamic sampling, soft overlong
+punishment, no KL; the learner trains on rollouts at most one policy version old
+and corrects them with truncated importance sampling.
+
+    python -m rlx.main --config configs/dapo_split.py --workdir /tmp/rlx-dapo
+"""
+
+import dataclasses
+
+from configs import base
+
+
+def get_config():
+  config = base.get_config()
+  return dataclasses.replace(
+      config,
+      name="dapo_split",
+      algorithm=dataclasses.replace(
+          config.algorithm, name="dapo", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
+          loss_agg="token-mean", dynamic_sampling=True, overlong_buffer=16, off_policy="tis"),
+      mesh=dataclasses.replace(config.mesh, mode="split", max_staleness=1, weight_sync="reshard"),
+  )

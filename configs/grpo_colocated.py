@@ -1,0 +1,23 @@
+"""GRPO on one colocated mesh: generate, score and learn time-sliced, always on-policy.
+
+Group-relative advantages with std normalisation, symmetric clip 0.2, k3 KL to
+the reference policy as a loss term (DeepSeekMath).
+
+    python -m rlx.main --config configs/grpo_colocated.py --workdir /tmp/rlx-grpo
+"""
+
+import dataclasses
+
+from configs import base
+
+
+def get_config():
+  config = base.get_config()
+  return dataclasses.replace(
+      config,
+      name="grpo_colocated",
+      algorithm=dataclasses.replace(
+          config.algorithm, name="grpo", clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.04,
+          kl_estimator="k3", loss_agg="seq-mean-token-mean", off_policy="none"),
+      mesh=dataclasses.replace(config.mesh, mode="colocated"),
+  )

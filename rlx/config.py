@@ -1,0 +1,366 @@
+"""The run configuration: one frozen, typed schema for everything rlx does.
+
+Every section is a frozen, keyword-only dataclass; the docstring under each
+field is its documentation (``python -m rlx.main --help`` prints them). Config
+files under ``configs/`` build a ``RunConfig`` from ``configs/base.py`` with
+``dataclasses.replace``; the command line overrides single fields with
+``--config.section.field=value`` (see ``rlx.cli``).
+
+This module is plain data: it imports only the standard library, so that a
+config can be read, validated and printed without starting JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArchConfig:
+  """Architecture of a decoder-only transformer (Llama / Qwen2 / Qwen3 family).
+
+  Mirrors the fields of a Hugging Face ``config.json``; ``rlx.models`` reads one
+  into this class and writes this class back out.
+  """
+
+  family: Literal["llama", "qwen2", "qwen3"] = "llama"
+  """Model family; decides the Hugging Face architecture name and bias layout."""
+  vocab_size: int = 512
+  """Number of token ids."""
+  hidden_size: int = 128
+  """Width of the residual stream (D)."""
+  intermediate_size: int = 384
+  """Width of the SwiGLU MLP (F)."""
+  num_layers: int = 4
+  """Number of decoder layers (stacked and scanned)."""
+  num_heads: int = 4
+  """Number of query heads."""
+  num_kv_heads: int = 2
+  """Number of key/value heads (GQA when smaller than num_heads)."""
+  head_dim: int = 32
+  """Width of one attention head; independent of hidden_size (Qwen3)."""
+  rope_theta: float = 10000.0
+  """RoPE base frequency."""
+  rope_scaling: Literal["none", "llama3", "linear"] = "none"
+  """RoPE frequency scaling: 'llama3' (Llama 3.1+), 'linear', or none."""
+  rope_factor: float = 1.0
+  """Scaling factor of 'llama3' and 'linear' rope scaling."""
+  rope_low_freq_factor: float = 1.0
+  """'llama3' scaling: wavelengths above original_len / low_freq_factor are divided by rope_factor."""
+  rope_high_freq_factor: float = 4.0
+  """'llama3' scaling: wavelengths below original_len / high_freq_factor are kept."""
+  rope_original_max_len: int = 8192
+  """'llama3' scaling: the context length the model was pre-trained with."""
+  rms_norm_eps: float = 1e-6
+  """Epsilon of every RMSNorm."""
+  qkv_bias: bool = False
+  """Bias on the q, k and v projections (always on for Qwen2)."""
+  o_bias: bool = False
+  """Bias on the attention output projection."""
+  qk_norm: bool = False
+  """RMSNorm over each query and key head before RoPE (Qwen3)."""
+  tie_word_embeddings: bool = True
+  """Use the input embedding as the unembedding matrix."""
+  max_position_embeddings: int = 4096
+  """Longest sequence the model is meant for."""
+  bos_token_id: int | None = None
+  """Beginning-of-sequence id recorded in config.json."""
+  eos_token_id: int | None = None
+  """End-of-sequence id recorded in config.json."""
+
+  def __post_init__(self):
+    _check(self.num_heads % self.num_kv_heads == 0, "model.arch.num_heads",
+           f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      _check(getattr(self, name) > 0, f"model.arch.{name}", "must be positive")
+    _check(self.head_dim % 2 == 0, "model.arch.head_dim", "must be even for RoPE")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Which policy model to train and how to run it."""
+
+  path: str | None = None
+  """Hugging Face model directory (config.json + safetensors). None builds `arch` with random weights."""
+  arch: ArchConfig = dataclasses.field(default_factory=ArchConfig)
+  """Architecture of the built-in model; ignored when `path` is set."""
+  dtype: DType = "float32"
+  """Dtype of activations and matmuls."""
+  param_dtype: DType = "float32"
+  """Dtype the parameters are stored in."""
+  attention: Literal["auto", "fused", "reference"] = "auto"
+  """Training attention: 'fused' is jax.nn.dot_product_attention (cuDNN flash on GPU when the mask allows), 'reference' plain einsum softmax, 'auto' picks fused."""
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "full"
+  """Activation checkpointing per layer: recompute everything ('full'), save matmul outputs ('dots', 'dots_no_batch'), or save all ('none')."""
+  seed: int = 0
+  """Seed of the random initialisation of the built-in model."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """The generation engine and sampling."""
+
+  max_slots: int = 16
+  """Number of concurrent decode slots (continuous batching)."""
+  max_prompt_len: int = 128
+  """Longest prompt, in tokens; longer prompts are refused."""
+  max_new_tokens: int = 64
+  """Longest response, in tokens; responses that reach it finish with reason 'length'."""
+  group_size: int = 8
+  """Samples per prompt (the GRPO group, n)."""
+  temperature: float = 1.0
+  """Sampling temperature; 0 is greedy."""
+  top_p: float = 1.0
+  """Nucleus sampling mass; 1 disables it."""
+  top_k: int = 0
+  """Keep the k most likely tokens; 0 disables it."""
+
+  def __post_init__(self):
+    _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+    for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size"):
+      _check(getattr(self, name) > 0, f"rollout.{name}", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+  """The RL objective: advantages, policy loss, KL, aggregation."""
+
+  name: Literal["ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp"] = "grpo"
+  """Algorithm family; decides the advantage estimator and policy loss."""
+  clip_eps_low: float = 0.2
+  """Lower clip range of the importance ratio (1 - eps_low)."""
+  clip_eps_high: float = 0.2
+  """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher uses 0.28."""
+  dual_clip: float | None = None
+  """Dual-clip constant c (> 1) for negative advantages; None disables it."""
+  kl_coef: float = 0.0
+  """Coefficient beta of the KL penalty to the reference policy; 0 drops the reference model."""
+  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+  """KL estimator (Schulman's k1, k2, k3)."""
+  kl_in_reward: bool = False
+  """Apply the KL as a per-token reward penalty instead of a loss term."""
+  entropy_coef: float = 0.0
+  """Coefficient of the entropy bonus."""
+  loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+  """How per-token losses are reduced to one number."""
+  gamma: float = 1.0
+  """Discount of GAE (PPO)."""
+  lam: float = 0.95
+  """Lambda of GAE (PPO)."""
+  dynamic_sampling: bool = False
+  """DAPO: drop groups whose rewards are all equal and refill the batch."""
+  overlong_filter: bool = False
+  """DAPO: mask truncated responses out of the loss."""
+  overlong_buffer: int = 0
+  """DAPO soft overlong punishment: length of the penalty interval L_cache in tokens; 0 disables it."""
+  off_policy: Literal["none", "tis", "decoupled"] = "tis"
+  """Correction of stale data: truncated importance sampling, or AReaL's decoupled objective."""
+  tis_cap: float = 2.0
+  """Truncation of the behaviour importance weight (tis)."""
+
+  def __post_init__(self):
+    _check(self.clip_eps_low >= 0 and self.clip_eps_high >= 0, "algorithm.clip_eps_low",
+           "clip ranges must be >= 0")
+    _check(self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip", "must be > 1")
+    _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma",
+           "gamma and lam must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  """The optax optimizer (AdamW) and its schedule."""
+
+  learning_rate: float = 1e-6
+  """Peak learning rate."""
+  warmup_steps: int = 0
+  """Linear warm-up steps from 0 to the peak."""
+  schedule: Literal["constant", "cosine"] = "constant"
+  """Schedule after warm-up."""
+  weight_decay: float = 0.0
+  """AdamW decoupled weight decay."""
+  b1: float = 0.9
+  """Adam beta1."""
+  b2: float = 0.999
+  """Adam beta2."""
+  eps: float = 1e-8
+  """Adam epsilon."""
+  max_grad_norm: float = 1.0
+  """Clip gradients to this global norm; 0 disables clipping."""
+  micro_batches: int = 1
+  """Gradient accumulation: micro-batches per update."""
+  critic_learning_rate: float = 1e-5
+  """Peak learning rate of the critic (PPO)."""
+
+  def __post_init__(self):
+    _check(self.learning_rate > 0, "optimizer.learning_rate", "must be positive")
+    _check(self.micro_batches > 0, "optimizer.micro_batches", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """The device mesh and how generation and learning share it."""
+
+  mode: Literal["colocated", "split"] = "colocated"
+  """'colocated': generation and learning time-slice the same devices; 'split': disjoint sub-meshes run at once."""
+  data: int = 1
+  """Size of the pure data-parallel mesh axis."""
+  fsdp: int = -1
+  """Size of the fully sharded data-parallel axis; -1 takes the remaining devices."""
+  tensor: int = 1
+  """Size of the tensor-parallel axis."""
+  generation_devices: int = 0
+  """Split mode: devices given to generation (the rest learn); 0 gives half."""
+  generation_tensor: int = 1
+  """Tensor-parallel size of the generation (sub-)mesh; the rest of it is data-parallel."""
+  max_staleness: int = 1
+  """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
+  weight_sync: Literal["reshard", "orbax"] = "reshard"
+  """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
+  logical_axis_rules: tuple[tuple[str, str | None], ...] = (
+      ("batch", "data_fsdp"),
+      ("embed", "fsdp"),
+      ("vocab", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("mlp", "tensor"),
+      ("layers", None),
+      ("head_dim", None),
+  )
+  """Map from the model's logical parameter axes to mesh axes ('data_fsdp' is data and fsdp together)."""
+
+  def __post_init__(self):
+    for name in ("data", "tensor", "generation_tensor"):
+      _check(getattr(self, name) > 0, f"mesh.{name}", "must be positive")
+    _check(self.fsdp == -1 or self.fsdp > 0, "mesh.fsdp", "must be positive or -1")
+    _check(self.max_staleness >= 0, "mesh.max_staleness", "must be >= 0")
+    _check(self.generation_devices >= 0, "mesh.generation_devices", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  """Where prompts come from."""
+
+  source: str = "arithmetic"
+  """A built-in synthetic task ('arithmetic', 'countdown') or a path to a .jsonl / .parquet file."""
+  prompt_field: str = "prompt"
+  """Field of a row that holds the prompt."""
+  answer_field: str = "answer"
+  """Field of a row that holds the reference answer."""
+  prompts_per_step: int = 8
+  """Prompts per training step (each expanded to rollout.group_size samples)."""
+  shuffle_seed: int = 0
+  """Seed of the deterministic shuffle."""
+  num_epochs: int | None = None
+  """Passes over the data; None repeats forever."""
+  on_bad_row: Literal["error", "skip"] = "error"
+  """A malformed row either stops the run (naming file and line) or is skipped and counted."""
+  eval_fraction: float = 0.0
+  """Fraction of a built-in task held out for evaluation."""
+
+  def __post_init__(self):
+    _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
+    _check(0 <= self.eval_fraction < 1, "data.eval_fraction", "must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+  """How responses are scored (on the host, off the device path)."""
+
+  name: Literal["auto", "math", "arithmetic", "countdown"] = "auto"
+  """Verifier; 'auto' takes the one that matches data.source ('math' for files)."""
+  format_weight: float = 0.0
+  """Weight of the format reward added to the verifier's reward."""
+  num_workers: int = 2
+  """Host worker processes that score responses."""
+  timeout_s: float = 5.0
+  """A reward call that runs longer scores 0 and is counted."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+  """Orbax checkpoints of the whole training state."""
+
+  every_steps: int = 50
+  """Save every N steps (and on SIGTERM / SIGINT); 0 saves only at the end."""
+  max_to_keep: int = 3
+  """Checkpoints kept on disk."""
+  async_save: bool = True
+  """Write checkpoints in the background while training goes on."""
+  export_hf_every: int = 0
+  """Also write a Hugging Face directory every N steps; 0 never."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+  """Where metrics go."""
+
+  every_steps: int = 1
+  """Write metrics every N steps."""
+  jsonl: bool = True
+  """Write WORKDIR/metrics.jsonl."""
+  tensorboard: bool = True
+  """Write TensorBoard event files under WORKDIR/tb."""
+  progress_bar: bool = True
+  """Show a console progress bar."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+  """The training loop."""
+
+  steps: int = 20
+  """Number of policy updates."""
+  seed: int = 0
+  """Seed of the run: sampling, shuffling and every other random choice derive from it."""
+  eval_every: int = 0
+  """Held-out evaluation every N steps; 0 never."""
+  ppo_epochs: int = 1
+  """Optimizer passes over each rollout batch."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+  """Everything one rlx run needs."""
+
+  name: str = "rlx"
+  """Name of the run (shown in logs)."""
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  """The policy model."""
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  """The generation engine and sampling."""
+  algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+  """The RL objective."""
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  """The optimizer."""
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  """The device mesh and deployment mode."""
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  """The prompt source."""
+  reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+  """The reward functions."""
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  """Checkpointing."""
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+  """Metrics output."""
+  trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  """The training loop."""
+
+  @property
+  def samples_per_step(self) -> int:
+    """Rollouts per training step: prompts times group size."""
+    return self.data.prompts_per_step * self.rollout.group_size
+
+
+class ConfigError(ValueError):
+  """A config value or override is invalid; the message names the key and the fix."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{key}: {message}")
