@@ -68,8 +68,8 @@ class ArchConfig:
   """Longest sequence the model is meant for."""
   bos_token_id: int | None = None
   """Beginning-of-sequence id recorded in config.json."""
-  eos_token_id: int | None = None
-  """End-of-sequence id recorded in config.json."""
+  eos_token_ids: tuple[int, ...] = ()
+  """End-of-sequence ids recorded in config.json (Llama 3 instruct models have several)."""
 
   def __post_init__(self):
     _check(self.num_heads % self.num_kv_heads == 0, "model.arch.num_heads",

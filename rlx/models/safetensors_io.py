@@ -1,0 +1,118 @@
+"""Reading and writing Hugging Face safetensors files, tensor by tensor.
+
+Reading memory-maps each file and hands out numpy views, so a caller can copy
+just the block of a tensor that one device shard needs. Writing cuts the
+tensors into files of at most ``max_shard_bytes`` with a
+``model.safetensors.index.json``, as ``transformers`` does, and never holds more
+than one file's worth of tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+from collections.abc import Callable, Iterable
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory is missing, incomplete or of an unsupported kind."""
+
+
+class SafetensorsReader:
+  """Lazily maps tensor names to memory-mapped numpy arrays over one model directory."""
+
+  def __init__(self, directory: str | pathlib.Path):
+    self.directory = pathlib.Path(directory)
+    index = self.directory / INDEX_FILE
+    if index.is_file():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      self._file_of = {name: self.directory / file for name, file in weight_map.items()}
+    elif (self.directory / SINGLE_FILE).is_file():
+      self._file_of = None
+    else:
+      raise CheckpointError(
+          f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
+          "point at a Hugging Face model directory saved with safetensors")
+    self._headers: dict[pathlib.Path, tuple[dict, int]] = {}
+    if self._file_of is None:
+      self._file_of = {name: self.directory / SINGLE_FILE
+                       for name in self._header(self.directory / SINGLE_FILE)[0]}
+
+  def _header(self, file: pathlib.Path) -> tuple[dict, int]:
+    if file not in self._headers:
+      if not file.is_file():
+        raise CheckpointError(f"{file} is listed in {INDEX_FILE} but does not exist")
+      with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+      header.pop("__metadata__", None)
+      self._headers[file] = (header, 8 + length)
+    return self._headers[file]
+
+  def names(self) -> set[str]:
+    return set(self._file_of)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._file_of
+
+  def get(self, name: str) -> np.ndarray:
+    """A read-only memory-mapped view of one tensor (no bytes are read until sliced)."""
+    if name not in self._file_of:
+      raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
+    file = self._file_of[name]
+    header, data_start = self._header(file)
+    info = header[name]
+    if info["dtype"] not in _DTYPES:
+      raise CheckpointError(f"tensor {name!r} in {file} has unsupported dtype {info['dtype']}")
+    start, end = info["data_offsets"]
+    dtype = np.dtype(_DTYPES[info["dtype"]])
+    if end - start == 0:
+      return np.zeros(info["shape"], dtype)
+    return np.memmap(file, dtype=dtype, mode="r", offset=data_start + start,
+                     shape=tuple(info["shape"]))
+
+
+def write_safetensors(directory: pathlib.Path, tensors: Iterable[tuple[str, Callable[[], np.ndarray], int]],
+                      max_shard_bytes: int) -> list[str]:
+  """Writes ``(name, produce, nbytes)`` tensors into one file or several plus an index.
+
+  ``produce()`` is called only when the tensor's file is written, so at most one
+  file's worth of tensors is in host memory. Returns the file names written.
+  """
+  shards: list[list[tuple[str, Callable[[], np.ndarray]]]] = [[]]
+  size = 0
+  for name, produce, nbytes in tensors:
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, produce))
+    size += nbytes
+  if len(shards) == 1:
+    names = [SINGLE_FILE]
+  else:
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  weight_map, total = {}, 0
+  for file, shard in zip(names, shards):
+    arrays = {name: np.ascontiguousarray(produce()) for name, produce in shard}
+    total += sum(a.nbytes for a in arrays.values())
+    save_file(arrays, str(directory / file), metadata={"format": "pt"})
+    weight_map.update({name: file for name in arrays})
+    del arrays
+  if len(shards) > 1:
+    (directory / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+  return names

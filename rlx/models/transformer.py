@@ -1,0 +1,292 @@
+"""The decoder-only transformer of the Llama / Qwen2 / Qwen3 families, as pure functions.
+
+Parameters are a plain nested dict of arrays, the decoder layers stacked on a
+leading ``layers`` axis and run with ``lax.scan`` (compile time does not grow
+with depth). A plain pytree, rather than module objects, keeps three things
+one-to-one: Hugging Face tensor names <-> parameter paths (``rlx.models.hf``),
+parameter paths <-> logical axes (for sharding), and params <-> what ``jit``,
+``grad`` and ``device_put`` see.
+
+Shapes: B batch, T new tokens, S cache length, D hidden, H query heads, K
+key/value heads, E head_dim, F mlp width, V vocab, L layers.
+
+Padding: a ``mask`` [B, T] marks real tokens (False = padding, left or right).
+Positions count real tokens only, and padded keys are never attended to.
+
+KV cache: ``{"k", "v": [L, B, S, K, E], "valid": [B, S] bool, "index": [B]}``.
+A call with a cache writes the T new keys of row b at slots ``index[b] ..
+index[b] + T - 1`` and attends causally in slot order; prefill and one-token
+decode are the same call. The caller keeps ``index + T <= S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlx.config import ArchConfig
+
+Params = dict[str, Any]
+Cache = dict[str, jax.Array]
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """Shape, logical axes and initialiser of one parameter."""
+
+  shape: tuple[int, ...]
+  axes: tuple[str | None, ...]
+  init: Literal["normal", "ones", "zeros"]
+
+
+def param_specs(arch: ArchConfig) -> dict[str, Any]:
+  """Shape, logical axes and initialiser of every parameter, as a nested dict."""
+  L, D, H, K, E, F, V = (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
+                         arch.head_dim, arch.intermediate_size, arch.vocab_size)
+  layers = {
+      "attn_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+      "q": ParamSpec((L, D, H, E), ("layers", "embed", "heads", "head_dim"), "normal"),
+      "k": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "v": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "o": ParamSpec((L, H, E, D), ("layers", "heads", "head_dim", "embed"), "normal"),
+      "mlp_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
+      "gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+  }
+  if arch.qkv_bias:
+    layers["q_bias"] = ParamSpec((L, H, E), ("layers", "heads", "head_dim"), "zeros")
+    layers["k_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
+    layers["v_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
+  if arch.o_bias:
+    layers["o_bias"] = ParamSpec((L, D), ("layers", "norm"), "zeros")
+  if arch.qk_norm:
+    layers["q_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
+    layers["k_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
+  specs = {
+      "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
+      "layers": layers,
+      "final_norm": ParamSpec((D,), ("norm",), "ones"),
+  }
+  if not arch.tie_word_embeddings:
+    specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+  return specs
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, ParamSpec)
+
+
+def logical_axes(arch: ArchConfig) -> dict[str, Any]:
+  """The logical axis names of every parameter (same tree as the params)."""
+  return jax.tree.map(lambda s: s.axes, param_specs(arch), is_leaf=_is_spec)
+
+
+def param_shapes(arch: ArchConfig) -> dict[str, Any]:
+  """The shape of every parameter (same tree as the params)."""
+  return jax.tree.map(lambda s: s.shape, param_specs(arch), is_leaf=_is_spec)
+
+
+def init_params(arch: ArchConfig, key: jax.Array, param_dtype: Any = jnp.float32) -> Params:
+  """Random parameters: N(0, 0.02) matrices, unit norms, zero biases.
+
+  Jit it with ``out_shardings`` to create the params already sharded.
+  """
+  specs = param_specs(arch)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+  keys = jax.random.split(key, len(leaves))
+
+  def make(spec: ParamSpec, k):
+    if spec.init == "normal":
+      return (0.02 * jax.random.normal(k, spec.shape, jnp.float32)).astype(param_dtype)
+    return (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, param_dtype)
+
+  return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+def rope_inv_freq(arch: ArchConfig) -> np.ndarray:
+  """Inverse RoPE frequencies [E/2] in float32, with 'llama3' or 'linear' scaling."""
+  E = arch.head_dim
+  inv_freq = 1.0 / (arch.rope_theta ** (np.arange(0, E, 2, dtype=np.float64) / E))
+  if arch.rope_scaling == "linear":
+    inv_freq = inv_freq / arch.rope_factor
+  elif arch.rope_scaling == "llama3":
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the
+    # band between interpolated smoothly.
+    low_wavelen = arch.rope_original_max_len / arch.rope_low_freq_factor
+    high_wavelen = arch.rope_original_max_len / arch.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / arch.rope_factor, inv_freq)
+    smooth = ((arch.rope_original_max_len / wavelen - arch.rope_low_freq_factor)
+              / (arch.rope_high_freq_factor - arch.rope_low_freq_factor))
+    smoothed = (1 - smooth) * scaled / arch.rope_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotary embedding, half-split layout. x [B, T, N, E], positions [B, T]."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
+  cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :].astype(x.dtype)
+  sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :].astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+  return x * cos + rotated * sin
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face does)."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Plain softmax attention in float32. q [B,T,H,E], k/v [B,S,K,E], mask [B,T,S] -> [B,T,H,E]."""
+  B, T, H, E = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, E).astype(jnp.float32)
+  scores = jnp.einsum("btkge,bske->bkgts", q, k.astype(jnp.float32)) / math.sqrt(E)
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(jnp.float32))
+  return out.reshape(B, T, H, E).astype(v.dtype)
+
+
+def fused_attention(q, k, v, mask: jax.Array | None) -> jax.Array:
+  """``jax.nn.dot_product_attention``; with ``mask=None`` it is plain causal, which lets
+  the GPU use cuDNN flash attention."""
+  if mask is None:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+  """How to run one architecture: static (hashable), passed to jit as a closure.
+
+  Attributes:
+    arch: the architecture.
+    dtype: compute dtype of activations and matmuls.
+    attention: 'fused' (jax.nn.dot_product_attention) or 'reference' (einsum).
+    remat: activation checkpointing per layer: 'none', 'full', 'dots', 'dots_no_batch'.
+  """
+
+  arch: ArchConfig
+  dtype: Any = jnp.float32
+  attention: Literal["fused", "reference"] = "fused"
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+
+  def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> Params:
+    return init_params(self.arch, key, param_dtype)
+
+  def init_cache(self, batch: int, max_len: int) -> Cache:
+    """An empty KV cache of ``max_len`` slots for ``batch`` rows."""
+    a = self.arch
+    shape = (a.num_layers, batch, max_len, a.num_kv_heads, a.head_dim)
+    return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype),
+            "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((batch,), jnp.int32)}
+
+  def hidden_states(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
+                    cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+    """Final (normed) hidden states [B, T, D] and the updated cache.
+
+    Args:
+      params: the parameter tree.
+      tokens: int [B, T].
+      mask: bool [B, T], True on real tokens; None means no padding.
+      cache: a KV cache to extend, or None for a plain forward pass.
+    """
+    a = self.arch
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+    B, T = tokens.shape
+    real = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
+    count = jnp.cumsum(real, axis=1) - 1
+    if cache is None:
+      positions = jnp.maximum(count, 0)
+      slots = jnp.arange(T)
+      # [B, T, S]: causal, never a padded key; a padded query sees itself so no row is empty.
+      attn_mask = (slots[None, :, None] >= slots[None, None, :]) & (
+          real[:, None, :] | (slots[:, None] == slots[None, :])[None])
+      use_causal_only = mask is None
+    else:
+      positions = jnp.maximum(cache["valid"].sum(-1, keepdims=True) + count, 0)
+      S = cache["valid"].shape[1]
+      query_slots = cache["index"][:, None] + jnp.arange(T)[None]  # [B, T]
+      valid = jax.vmap(lambda v, r, i: jax.lax.dynamic_update_slice(v, r, (i,)))(
+          cache["valid"], real, cache["index"])
+      key_slots = jnp.arange(S)
+      attn_mask = (key_slots[None, None, :] <= query_slots[..., None]) & (
+          valid[:, None, :] | (key_slots[None, None, :] == query_slots[..., None]))
+      use_causal_only = False
+    x = params["embed"].astype(self.dtype)[tokens]
+    inv_freq = rope_inv_freq(a)
+
+    def layer(x, xs):
+      p, cache_k, cache_v = xs
+      h = rms_norm(x, p["attn_norm"], a.rms_norm_eps)
+      q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(self.dtype))
+      k = jnp.einsum("btd,dke->btke", h, p["k"].astype(self.dtype))
+      v = jnp.einsum("btd,dke->btke", h, p["v"].astype(self.dtype))
+      if a.qkv_bias:
+        q, k, v = (q + p["q_bias"].astype(self.dtype), k + p["k_bias"].astype(self.dtype),
+                   v + p["v_bias"].astype(self.dtype))
+      if a.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], a.rms_norm_eps), rms_norm(k, p["k_norm"], a.rms_norm_eps)
+      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+      if cache_k is not None:
+        write = jax.vmap(lambda c, new, i: jax.lax.dynamic_update_slice(c, new, (i, 0, 0)))
+        k, v = write(cache_k, k, cache["index"]), write(cache_v, v, cache["index"])
+      if self.attention == "reference":
+        out = reference_attention(q, k, v, attn_mask)
+      else:
+        out = fused_attention(q, k, v, None if use_causal_only else attn_mask)
+      attn = jnp.einsum("bthe,hed->btd", out, p["o"].astype(self.dtype))
+      if a.o_bias:
+        attn = attn + p["o_bias"].astype(self.dtype)
+      x = x + attn
+      h = rms_norm(x, p["mlp_norm"], a.rms_norm_eps)
+      gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(self.dtype))
+      up = jnp.einsum("btd,df->btf", h, p["up"].astype(self.dtype))
+      x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down"].astype(self.dtype))
+      return x, (k, v) if cache_k is not None else None
+
+    if self.remat != "none":
+      layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])
+    layer_cache = (None, None) if cache is None else (cache["k"], cache["v"])
+    x, new_kv = jax.lax.scan(layer, x, (params["layers"], *layer_cache))
+    x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
+    if cache is None:
+      return x, None
+    new_cache = {"k": new_kv[0], "v": new_kv[1], "valid": valid, "index": cache["index"] + T}
+    return x, new_cache
+
+  def unembedding(self, params: Params) -> jax.Array:
+    """The unembedding matrix [D, V] (the fused log-prob loss takes it with the hidden states)."""
+    if self.arch.tie_word_embeddings:
+      return params["embed"].T
+    return params["unembed"]
+
+  def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from hidden states [..., D]."""
+    return jnp.einsum("...d,dv->...v", hidden, self.unembedding(params).astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
+               cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+    """Logits [B, T, V] (float32) and the updated cache."""
+    hidden, cache = self.hidden_states(params, tokens, mask, cache)
+    return self.logits(params, hidden), cache
