@@ -228,6 +228,8 @@ def _from_json(value: Any, hint: Any, key: str) -> Any:
 
 
 def _type_name(hint: Any) -> str:
+  if typing.get_origin(hint) is Literal:
+    return " | ".join(repr(a) for a in typing.get_args(hint))
   return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 

@@ -222,6 +222,8 @@ class MeshConfig:
   """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
   weight_sync: Literal["reshard", "orbax"] = "reshard"
   """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
+  cpu_devices: int = 8
+  """On the CPU backend, the number of JAX devices the host CPU is split into, so sharding and split mode run on a laptop."""
   logical_axis_rules: tuple[tuple[str, str | None], ...] = (
       ("batch", "data_fsdp"),
       ("embed", "fsdp"),
@@ -235,7 +237,7 @@ class MeshConfig:
   """Map from the model's logical parameter axes to mesh axes ('data_fsdp' is data and fsdp together)."""
 
   def __post_init__(self):
-    for name in ("data", "tensor", "generation_tensor"):
+    for name in ("data", "tensor", "generation_tensor", "cpu_devices"):
       _check(getattr(self, name) > 0, f"mesh.{name}", "must be positive")
     _check(self.fsdp == -1 or self.fsdp > 0, "mesh.fsdp", "must be positive or -1")
     _check(self.max_staleness >= 0, "mesh.max_staleness", "must be >= 0")

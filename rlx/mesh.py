@@ -8,6 +8,7 @@ each logical axis to a mesh axis, so one model shards over any mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -41,6 +42,50 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
         f"config.mesh: data x fsdp x tensor = {shape} needs {int(np.prod(shape))} devices, "
         f"but {len(devices)} are available; set config.mesh.fsdp=-1 to fill the rest")
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Meshes:
+  """Where generation and learning run: the same devices (colocated) or disjoint ones (split)."""
+
+  generation: Mesh
+  learning: Mesh
+
+  @property
+  def colocated(self) -> bool:
+    return set(self.generation.devices.flat) == set(self.learning.devices.flat)
+
+
+def make_meshes(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Meshes:
+  """The generation and learning meshes of a deployment.
+
+  Colocated: both span every device; learning as ``(data, fsdp, tensor)``,
+  generation as ``(rest, 1, generation_tensor)``. Split: the first
+  ``generation_devices`` devices (default half) generate, the rest learn.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if config.mode == "colocated":
+    generation_devices, learning_devices = devices, devices
+  else:
+    if len(devices) < 2:
+      raise ConfigError(
+          f"config.mesh.mode='split' needs at least 2 devices, found {len(devices)}; "
+          "use config.mesh.mode=colocated, or more devices (config.mesh.cpu_devices on CPU)")
+    count = config.generation_devices or len(devices) // 2
+    if count >= len(devices):
+      raise ConfigError(
+          f"config.mesh.generation_devices={count} leaves no device to learn on "
+          f"({len(devices)} devices); choose fewer than {len(devices)}")
+    generation_devices, learning_devices = devices[:count], devices[count:]
+  if len(generation_devices) % config.generation_tensor:
+    raise ConfigError(
+        f"config.mesh.generation_tensor={config.generation_tensor} does not divide the "
+        f"{len(generation_devices)} generation devices")
+  generation_config = dataclasses.replace(
+      config, data=len(generation_devices) // config.generation_tensor, fsdp=1,
+      tensor=config.generation_tensor)
+  return Meshes(generation=make_mesh(generation_config, generation_devices),
+                learning=make_mesh(config, learning_devices))
 
 
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:

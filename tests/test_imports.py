@@ -1,0 +1,92 @@
+"""The import rules of DESIGN.md, checked on the source: who may import whom inside rlx.
+
+Each top-level part of ``rlx`` lists the other parts it may import directly.
+The table follows DESIGN.md's layout; since it has no cycles, checking direct
+imports also rules out the indirect ones. Parts that do not exist yet are
+checked as soon as they land.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+ALLOWED = {
+    "config": set(),
+    "cli": {"config"},
+    "types": set(),
+    "kernels": {"types"},
+    "mesh": {"config"},
+    # models place each parameter into its sharding on load, so they use the mesh rules.
+    "models": {"kernels", "config", "types", "mesh"},
+    "algorithms": {"types", "config", "kernels"},
+    "update": {"models", "algorithms", "kernels", "types", "config", "mesh"},
+    "rollout": {"models", "mesh", "types", "config", "kernels"},
+    "sync": {"mesh", "types", "config"},
+    "rewards": {"config"},
+    "data": {"config", "types"},
+    "checkpoint": {"config", "types"},
+    "metrics": {"config"},
+    "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
+                "rollout", "sync", "rewards", "data", "checkpoint", "metrics"},
+    "main": {"trainer", "config", "cli", "mesh", "models"},
+}
+NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
+NO_JAX = {"config", "cli"}
+
+
+def _imports(file: pathlib.Path):
+  for node in ast.walk(ast.parse(file.read_text())):
+    if isinstance(node, ast.Import):
+      yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      yield node.module
+      if node.module == "rlx":
+        yield from (f"rlx.{alias.name}" for alias in node.names)
+
+
+def _part(file: pathlib.Path) -> str:
+  return file.relative_to(ROOT / "rlx").parts[0].removesuffix(".py")
+
+
+def test_every_part_of_rlx_has_a_rule():
+  parts = {_part(f) for f in (ROOT / "rlx").rglob("*.py")} - {"__init__", "__main__"}
+  assert parts <= set(ALLOWED), f"add {parts - set(ALLOWED)} to ALLOWED, following DESIGN.md"
+
+
+def test_parts_import_only_what_design_allows():
+  broken = []
+  for file in (ROOT / "rlx").rglob("*.py"):
+    part = _part(file)
+    if part in ("__init__", "__main__"):
+      continue
+    for name in _imports(file):
+      top, *rest = name.split(".")
+      if top in NEVER_FROM_LIBRARY:
+        broken.append(f"{file.relative_to(ROOT)} imports {name}")
+      if top == "rlx" and rest and rest[0] != part and rest[0] not in ALLOWED[part]:
+        broken.append(f"{file.relative_to(ROOT)} imports {name}, but {part} may import only "
+                      f"{sorted(ALLOWED[part])}")
+      if part in NO_JAX and top in ("jax", "jaxlib", "flax", "numpy"):
+        broken.append(f"{file.relative_to(ROOT)} imports {name}; {part} must stay plain Python")
+  assert not broken, "\n".join(broken)
+
+
+def test_config_module_imports_without_jax():
+  code = "import sys, rlx.config, rlx.cli; assert 'jax' not in sys.modules, 'config imported jax'"
+  subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_checker_catches_a_forbidden_import(tmp_path, monkeypatch):
+  bad = tmp_path / "rlx" / "algorithms" / "bad.py"
+  bad.parent.mkdir(parents=True)
+  bad.write_text("from rlx.models import transformer\n")
+  monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+  try:
+    test_parts_import_only_what_design_allows()
+  except AssertionError as e:
+    assert "rlx/algorithms/bad.py imports rlx.models" in str(e)
+  else:
+    raise AssertionError("a forbidden import went unnoticed")
