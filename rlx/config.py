@@ -222,6 +222,8 @@ class MeshConfig:
   """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
   weight_sync: Literal["reshard", "orbax"] = "reshard"
   """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
+  multihost: bool = False
+  """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
   cpu_devices: int = 8
   """On the CPU backend, the number of JAX devices the host CPU is split into, so sharding and split mode run on a laptop."""
   logical_axis_rules: tuple[tuple[str, str | None], ...] = (

@@ -8,6 +8,7 @@ algorithms and the trainer land next).
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import time
@@ -18,12 +19,12 @@ from rlx.config import ConfigError, RunConfig
 NOT_BUILT_YET = (
     "rollout engine (prefill / insert / generate, continuous batching)",
     "RL algorithms, fused log-prob loss and update_step",
-    f"the {'{mode}'} trainer loop, weight sync, rewards, data pipeline and checkpoints",
+    "the {mode} trainer loop, weight sync, rewards, data pipeline and checkpoints",
 )
 
 
 def write_config(config: RunConfig, workdir: pathlib.Path) -> pathlib.Path:
-  """Writes the resolved config to ``workdir/config.json``; keeps any earlier one aside."""
+  """Writes the resolved config to ``workdir/config.json``; keeps a different earlier one aside."""
   workdir.mkdir(parents=True, exist_ok=True)
   path = workdir / "config.json"
   text = cli.to_json(config)
@@ -35,47 +36,65 @@ def write_config(config: RunConfig, workdir: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def run(config: RunConfig, workdir: pathlib.Path) -> int:
-  """Builds what exists of a run and reports it."""
-  config_path = write_config(config, workdir)
-  print(f"rlx: run {config.name!r}: resolved config written to {config_path}")
-
-  import jax  # after parsing, so that a bad command line never waits for JAX to start
+def start_jax(config: RunConfig):
+  """Imports and configures JAX: CPU device count, and the multi-process runtime if asked."""
+  import jax
 
   try:
     jax.config.update("jax_num_cpu_devices", config.mesh.cpu_devices)
   except RuntimeError:  # JAX already started in this process: keep the devices it has
     print(f"rlx: JAX was already running; config.mesh.cpu_devices={config.mesh.cpu_devices} "
           "not applied")
+  if config.mesh.multihost:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    env = lambda name: int(os.environ[name]) if name in os.environ else None
+    jax.distributed.initialize(num_processes=env("JAX_NUM_PROCESSES"),
+                               process_id=env("JAX_PROCESS_ID"))
+  return jax
+
+
+def run(config: RunConfig, workdir: pathlib.Path) -> int:
+  """Builds what exists of a run and reports it."""
+  jax = start_jax(config)  # after parsing, so that a bad command line never waits for JAX
   import jax.numpy as jnp
   import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
 
   from rlx import mesh as mesh_lib
   from rlx import models
 
+  lead = jax.process_index() == 0
+  say = print if lead else (lambda *args, **kwargs: None)
+  if lead:
+    say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
   meshes = mesh_lib.make_meshes(config.mesh)
-  backend = jax.default_backend()
-  print(f"rlx: {jax.device_count()} {backend} devices, mode={config.mesh.mode}")
-  print(f"rlx:   learning mesh   {dict(meshes.learning.shape)}")
-  print(f"rlx:   generation mesh {dict(meshes.generation.shape)}"
-        + (" (same devices, time-sliced)" if meshes.colocated else " (disjoint devices)"))
+  say(f"rlx: {jax.device_count()} {jax.default_backend()} devices in {jax.process_count()} "
+      f"process(es), mode={config.mesh.mode}")
+  say(f"rlx:   learning mesh   {dict(meshes.learning.shape)}")
+  say(f"rlx:   generation mesh {dict(meshes.generation.shape)}"
+      + (" (same devices, time-sliced)" if meshes.colocated else " (disjoint devices)"))
   started = time.perf_counter()
   model = models.build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
   arch = model.arch
   count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(model.params))
   source = config.model.path or f"built-in {arch.family} (random init, seed {config.model.seed})"
-  print(f"rlx: model {source}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
-        f"{arch.num_heads}/{arch.num_kv_heads} q/kv heads, vocab {arch.vocab_size}, "
-        f"{count / 1e6:.2f}M params ({config.model.param_dtype}), "
-        f"loaded in {time.perf_counter() - started:.1f}s")
-  probe = jnp.zeros((meshes.learning.size, 8), jnp.int32)
+  say(f"rlx: model {source}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
+      f"{arch.num_heads}/{arch.num_kv_heads} q/kv heads, vocab {arch.vocab_size}, "
+      f"{count / 1e6:.2f}M params ({config.model.param_dtype}), "
+      f"ready in {time.perf_counter() - started:.1f}s")
+  batch = NamedSharding(meshes.learning, PartitionSpec(("data", "fsdp")))
+  probe_shape = (meshes.learning.size, 8)
+  probe = jax.make_array_from_callback(
+      probe_shape, batch, lambda index: np.zeros(probe_shape, np.int32)[index])
   logits = model(probe)
-  finite = bool(jnp.isfinite(logits).all())
-  print(f"rlx: forward pass on a probe batch {probe.shape} -> logits {logits.shape}, "
-        f"{'finite' if finite else 'NOT FINITE'}")
-  print("rlx: not built yet, so no training ran:")
+  finite = jax.jit(lambda x: jnp.isfinite(x).all(),
+                   out_shardings=NamedSharding(meshes.learning, PartitionSpec()))(logits)
+  finite = bool(finite)
+  say(f"rlx: forward pass on a probe batch {probe_shape} -> logits {logits.shape}, "
+      f"{'finite' if finite else 'NOT FINITE'}")
+  say("rlx: not built yet, so no training ran:")
   for item in NOT_BUILT_YET:
-    print(f"rlx:   - {item.format(mode=config.mesh.mode)}")
+    say(f"rlx:   - {item.format(mode=config.mesh.mode)}")
   return 0 if finite else 1
 
 

@@ -11,19 +11,16 @@ checkpoint never sits in host memory twice.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlx import mesh as mesh_lib
-from rlx.config import ArchConfig, MeshConfig
+from rlx.config import ArchConfig
 from rlx.models import transformer
-from rlx.models.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
+from rlx.models.safetensors_io import CheckpointError, SafetensorsReader
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

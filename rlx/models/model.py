@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rlx import mesh as mesh_lib
 from rlx.config import ArchConfig, MeshConfig, ModelConfig

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# rlx on a Cloud TPU pod slice: the same command on every worker; jax.distributed
+# finds the other workers through the TPU metadata server. The workdir and the
+# model must be on storage every worker sees (GCS through gcsfuse, or NFS).
+#
+#   TPU_NAME=my-v5p-64 ZONE=us-east5-a launch/tpu_pod.sh --config configs/dapo_split.py \
+#       --workdir /mnt/shared/runs/dapo --config.model.path=/mnt/shared/models/Qwen3-8B
+#
+# On GKE, run `python -m rlx.main ... --config.mesh.multihost=true` in each pod of a
+# JobSet; the GKE TPU environment is detected the same way.
+set -euo pipefail
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
+args=$(printf '%q ' "$@")
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all \
+  --command "cd ~/rlx && python -m rlx.main $args --config.mesh.multihost=true"
