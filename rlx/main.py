@@ -82,6 +82,14 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
       f"{arch.num_heads}/{arch.num_kv_heads} q/kv heads, vocab {arch.vocab_size}, "
       f"{count / 1e6:.2f}M params ({config.model.param_dtype}), "
       f"ready in {time.perf_counter() - started:.1f}s")
+  if config.model.path and (pathlib.Path(config.model.path) / "tokenizer.json").is_file():
+    tokenizer = models.load_tokenizer(config.model.path)
+    if tokenizer.vocab_size > arch.vocab_size:  # JAX would clamp the extra ids silently
+      raise models.CheckpointError(
+          f"{config.model.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+          f"vocab_size is {arch.vocab_size}; the tokenizer belongs to another model")
+    say(f"rlx: tokenizer: {tokenizer.vocab_size} tokens, eos ids {list(tokenizer.eos_ids)}, "
+        f"chat template {'yes' if tokenizer.chat_template else 'no'}")
   batch = NamedSharding(meshes.learning, PartitionSpec(("data", "fsdp")))
   probe_shape = (meshes.learning.size, 8)
   probe = jax.make_array_from_callback(
@@ -106,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     return run(invocation.config, invocation.workdir)
   except ConfigError as error:
     return cli.main_error(error)
+  except ValueError as error:  # CheckpointError and other refusals with a message for the user
+    print(f"rlx: error: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 OUT = pathlib.Path(__file__).parent / "fixtures" / "hf"
-VOCAB = 256
+VOCAB = 320  # above the tokenizer's 300 ids, as real models pad their vocabulary
 
 FAMILIES = {
     # Llama 3.x: GQA, untied embeddings, llama3 rope scaling over all three bands.
@@ -84,7 +84,7 @@ def make_tokenizer(directory: pathlib.Path) -> None:
   backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(
-      vocab_size=VOCAB, special_tokens=specials,
+      vocab_size=300, special_tokens=specials,
       initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
   corpus = ["What is 12 + 30? The answer is 42.", "user assistant system",
             "Sort the numbers 5 3 9 1 in ascending order.", "Countdown: reach 24 with 3 4 6 8."] * 50
@@ -95,6 +95,9 @@ def make_tokenizer(directory: pathlib.Path) -> None:
       "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
       "model_max_length": 128}, indent=2))
   (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+  # Re-save through transformers, so the files are what it writes for a Qwen2 model
+  # (its pre-tokenizer split, the chat template in its own file).
+  transformers.AutoTokenizer.from_pretrained(directory).save_pretrained(directory)
   hf_tok = transformers.AutoTokenizer.from_pretrained(directory)
   messages = [{"role": "system", "content": "Answer briefly."},
               {"role": "user", "content": "What is 12 + 30?"}]

@@ -137,3 +137,18 @@ def test_main_runs_the_default_split_config(tmp_path):
   assert written["mesh"]["mode"] == "split" and written["model"]["arch"]["num_layers"] == 2
   assert "logits" in result.stdout and "not built yet" in result.stdout
   assert "(disjoint devices)" in result.stdout
+
+
+def test_main_loads_a_hugging_face_model_and_its_tokenizer(tmp_path):
+  result = _rlx_main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path),
+                     "--config.model.path=tests/fixtures/hf/qwen2", "--config.mesh.tensor=2")
+  assert result.returncode == 0, result.stderr
+  assert "model tests/fixtures/hf/qwen2: 2 layers" in result.stdout
+  assert "tokenizer: 300 tokens" in result.stdout
+
+
+def test_main_reports_a_broken_checkpoint_clearly(tmp_path):
+  result = _rlx_main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path / "run"),
+                     f"--config.model.path={tmp_path}")
+  assert result.returncode == 2
+  assert "no config.json" in result.stderr and "Traceback" not in result.stderr

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 
 from rlx.config import ArchConfig
@@ -73,7 +74,8 @@ def arch_from_hf(hf: dict[str, Any]) -> ArchConfig:
       qkv_bias=True if family == "qwen2" else attention_bias,
       o_bias=False if family == "qwen2" else attention_bias,
       qk_norm=family == "qwen3",
-      tie_word_embeddings=bool(hf.get("tie_word_embeddings", family != "llama")),
+      # transformers' Llama, Qwen2 and Qwen3 configs all default to untied.
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_position_embeddings=hf.get("max_position_embeddings", 4096),
       bos_token_id=hf.get("bos_token_id"),
       eos_token_ids=eos_ids,
@@ -258,7 +260,8 @@ def load_params(directory: str | pathlib.Path, arch: ArchConfig, dtype: Any,
 def hf_tensors(params: transformer.Params, arch: ArchConfig, dtype: Any):
   """Yields ``(hf_name, produce, nbytes)`` for every HF tensor, for ``write_safetensors``.
 
-  ``produce`` fetches and converts one layer's tensor only when it is called.
+  ``produce`` fetches and converts one layer's tensor only when it is called; with
+  several processes it is a collective that every process must call.
   """
   maps = tensor_maps(arch)
   flat_maps = jax.tree_util.tree_flatten_with_path(maps, is_leaf=lambda x: isinstance(x, _TensorMap))[0]
@@ -273,6 +276,8 @@ def hf_tensors(params: transformer.Params, arch: ArchConfig, dtype: Any):
 
     def produce(array=array, layer=None, tmap=tmap, hf_shape=hf_shape, inverse=inverse):
       value = array if layer is None else array[layer]
+      if not value.is_fully_addressable:  # multi-process: every process joins the gather
+        value = multihost_utils.process_allgather(value, tiled=True)
       return np.asarray(jax.device_get(value)).astype(np_dtype).transpose(inverse).reshape(hf_shape)
 
     if tmap.stacked:

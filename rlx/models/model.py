@@ -98,13 +98,19 @@ def save_pretrained(model: Model, path: str | pathlib.Path, *, dtype: Any = None
   """Writes ``config.json`` and safetensors that ``transformers`` loads as the same model.
 
   ``dtype`` defaults to the dtype of the parameters. Files above
-  ``max_shard_bytes`` are split, with a ``model.safetensors.index.json``.
+  ``max_shard_bytes`` are split, with a ``model.safetensors.index.json``. With
+  several processes, every process calls it (the tensors are gathered) and
+  process 0 writes.
   """
   directory = pathlib.Path(path)
-  directory.mkdir(parents=True, exist_ok=True)
+  writer = jax.process_index() == 0
   dtype = jnp.dtype(jax.tree.leaves(model.params)[0].dtype if dtype is None else dtype)
-  (directory / "config.json").write_text(json.dumps(hf.arch_to_hf(model.arch, dtype.name), indent=2))
-  write_safetensors(directory, hf.hf_tensors(model.params, model.arch, dtype), max_shard_bytes)
+  config = json.dumps(hf.arch_to_hf(model.arch, dtype.name), indent=2)
+  if writer:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(config)
+  write_safetensors(directory, hf.hf_tensors(model.params, model.arch, dtype), max_shard_bytes,
+                    write=writer)
   return directory
 
 

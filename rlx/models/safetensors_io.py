@@ -87,11 +87,13 @@ class SafetensorsReader:
 
 
 def write_safetensors(directory: pathlib.Path, tensors: Iterable[tuple[str, Callable[[], np.ndarray], int]],
-                      max_shard_bytes: int) -> list[str]:
+                      max_shard_bytes: int, write: bool = True) -> list[str]:
   """Writes ``(name, produce, nbytes)`` tensors into one file or several plus an index.
 
   ``produce()`` is called only when the tensor's file is written, so at most one
-  file's worth of tensors is in host memory. Returns the file names written.
+  file's worth of tensors is in host memory. With ``write=False`` every tensor
+  is still produced (for collective gathers across processes) but nothing is
+  written. Returns the file names.
   """
   shards: list[list[tuple[str, Callable[[], np.ndarray]]]] = [[]]
   size = 0
@@ -109,10 +111,11 @@ def write_safetensors(directory: pathlib.Path, tensors: Iterable[tuple[str, Call
   for file, shard in zip(names, shards):
     arrays = {name: np.ascontiguousarray(produce()) for name, produce in shard}
     total += sum(a.nbytes for a in arrays.values())
-    save_file(arrays, str(directory / file), metadata={"format": "pt"})
+    if write:
+      save_file(arrays, str(directory / file), metadata={"format": "pt"})
     weight_map.update({name: file for name in arrays})
     del arrays
-  if len(shards) > 1:
+  if write and len(shards) > 1:
     (directory / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
   return names

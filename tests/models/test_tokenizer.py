@@ -30,20 +30,30 @@ def test_special_tokens(tokenizer_dir):
   assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
 
 
-def test_chat_template_file_wins_and_missing_template_is_plain(tokenizer_dir, tmp_path):
+def test_chat_template_sources(tokenizer_dir, tmp_path):
   for name in ("tokenizer.json", "tokenizer_config.json"):
     (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
-  (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
-  tok = models.load_tokenizer(tmp_path)
-  assert tok.render_chat([{"role": "user", "content": "hi"}]) == "hi!"
   config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-  del config["chat_template"]
+  hi = [{"role": "user", "content": "hi"}]
+  # In tokenizer_config.json (older transformers), as a string or a list of named templates.
+  config["chat_template"] = "{{ messages[0]['content'] }}?"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  assert models.load_tokenizer(tmp_path).render_chat(hi) == "hi?"
+  config["chat_template"] = [{"name": "tool_use", "template": "x"},
+                             {"name": "default", "template": "{{ messages[0]['content'] }}."}]
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  assert models.load_tokenizer(tmp_path).render_chat(hi) == "hi."
+  # chat_template.jinja (newer transformers) wins.
+  (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+  assert models.load_tokenizer(tmp_path).render_chat(hi) == "hi!"
+  # No template: prompts are plain text.
+  config.pop("chat_template")
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
   (tmp_path / "chat_template.jinja").unlink()
   tok = models.load_tokenizer(tmp_path)
   assert tok.encode_prompt("hi") == tok.encode("hi")
   with pytest.raises(ValueError, match="no chat template"):
-    tok.render_chat([{"role": "user", "content": "hi"}])
+    tok.render_chat(hi)
 
 
 def test_missing_tokenizer_is_refused(tmp_path):
