@@ -1,0 +1,149 @@
+"""Log-prob of the target token and entropy of the policy, from hidden states and the
+unembedding matrix, without materialising the ``[T, V]`` logits.
+
+    logprobs, entropy = fused_logprobs(hidden[T, D], unembed[D, V], targets[T])
+
+For logits ``z = hidden @ unembed / temperature`` (accumulated in float32),
+``lse = logsumexp(z)``, ``p = softmax(z)``:
+
+    logprobs[t] = z[t, targets[t]] - lse[t]
+    entropy[t]  = lse[t] - sum_v p[t, v] z[t, v]          (= -sum_v p log p)
+
+Implementations, all equal to ``reference`` in values and gradients (tests):
+
+- ``reference``: the plain version; holds ``[T, V]`` float32 logits (and more in
+  the backward pass).
+- ``xla``: scans over chunks of tokens, with a custom VJP whose backward pass
+  recomputes each chunk's logits from the saved ``lse``:
+  ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)``. Memory is a few
+  ``[chunk, V]`` tiles.
+- ``pallas``: the tiled GPU/TPU kernel (the Pallas kernels issue); not built yet.
+
+``impl="auto"`` picks ``xla`` on every backend until the Pallas kernels land.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Impl = Literal["auto", "reference", "xla", "pallas"]
+DEFAULT_CHUNK = 128  # tokens per chunk: [128, V] float32 tiles (16 MiB at V=32k)
+
+
+def reference_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
+                       temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Plain full-logits log-probs and entropy. hidden [T, D], unembed [D, V], targets [T]."""
+  logits = jnp.einsum("td,dv->tv", hidden, unembed, preferred_element_type=jnp.float32)
+  logits = logits / temperature
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  target_logprobs = jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0]
+  entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+  return target_logprobs, entropy
+
+
+def _chunk_stats(hidden_chunk, unembed, target_chunk, temperature):
+  """Logits of one chunk of tokens [C, V] and its lse, target log-prob and entropy."""
+  logits = jnp.einsum("cd,dv->cv", hidden_chunk, unembed,
+                      preferred_element_type=jnp.float32) / temperature
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, target_chunk[:, None], axis=-1)[:, 0]
+  probs = jnp.exp(logits - lse[:, None])
+  entropy = lse - jnp.sum(probs * logits, axis=-1)
+  return logits, lse, target_logit - lse, entropy
+
+
+def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+  return x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(hidden, unembed, targets, chunk: int, temperature: float):
+  return _chunked_forward(hidden, unembed, targets, chunk, temperature)[0]
+
+
+def _chunked_forward(hidden, unembed, targets, chunk, temperature):
+  def body(_, xs):
+    hidden_chunk, target_chunk = xs
+    _, lse, logprobs, entropy = _chunk_stats(hidden_chunk, unembed, target_chunk, temperature)
+    return None, (logprobs, entropy, lse)
+
+  _, (logprobs, entropy, lse) = jax.lax.scan(
+      body, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk)))
+  logprobs, entropy, lse = (x.reshape(-1) for x in (logprobs, entropy, lse))
+  return (logprobs, entropy), (hidden, unembed, targets, lse, entropy)
+
+
+def _chunked_backward(chunk, temperature, residuals, cotangents):
+  hidden, unembed, targets, lse, entropy = residuals
+  g_logprobs, g_entropy = cotangents
+
+  def body(d_unembed, xs):
+    hidden_chunk, target_chunk, lse_chunk, entropy_chunk, g_lp, g_h = xs
+    logits = jnp.einsum("cd,dv->cv", hidden_chunk, unembed,
+                        preferred_element_type=jnp.float32) / temperature
+    log_probs = logits - lse_chunk[:, None]
+    probs = jnp.exp(log_probs)
+    d_logits = -probs * (g_lp[:, None] + g_h[:, None] * (log_probs + entropy_chunk[:, None]))
+    d_logits = d_logits.at[jnp.arange(target_chunk.shape[0]), target_chunk].add(g_lp)  # onehot term
+    d_logits = d_logits / temperature
+    d_hidden_chunk = jnp.einsum("cv,dv->cd", d_logits, unembed, preferred_element_type=jnp.float32)
+    d_unembed = d_unembed + jnp.einsum("cd,cv->dv", hidden_chunk, d_logits,
+                                       preferred_element_type=jnp.float32)
+    return d_unembed, d_hidden_chunk.astype(hidden.dtype)
+
+  xs = tuple(_to_chunks(x, chunk) for x in (hidden, targets, lse, entropy, g_logprobs, g_entropy))
+  d_unembed, d_hidden = jax.lax.scan(body, jnp.zeros(unembed.shape, jnp.float32), xs)
+  return d_hidden.reshape(hidden.shape), d_unembed.astype(unembed.dtype), None
+
+
+_chunked.defvjp(_chunked_forward, _chunked_backward)
+
+
+def xla_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
+                 temperature: float = 1.0, chunk: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
+  """Chunked over tokens with a recomputing custom VJP; never holds ``[T, V]``."""
+  T = hidden.shape[0]
+  chunk = min(chunk, T)
+  padded = -(-T // chunk) * chunk
+  if padded != T:
+    hidden = jnp.pad(hidden, ((0, padded - T), (0, 0)))
+    targets = jnp.pad(targets, (0, padded - T))
+  logprobs, entropy = _chunked(hidden, unembed, targets, chunk, float(temperature))
+  return logprobs[:T], entropy[:T]
+
+
+def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
+                   impl: Impl = "auto", temperature: float = 1.0,
+                   chunk: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
+  """Target log-probs [T] and entropy [T] (float32) of ``softmax(hidden @ unembed / temperature)``.
+
+  Args:
+    hidden: [T, D] final hidden states (any float dtype).
+    unembed: [D, V] unembedding matrix.
+    targets: int [T] token ids whose log-probs are wanted.
+    impl: 'reference', 'xla' (chunked), 'pallas', or 'auto'.
+    temperature: divides the logits (use the sampling temperature, so that
+      learner log-probs match the behaviour log-probs of the sampler).
+    chunk: tokens per chunk of the 'xla' implementation.
+  """
+  if hidden.ndim != 2 or unembed.ndim != 2 or targets.ndim != 1:
+    raise ValueError(f"expected hidden [T, D], unembed [D, V], targets [T]; got {hidden.shape}, "
+                     f"{unembed.shape}, {targets.shape}")
+  if hidden.shape[1] != unembed.shape[0] or hidden.shape[0] != targets.shape[0]:
+    raise ValueError(f"shapes disagree: hidden {hidden.shape}, unembed {unembed.shape}, "
+                     f"targets {targets.shape}")
+  if impl == "auto":
+    impl = "xla"
+  if impl == "reference":
+    return reference_logprobs(hidden, unembed, targets, temperature)
+  if impl == "xla":
+    return xla_logprobs(hidden, unembed, targets, temperature, chunk)
+  if impl == "pallas":
+    raise NotImplementedError(
+        "impl='pallas' is the subject of the Pallas kernels issue (fused log-prob/entropy on "
+        "GPU and TPU); use impl='xla' or 'auto' until it lands")
+  raise ValueError(f"unknown impl {impl!r}; choose auto, reference, xla or pallas")
