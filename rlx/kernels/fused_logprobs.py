@@ -46,14 +46,15 @@ def reference_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array
 
 
 def _chunk_stats(hidden_chunk, unembed, target_chunk, temperature):
-  """Logits of one chunk of tokens [C, V] and its lse, target log-prob and entropy."""
+  """lse, target log-prob and entropy [C] of one chunk of tokens (its [C, V] logits are temporary)."""
   logits = jnp.einsum("cd,dv->cv", hidden_chunk, unembed,
                       preferred_element_type=jnp.float32) / temperature
   lse = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, target_chunk[:, None], axis=-1)[:, 0]
-  probs = jnp.exp(logits - lse[:, None])
-  entropy = lse - jnp.sum(probs * logits, axis=-1)
-  return logits, lse, target_logit - lse, entropy
+  log_probs = logits - lse[:, None]
+  target_logprob = jnp.take_along_axis(log_probs, target_chunk[:, None], axis=-1)[:, 0]
+  # -sum p log p, not lse - sum p z: the latter cancels badly when the logits are large.
+  entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+  return lse, target_logprob, entropy
 
 
 def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -68,7 +69,7 @@ def _chunked(hidden, unembed, targets, chunk: int, temperature: float):
 def _chunked_forward(hidden, unembed, targets, chunk, temperature):
   def body(_, xs):
     hidden_chunk, target_chunk = xs
-    _, lse, logprobs, entropy = _chunk_stats(hidden_chunk, unembed, target_chunk, temperature)
+    lse, logprobs, entropy = _chunk_stats(hidden_chunk, unembed, target_chunk, temperature)
     return None, (logprobs, entropy, lse)
 
   _, (logprobs, entropy, lse) = jax.lax.scan(
