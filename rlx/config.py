@@ -98,6 +98,10 @@ class ModelConfig:
   """Activation checkpointing per layer: recompute everything ('full'), save matmul outputs ('dots', 'dots_no_batch'), or save all ('none')."""
   seed: int = 0
   """Seed of the random initialisation of the built-in model."""
+  logprob_impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
+  """Fused log-prob/entropy implementation (rlx.kernels.fused_logprobs); 'auto' picks by backend."""
+  logprob_chunk: int = 128
+  """Tokens per chunk of the 'xla' fused log-prob path."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,10 +149,16 @@ class AlgorithmConfig:
   """KL estimator (Schulman's k1, k2, k3)."""
   kl_in_reward: bool = False
   """Apply the KL as a per-token reward penalty instead of a loss term."""
+  kl_target: float | None = None
+  """Adaptive KL coefficient (Ziegler et al. 2019): the KL it steers towards; None keeps kl_coef fixed."""
+  kl_horizon: int = 10000
+  """Adaptive KL coefficient: horizon of the proportional controller, in steps."""
   entropy_coef: float = 0.0
   """Coefficient of the entropy bonus."""
   loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
   """How per-token losses are reduced to one number."""
+  value_clip: float | None = 0.2
+  """PPO critic: clip range of the value update around the old values; None disables it."""
   gamma: float = 1.0
   """Discount of GAE (PPO)."""
   lam: float = 0.95

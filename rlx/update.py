@@ -1,0 +1,306 @@
+"""The learner's step: ``update_step(state, batch) -> (state, metrics)``, pure and jitted once.
+
+    optimizer = make_optimizer(config.optimizer, total_steps=config.trainer.steps)
+    state = init_train_state(model.params, optimizer, jax.random.key(0))
+    step = make_update_step(config, model.transformer, optimizer)
+    state, metrics = step(state, batch)            # state is donated
+
+One step: for each micro-batch, the policy's log-probs and entropy come from the
+final hidden states and the unembedding through ``rlx.kernels.fused_logprobs``;
+the per-token policy loss (PPO-clip / GSPO / CISPO by algorithm), the
+off-policy weight, the KL and entropy terms are aggregated as (numerator,
+denominator) with the denominator of the *whole* batch, so the accumulated
+gradient equals the full-batch gradient exactly. Gradients are clipped by
+global norm and applied by AdamW with a warm-up schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlx import algorithms
+from rlx.config import OptimizerConfig, RunConfig
+from rlx.kernels import fused_logprobs
+from rlx.models.transformer import Params, Transformer
+from rlx.types import RolloutBatch, TrainState
+
+Metrics = dict[str, jax.Array]
+
+
+def make_schedule(config: OptimizerConfig, total_steps: int, peak: float | None = None):
+  """Linear warm-up from 0 to the peak, then constant or cosine decay to 0 at ``total_steps``."""
+  peak = config.learning_rate if peak is None else peak
+  warmup = config.warmup_steps
+  if config.schedule == "constant":
+    after = optax.constant_schedule(peak)
+  else:
+    after = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1))
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def make_optimizer(config: OptimizerConfig, total_steps: int, peak: float | None = None):
+  """AdamW with global-norm clipping; returns (optimizer, schedule)."""
+  schedule = make_schedule(config, total_steps, peak)
+  parts = [optax.clip_by_global_norm(config.max_grad_norm)] if config.max_grad_norm > 0 else []
+  parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                           weight_decay=config.weight_decay))
+  return optax.chain(*parts), schedule
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation,
+                     key: jax.Array) -> TrainState:
+  """A fresh train state on the params' mesh.
+
+  The optimizer state inherits the params' shardings; scalars (step, counts,
+  key, version) are replicated on the same mesh, exactly as ``update_step``
+  returns them, so that the second step hits the first step's compilation.
+  """
+  opt_state = jax.jit(optimizer.init)(params)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, key=key,
+                     policy_version=jnp.zeros((), jnp.int32))
+  sharding = jax.tree.leaves(params)[0].sharding
+  if not isinstance(sharding, NamedSharding):
+    return state
+  replicated = NamedSharding(sharding.mesh, PartitionSpec())
+  return jax.tree.map(
+      lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state)
+
+
+def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
+                      attention_mask: jax.Array, *, impl: str = "auto", temperature: float = 1.0,
+                      chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+  """Log-prob and entropy [B, T] of every target token (position 0 gets 0), via the fused path.
+
+  Args:
+    tokens: int [B, T]; attention_mask: bool [B, T].
+    temperature: the sampling temperature, so that these match the behaviour log-probs.
+  """
+  hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
+  B, T, D = hidden.shape
+  logprobs, entropy = fused_logprobs(
+      hidden[:, :-1].reshape(B * (T - 1), D), transformer.unembedding(params),
+      tokens[:, 1:].reshape(-1), impl=impl, temperature=temperature, chunk=chunk)
+  pad = lambda x: jnp.pad(x.reshape(B, T - 1), ((0, 0), (1, 0)))
+  return pad(logprobs), pad(entropy)
+
+
+def _temperature(config: RunConfig) -> float:
+  return config.rollout.temperature if config.rollout.temperature > 0 else 1.0
+
+
+def make_logprobs_fn(config: RunConfig, transformer: Transformer):
+  """Jitted ``(params, tokens, attention_mask) -> logprobs [B, T]``: old and reference
+  log-probs through the same fused path as the loss."""
+  def logprobs(params, tokens, attention_mask):
+    return sequence_logprobs(transformer, params, tokens, attention_mask,
+                             impl=config.model.logprob_impl, temperature=_temperature(config),
+                             chunk=config.model.logprob_chunk)[0]
+  return jax.jit(logprobs)
+
+
+def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batch: RolloutBatch,
+                kl_coef: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-token loss [B, T] of the configured algorithm, and per-token diagnostics."""
+  algo = config.algorithm
+  if algo.name == "gspo":
+    loss, diagnostics = algorithms.gspo(logprobs, batch.old_logprobs, batch.advantages,
+                                        batch.response_mask, algo.clip_eps_low, algo.clip_eps_high)
+  elif algo.name == "cispo":
+    loss, diagnostics = algorithms.cispo(logprobs, batch.old_logprobs, batch.advantages,
+                                         algo.clip_eps_low, algo.clip_eps_high)
+  else:  # ppo, grpo, dapo, dr_grpo, rloo, reinforce_pp: the clipped surrogate
+    loss, diagnostics = algorithms.ppo_clip(logprobs, batch.old_logprobs, batch.advantages,
+                                            algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+  weights = algorithms.off_policy_weights(batch.old_logprobs, batch.behaviour_logprobs,
+                                          algo.off_policy, algo.tis_cap)
+  diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights)
+  loss = weights * loss
+  if batch.ref_logprobs is not None:
+    kl = algorithms.kl_estimate(logprobs, batch.ref_logprobs, algo.kl_estimator)
+    diagnostics["kl"] = jax.lax.stop_gradient(kl)
+    if algo.kl_coef > 0 and not algo.kl_in_reward:
+      loss = loss + kl_coef * kl
+  if algo.entropy_coef:
+    loss = loss - algo.entropy_coef * entropy
+  diagnostics["entropy"] = jax.lax.stop_gradient(entropy)
+  return loss, jax.tree.map(jax.lax.stop_gradient, diagnostics)
+
+
+def _loss_norm(config: RunConfig) -> float:
+  return float(config.rollout.max_new_tokens)
+
+
+def loss_denominator(config: RunConfig, response_mask: jax.Array) -> jax.Array:
+  """The aggregation denominator of a whole batch (it depends on the mask only)."""
+  return algorithms.aggregate(jnp.zeros(response_mask.shape), response_mask,
+                              config.algorithm.loss_agg, _loss_norm(config))[1]
+
+
+def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array, kl_coef: jax.Array,
+                    *, config: RunConfig, transformer: Transformer):
+  """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch."""
+  logprobs, entropy = sequence_logprobs(
+      transformer, params, batch.tokens, batch.attention_mask, impl=config.model.logprob_impl,
+      temperature=_temperature(config), chunk=config.model.logprob_chunk)
+  loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef)
+  numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.loss_agg,
+                                      _loss_norm(config))
+  mask = batch.response_mask.astype(bool)
+  sums = {name: algorithms.masked_sum(value, mask) for name, value in diagnostics.items()}
+  sums["ratio_max"] = jnp.max(jnp.where(mask, diagnostics["ratio"], -jnp.inf))
+  sums["tokens"] = mask.sum().astype(jnp.float32)
+  return numerator / denominator, sums
+
+
+def _split(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
+  if batch.batch_size % micro_batches:
+    raise ValueError(f"batch of {batch.batch_size} sequences does not split into "
+                     f"{micro_batches} micro-batches (config.optimizer.micro_batches)")
+  return jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+
+
+def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array, *, config: RunConfig,
+                   transformer: Transformer) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
+  """Full-batch loss and gradient, accumulated over ``config.optimizer.micro_batches``."""
+  denominator = loss_denominator(config, batch.response_mask)
+  grad_fn = jax.value_and_grad(
+      functools.partial(microbatch_loss, config=config, transformer=transformer), has_aux=True)
+
+  def accumulate(carry, micro):
+    loss_sum, grad_sum, sums = carry
+    (loss, micro_sums), grads = grad_fn(params, micro, denominator, kl_coef)
+    sums = {k: jnp.maximum(sums[k], v) if k == "ratio_max" else sums[k] + v
+            for k, v in micro_sums.items()}
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sums), None
+
+  micro_batches = _split(batch, config.optimizer.micro_batches)
+  first = jax.tree.map(lambda x: x[0], micro_batches)
+  sums_shape = jax.eval_shape(lambda: grad_fn(params, first, denominator, kl_coef)[0][1])
+  zero_sums = {k: jnp.full(v.shape, -jnp.inf if k == "ratio_max" else 0.0, v.dtype)
+               for k, v in sums_shape.items()}
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  (loss, grads, sums), _ = jax.lax.scan(
+      accumulate, (jnp.zeros(()), zero_grads, zero_sums), micro_batches)
+  return loss, grads, sums
+
+
+def make_update_step(config: RunConfig, transformer: Transformer,
+                     optimizer: optax.GradientTransformation, schedule=None, *,
+                     state_shardings: Any = None, batch_shardings: Any = None):
+  """The jitted ``update_step(state, batch, kl_coef=None) -> (state, metrics)``.
+
+  Jitted once with ``state_shardings`` / ``batch_shardings`` (when given) and the
+  state donated; ``kl_coef`` is a traced scalar, so an adaptive coefficient
+  never retraces.
+  """
+  def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
+    loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, config=config,
+                                       transformer=transformer)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    tokens = jnp.maximum(sums.pop("tokens"), 1.0)
+    ratio_max = sums.pop("ratio_max")
+    mask = batch.response_mask.astype(bool)
+    metrics = {
+        "loss": loss,
+        "policy/loss": sums["policy_loss"] / tokens,
+        "policy/entropy": sums["entropy"] / tokens,
+        "policy/clip_frac_low": sums["clip_low"] / tokens,
+        "policy/clip_frac_high": sums["clip_high"] / tokens,
+        "policy/approx_kl": sums["approx_kl"] / tokens,
+        "policy/ratio_mean": sums["ratio"] / tokens,
+        "policy/ratio_max": ratio_max,
+        "policy/is_weight_mean": sums["is_weight"] / tokens,
+        "advantage/mean": algorithms.masked_mean(batch.advantages, mask),
+        "advantage/std": jnp.sqrt(algorithms.masked_var(batch.advantages, mask)),
+        "optim/grad_norm": optax.tree.norm(grads),
+        "optim/lr": jnp.asarray(schedule(state.step) if schedule else jnp.nan, jnp.float32),
+        "response/tokens": tokens,
+    }
+    if "kl" in sums:
+      metrics["policy/kl"] = sums["kl"] / tokens
+      metrics["policy/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
+    state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                          policy_version=state.policy_version + 1)
+    return state, metrics
+
+  jitted = jax.jit(update_step, donate_argnums=0,
+                   in_shardings=(state_shardings, batch_shardings, None)
+                   if state_shardings is not None else None,
+                   out_shardings=(state_shardings, None) if state_shardings is not None else None)
+  default_coef = config.algorithm.kl_coef
+
+  def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None):
+    return jitted(state, batch, jnp.asarray(default_coef if kl_coef is None else kl_coef, jnp.float32))
+
+  step.jitted = jitted
+  return step
+
+
+# --- the critic (PPO) ---------------------------------------------------------------------------
+
+def init_critic_params(policy_params: Params, key: jax.Array) -> Params:
+  """A critic initialised from the policy: the transformer's params plus a zero scalar head."""
+  del key  # the head starts at zero, so the first values are 0 for every state
+  hidden_size = policy_params["final_norm"].shape[0]
+  return {"model": policy_params,
+          "value_head": {"kernel": jnp.zeros((hidden_size,), jnp.float32),
+                         "bias": jnp.zeros((), jnp.float32)}}
+
+
+def critic_values(transformer: Transformer, critic_params: Params, tokens: jax.Array,
+                  attention_mask: jax.Array) -> jax.Array:
+  """Values [B, T]: entry t is V of the state before target token t (position 0 gets 0)."""
+  hidden, _ = transformer.hidden_states(critic_params["model"], tokens, attention_mask)
+  head = critic_params["value_head"]
+  values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+  return jnp.pad(values[:, :-1], ((0, 0), (1, 0)))
+
+
+def make_critic_step(config: RunConfig, transformer: Transformer,
+                     optimizer: optax.GradientTransformation, *, state_shardings: Any = None,
+                     batch_shardings: Any = None):
+  """The jitted PPO critic step ``(critic_state, batch) -> (critic_state, metrics)``: clipped
+  value loss, token-mean over response tokens, accumulated over micro-batches."""
+  clip = config.algorithm.value_clip
+
+  def microbatch(params, micro: RolloutBatch, denominator):
+    values = critic_values(transformer, params, micro.tokens, micro.attention_mask)
+    loss = algorithms.value_loss(values, micro.old_values, micro.returns, clip)
+    mask = micro.response_mask.astype(bool)
+    error = algorithms.masked_sum(jnp.square(values - micro.returns), mask)
+    return algorithms.masked_sum(loss, mask) / denominator, error
+
+  grad_fn = jax.value_and_grad(microbatch, has_aux=True)
+
+  def critic_step(state: TrainState, batch: RolloutBatch):
+    if batch.returns is None or batch.old_values is None:
+      raise ValueError("the critic step needs batch.returns and batch.old_values")
+    denominator = jnp.maximum(batch.response_mask.sum().astype(jnp.float32), 1.0)
+
+    def accumulate(carry, micro):
+      loss_sum, grad_sum, error_sum = carry
+      (loss, error), grads = grad_fn(state.params, micro, denominator)
+      return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), error_sum + error), None
+
+    init = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()))
+    (loss, grads, error), _ = jax.lax.scan(accumulate, init,
+                                           _split(batch, config.optimizer.micro_batches))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state)
+    return state, {"critic/loss": loss, "critic/value_mse": error / denominator,
+                   "critic/grad_norm": optax.tree.norm(grads)}
+
+  if state_shardings is None:
+    return jax.jit(critic_step, donate_argnums=0)
+  return jax.jit(critic_step, donate_argnums=0, in_shardings=(state_shardings, batch_shardings),
+                 out_shardings=(state_shardings, None))

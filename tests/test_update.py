@@ -1,0 +1,191 @@
+"""The learner step: exact micro-batch accumulation, no retracing, the right direction,
+sharded = unsharded, the critic step, the fused path against full logits."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rlx import mesh as mesh_lib
+from rlx import update
+from rlx.config import ArchConfig, MeshConfig, RunConfig
+from rlx.models import init_model, param_shardings
+from rlx.types import RolloutBatch, TrainState
+
+ARCH = ArchConfig(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+B, T = 8, 12
+
+
+def _config(**algorithm):
+  config = RunConfig()
+  return dataclasses.replace(
+      config, algorithm=dataclasses.replace(config.algorithm, **algorithm),
+      optimizer=dataclasses.replace(config.optimizer, learning_rate=1e-3),
+      rollout=dataclasses.replace(config.rollout, max_new_tokens=T))
+
+
+def _batch(model, config, seed=0, advantages=None):
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, ARCH.vocab_size, (B, T)))
+  prompt = rng.integers(2, 5, B)
+  lengths = rng.integers(1, T - 4, B)
+  positions = np.arange(T)[None]
+  left_pad = np.zeros(B, int)
+  left_pad[::3] = 1
+  attention = positions >= left_pad[:, None]
+  attention &= positions < (prompt + lengths)[:, None]
+  response = (positions >= prompt[:, None]) & attention
+  if advantages is None:
+    advantages = rng.normal(size=B)
+  old = update.make_logprobs_fn(config, model.transformer)(model.params, tokens, jnp.asarray(attention))
+  noise = jnp.asarray(rng.normal(scale=0.1, size=(B, T)), jnp.float32)
+  return RolloutBatch(
+      tokens=tokens, attention_mask=jnp.asarray(attention), response_mask=jnp.asarray(response),
+      advantages=jnp.where(jnp.asarray(response), jnp.asarray(advantages, jnp.float32)[:, None], 0.0),
+      old_logprobs=old + noise, behaviour_logprobs=old + 2 * noise,
+      policy_version=jnp.zeros(B, jnp.int32), ref_logprobs=old - noise)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_model(ARCH, jax.random.key(0))
+
+
+@pytest.mark.parametrize("name, loss_agg", [
+    ("dapo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("dr_grpo", "seq-mean-token-sum-norm"),
+    ("rloo", "seq-mean-token-sum"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")])
+def test_microbatch_accumulation_equals_full_batch(model, loss_agg, name):
+  config = _config(name=name, loss_agg=loss_agg, kl_coef=0.1, entropy_coef=0.01, off_policy="tis")
+  batch = _batch(model, config)
+  full = update.loss_and_grads(model.params, batch, jnp.float32(0.1), config=config,
+                               transformer=model.transformer)
+  micro_config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer,
+                                                                           micro_batches=4))
+  micro = update.loss_and_grads(model.params, batch, jnp.float32(0.1), config=micro_config,
+                                transformer=model.transformer)
+  chex.assert_trees_all_close(micro[0], full[0], rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(micro[1], full[1], rtol=1e-4, atol=1e-7)
+  chex.assert_trees_all_close(micro[2], full[2], rtol=1e-5, atol=1e-6)
+
+
+def test_update_step_never_retraces(model, monkeypatch):
+  traces = []
+  traced = update.loss_and_grads
+  monkeypatch.setattr(update, "loss_and_grads", lambda *a, **k: traces.append(1) or traced(*a, **k))
+  config = _config(name="grpo", kl_coef=0.04)
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=10)
+  params = jax.tree.map(jnp.copy, model.params)
+  state = update.init_train_state(params, optimizer, jax.random.key(0))
+  step = update.make_update_step(config, model.transformer, optimizer, schedule)
+  for i in range(4):
+    state, metrics = step(state, _batch(model, config, seed=i), kl_coef=0.04 * (i + 1))
+  assert len(traces) == 1  # traced (and compiled) once, whatever the data and the KL coefficient
+  assert int(state.step) == 4 and int(state.policy_version) == 4
+  expected_keys = {"loss", "policy/loss", "policy/kl", "policy/entropy", "policy/clip_frac_low",
+                   "policy/clip_frac_high", "policy/approx_kl", "policy/ratio_mean",
+                   "policy/ratio_max", "advantage/mean", "advantage/std", "optim/grad_norm",
+                   "optim/lr"}
+  assert expected_keys <= set(metrics)
+  assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_one_step_moves_the_policy_the_right_way(model, sign):
+  config = _config(name="grpo", off_policy="none")
+  batch = _batch(model, config, advantages=np.full(B, sign))
+  batch = batch.replace(old_logprobs=update.make_logprobs_fn(config, model.transformer)(
+      model.params, batch.tokens, batch.attention_mask))
+  batch = batch.replace(behaviour_logprobs=batch.old_logprobs)
+  optimizer, _ = update.make_optimizer(config.optimizer, total_steps=1)
+  state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer, jax.random.key(0))
+  step = update.make_update_step(config, model.transformer, optimizer)
+  before = float(update.loss_and_grads(state.params, batch, jnp.float32(0), config=config,
+                                       transformer=model.transformer)[0])
+  state, _ = step(state, batch)
+  after = float(update.loss_and_grads(state.params, batch, jnp.float32(0), config=config,
+                                      transformer=model.transformer)[0])
+  assert after < before
+  new_logprobs = update.make_logprobs_fn(config, model.transformer)(
+      state.params, batch.tokens, batch.attention_mask)
+  change = float(jnp.sum(jnp.where(batch.response_mask, new_logprobs - batch.old_logprobs, 0.0)))
+  assert sign * change > 0  # reinforced tokens become likelier, penalised ones less likely
+
+
+def test_sequence_logprobs_equal_full_logits(model):
+  config = _config()
+  batch = _batch(model, config)
+  logprobs, entropy = update.sequence_logprobs(model.transformer, model.params, batch.tokens,
+                                               batch.attention_mask, impl="xla", chunk=16)
+  logits, _ = model.transformer(model.params, batch.tokens, batch.attention_mask)
+  log_softmax = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  expected = jnp.take_along_axis(log_softmax, batch.tokens[:, 1:, None], axis=-1)[..., 0]
+  np.testing.assert_allclose(logprobs[:, 1:], expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(entropy[:, 1:], -(jnp.exp(log_softmax) * log_softmax).sum(-1),
+                             rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(logprobs[:, 0]).max()) == 0.0
+
+
+def test_sharded_update_equals_single_device(model):
+  config = _config(name="dapo", clip_eps_high=0.28)
+  batch = _batch(model, config)
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=2)
+  single_state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                         jax.random.key(0))
+  single_state, single_metrics = update.make_update_step(config, model.transformer, optimizer,
+                                                         schedule)(single_state, batch)
+  mesh = mesh_lib.make_mesh(MeshConfig(fsdp=4, tensor=2))
+  # A copy: device_put may reuse buffers, and the step donates (deletes) its input state.
+  sharded_params = jax.device_put(jax.tree.map(jnp.copy, model.params), param_shardings(ARCH, mesh))
+  state = update.init_train_state(sharded_params, optimizer, jax.random.key(0))
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  batch_shardings = jax.tree.map(
+      lambda x: NamedSharding(mesh, P(("data", "fsdp"), *([None] * (x.ndim - 1)))), batch)
+  step = update.make_update_step(config, model.transformer, optimizer, schedule,
+                                 state_shardings=state_shardings, batch_shardings=batch_shardings)
+  state, metrics = step(state, jax.device_put(batch, batch_shardings))
+  assert state.params["layers"]["q"].sharding == sharded_params["layers"]["q"].sharding
+  chex.assert_trees_all_close(jax.device_get(metrics), jax.device_get(single_metrics),
+                              rtol=1e-4, atol=1e-6)
+  chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(single_state.params),
+                              rtol=1e-4, atol=1e-6)
+
+
+def test_critic_step_fits_the_returns(model):
+  config = _config(name="ppo", value_clip=None)
+  critic_config = dataclasses.replace(config, optimizer=dataclasses.replace(
+      config.optimizer, learning_rate=3e-3, micro_batches=2))
+  batch = _batch(model, config)
+  returns = jnp.where(batch.response_mask, 0.5, 0.0)
+  batch = batch.replace(returns=returns, old_values=jnp.zeros((B, T)))
+  optimizer, _ = update.make_optimizer(critic_config.optimizer, total_steps=20)
+  params = update.init_critic_params(jax.tree.map(jnp.copy, model.params), jax.random.key(1))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=optimizer.init(params), key=jax.random.key(0),
+                     policy_version=jnp.zeros((), jnp.int32))
+  step = update.make_critic_step(critic_config, model.transformer, optimizer)
+  errors = []
+  for _ in range(15):
+    state, metrics = step(state, batch)
+    errors.append(float(metrics["critic/value_mse"]))
+  assert errors[0] == pytest.approx(0.25)  # a zero head predicts 0 against returns of 0.5
+  assert errors[-1] < 0.5 * errors[0]
+
+
+def test_schedule_warms_up():
+  config = dataclasses.replace(RunConfig().optimizer, learning_rate=1.0, warmup_steps=4,
+                               schedule="cosine")
+  schedule = update.make_schedule(config, total_steps=12)
+  np.testing.assert_allclose([schedule(i) for i in (0, 2, 4, 12)], [0.0, 0.5, 1.0, 0.0], atol=1e-6)
+
+
+def test_micro_batches_must_divide_the_batch(model):
+  config = dataclasses.replace(_config(), optimizer=dataclasses.replace(RunConfig().optimizer,
+                                                                        micro_batches=3))
+  with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+    update.loss_and_grads(model.params, _batch(model, config), jnp.float32(0), config=config,
+                          transformer=model.transformer)
