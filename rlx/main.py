@@ -2,8 +2,8 @@
 
 Today it validates the config, writes ``DIR/config.json``, builds the meshes,
 builds or loads the policy model on the learning mesh, checks one forward pass
-and reports what is built and what is not yet (the rollout engine, the
-algorithms and the trainer land next).
+and reports what is built and what is not yet (the rollout engine and the
+trainer land next).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from rlx.config import ConfigError, RunConfig
 
 NOT_BUILT_YET = (
     "rollout engine (prefill / insert / generate, continuous batching)",
-    "RL algorithms, fused log-prob loss and update_step",
     "the {mode} trainer loop, weight sync, rewards, data pipeline and checkpoints",
 )
 
