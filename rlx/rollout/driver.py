@@ -1,0 +1,210 @@
+"""``generate``: many prompts through the engine with continuous batching.
+
+    completions = rlx.rollout.generate(model, prompts, n=8, max_new_tokens=256, temperature=1.0)
+
+As soon as a slot finishes (a stop token or the length limit), the next request
+is inserted into it; nobody waits for the longest sequence. The n samples of a
+prompt share one prefill. Completions come back in prompt order, the n samples
+of a prompt next to each other, whatever order they finished in.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import numpy as np
+
+from rlx.models.model import Model
+from rlx.models.transformer import Params
+from rlx.rollout.engine import Engine, Prefix, SamplingParams, np_stop_ids
+
+
+@dataclasses.dataclass
+class Completion:
+  """One sampled response.
+
+  Attributes:
+    prompt_tokens: the prompt's ids.
+    response_tokens: the sampled ids (the stop token included when it ended the response).
+    logprobs: one behaviour log-prob per response token: its log-prob under the
+      distribution it was drawn from, after temperature, top-k and top-p (0 for greedy).
+    policy_logprobs: its log-prob under the untruncated policy at temperature 1.
+    finish_reason: 'stop' (a stop token) or 'length' (max_new_tokens or the cache is full).
+    policy_version: version of the params that generated it.
+    prompt_index, sample_index: where it belongs in the request.
+  """
+
+  prompt_tokens: list[int]
+  response_tokens: list[int]
+  logprobs: list[float]
+  policy_logprobs: list[float]
+  finish_reason: Literal["stop", "length"]
+  policy_version: int
+  prompt_index: int
+  sample_index: int
+
+
+def _power_of_two(value: int, smallest: int = 1) -> int:
+  size = smallest
+  while size < value:
+    size *= 2
+  return size
+
+
+@functools.lru_cache(maxsize=16)
+def _engine_for(transformer, max_slots: int, max_len: int, max_prompt_len: int) -> Engine:
+  return Engine(transformer, max_slots=max_slots, max_len=max_len, max_prompt_len=max_prompt_len)
+
+
+def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], *, n: int = 1,
+             max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+             params: Params | None = None, policy_version: int = 0, max_slots: int | None = None,
+             batching: Literal["continuous", "static"] = "continuous") -> list[Completion]:
+  """Samples ``n`` responses to each prompt.
+
+  Args:
+    model_or_engine: a ``Model`` (an engine sized to the request is built and
+      cached), or an ``Engine`` (then pass ``params``).
+    prompts: token ids of each prompt.
+    n: samples per prompt.
+    max_new_tokens: longest response.
+    temperature: 0 is greedy. top_p: 1 disables it. top_k: 0 disables it.
+    stop_token_ids: ids that end a response; None means the model's eos ids, [] none.
+    seed: fixes every draw (whatever the slot scheduling).
+    params: the weights to use (default: the model's); swapping them never recompiles.
+    policy_version: stamped on every completion.
+    max_slots: decode slots of the engine built for a Model (default min(64, requests)).
+    batching: 'continuous' refills a slot as soon as it frees; 'static' waits for
+      the whole batch of slots to finish first (for comparison only).
+  """
+  prompts = [list(map(int, p)) for p in prompts]
+  if not prompts:
+    return []
+  if any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token")
+  if max_new_tokens < 1 or n < 1:
+    raise ValueError("max_new_tokens and n must be >= 1")
+  if isinstance(model_or_engine, Engine):
+    engine = model_or_engine
+    if params is None:
+      raise ValueError("generate(engine, ...) needs params=")
+  else:
+    slots = max_slots or min(64, _power_of_two(len(prompts) * n))
+    prompt_len = _power_of_two(max(map(len, prompts)), 8)
+    engine = _engine_for(model_or_engine.transformer, slots, prompt_len + max_new_tokens, prompt_len)
+    params = model_or_engine.params if params is None else params
+  arch = engine.transformer.arch
+  stop = arch.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+  for p in prompts:
+    engine.prompt_bucket(len(p))  # refuses prompts that are too long
+  return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
+              policy_version, batching).run()
+
+
+class _Run:
+  """The host-side bookkeeping of one ``generate`` call."""
+
+  def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
+               stop, seed, policy_version, batching):
+    self.engine, self.params, self.prompts, self.n = engine, params, prompts, n
+    self.policy_version, self.batching = policy_version, batching
+    self.max_new_tokens = max_new_tokens
+    self.sampling_row = (float(temperature), int(top_k), float(top_p), int(max_new_tokens),
+                         np_stop_ids(stop, engine.max_stop_tokens))
+    base = jax.random.key(seed)
+    indices = np.arange(len(prompts) * n)
+    self.request_keys = jax.vmap(
+        lambda i: jax.random.fold_in(jax.random.fold_in(base, i // n), i % n))(indices)
+    self.pending = collections.deque(range(len(prompts)))  # prompts not yet prefilled
+    self.prefixes = collections.deque()  # [prefix, row, prompt_index, next sample index]
+    self.owner: list[tuple[int, int] | None] = [None] * engine.max_slots
+    self.partial: dict[tuple[int, int], Completion] = {}  # being generated
+    self.results: dict[tuple[int, int], Completion] = {}  # finished
+
+  def run(self) -> list[Completion]:
+    state = self.engine.init_decode_state()
+    total = len(self.prompts) * self.n
+    while len(self.results) < total:
+      free = [s for s, o in enumerate(self.owner) if o is None]
+      if free and (self.batching == "continuous" or len(free) == self.engine.max_slots):
+        state = self._fill(state, free)
+      if any(o is not None for o in self.owner):
+        state, step = self.engine.generate(self.params, state)
+        self._record(jax.device_get(step))
+    return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
+
+  def _prefill_next(self, free_slots: int) -> None:
+    count = min(len(self.pending), max(1, -(-free_slots // self.n)))
+    chosen = [self.pending.popleft() for _ in range(count)]
+    rows = self.engine.batch_bucket(count)
+    length = self.engine.prompt_bucket(max(len(self.prompts[p]) for p in chosen))
+    tokens = np.zeros((rows, length), np.int32)
+    true_length = np.ones((rows,), np.int32)
+    for row, p in enumerate(chosen):
+      tokens[row, :len(self.prompts[p])] = self.prompts[p]
+      true_length[row] = len(self.prompts[p])
+    prefix = self.engine.prefill(self.params, tokens, true_length)
+    for row, p in enumerate(chosen):
+      self.prefixes.append([prefix, row, p, 0])
+
+  def _fill(self, state, free: list[int]):
+    by_prefix: dict[int, tuple[Prefix, list]] = {}
+    while free and (self.prefixes or self.pending):
+      if not self.prefixes:
+        self._prefill_next(len(free))
+      entry = self.prefixes[0]
+      prefix, row, p, sample = entry
+      slot = free.pop(0)
+      self.owner[slot] = (p, sample)
+      by_prefix.setdefault(id(prefix), (prefix, []))[1].append((slot, row, p * self.n + sample))
+      entry[3] += 1
+      if entry[3] == self.n:
+        self.prefixes.popleft()
+    for prefix, inserts in by_prefix.values():
+      state = self._insert(state, prefix, inserts)
+    return state
+
+  def _insert(self, state, prefix: Prefix, inserts):
+    count = self.engine.batch_bucket(len(inserts))
+    pad = count - len(inserts)
+    slots = np.array([s for s, _, _ in inserts] + [self.engine.max_slots] * pad, np.int32)
+    rows = np.array([r for _, r, _ in inserts] + [0] * pad, np.int32)
+    keys = self.request_keys[np.array([k for _, _, k in inserts] + [0] * pad)]
+    temperature, top_k, top_p, max_new, stop_ids = self.sampling_row
+    sampling = SamplingParams(
+        temperature=np.full((count,), temperature, np.float32), top_k=np.full((count,), top_k, np.int32),
+        top_p=np.full((count,), top_p, np.float32), max_new_tokens=np.full((count,), max_new, np.int32),
+        stop_ids=np.tile(stop_ids, (count, 1)))
+    state = self.engine.insert(prefix, state, slots, rows, keys, sampling)
+    first = jax.device_get((state.last_token, state.last_logprob, state.last_policy_logprob,
+                            state.finished, state.stopped))
+    for slot, _, _ in inserts:
+      self._append(slot, *(x[slot] for x in first))
+    return state
+
+  def _record(self, step) -> None:
+    for slot in np.flatnonzero(step.emitted):
+      self._append(int(slot), step.tokens[slot], step.logprobs[slot], step.policy_logprobs[slot],
+                   step.finished[slot], step.stopped[slot])
+
+  def _append(self, slot: int, token, logprob, policy_logprob, finished, stopped) -> None:
+    p, sample = self.owner[slot]
+    completion = self.partial.get((p, sample))
+    if completion is None:
+      completion = Completion(prompt_tokens=self.prompts[p], response_tokens=[], logprobs=[],
+                              policy_logprobs=[], finish_reason="length",
+                              policy_version=self.policy_version, prompt_index=p, sample_index=sample)
+      self.partial[(p, sample)] = completion
+    completion.response_tokens.append(int(token))
+    completion.logprobs.append(float(logprob))
+    completion.policy_logprobs.append(float(policy_logprob))
+    if finished:
+      completion.finish_reason = "stop" if stopped else "length"
+      self.results[(p, sample)] = self.partial.pop((p, sample))
+      self.owner[slot] = None

@@ -1,0 +1,261 @@
+"""The generation engine, after JetStream's engine contract: ``prefill``, ``insert``, ``generate``
+over a fixed number of decode slots, with static shapes.
+
+- ``prefill(params, tokens, true_length) -> Prefix``: runs prompts (a batch of P,
+  right-padded to a length bucket) and returns their KV cache and the logits of
+  their last real token.
+- ``insert(prefix, decode_state, slots, rows, keys, sampling) -> decode_state``:
+  copies prefix row ``rows[i]`` into decode slot ``slots[i]`` and samples its
+  first token there. The first token is drawn at insert rather than at prefill
+  so that the n samples of one prompt (a GRPO group) share one prefill yet draw
+  independent first tokens.
+- ``generate(params, decode_state) -> (decode_state, StepResult)``: one token for
+  every active slot.
+
+All three are jitted once per shape bucket; params are arguments, so new
+weights are used without recompiling. Every random draw of a request uses
+``fold_in(request_key, token_index)``: samples do not depend on which slot a
+request lands in or on what else is running.
+
+Shapes: S slots, M ``max_len`` (prompt + response), L layers, K kv heads,
+E head_dim, V vocab, P prompts in one prefill, B a prompt length bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlx import mesh as mesh_lib
+from rlx.models.transformer import Cache, Params, Transformer, logical_axes, param_shapes
+from rlx.rollout.sampling import sample
+
+NO_STOP = -1
+
+
+@struct.dataclass
+class Prefix:
+  """Prefilled prompts: their KV cache [L, P, B, K, E], last-token logits [P, V] and lengths [P]."""
+
+  cache: Cache
+  logits: jax.Array
+  true_length: jax.Array
+
+
+@struct.dataclass
+class SamplingParams:
+  """Per-slot sampling settings (arrays, so changing them never recompiles)."""
+
+  temperature: jax.Array  # float [n]
+  top_k: jax.Array  # int [n]
+  top_p: jax.Array  # float [n]
+  max_new_tokens: jax.Array  # int [n]
+  stop_ids: jax.Array  # int [n, max_stop_tokens], NO_STOP-padded
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything about the S decode slots."""
+
+  cache: Cache
+  last_token: jax.Array  # int [S]: the token sampled last (input of the next step)
+  last_logprob: jax.Array  # [S] its behaviour log-prob
+  last_policy_logprob: jax.Array  # [S] its log-prob under the untruncated policy
+  generated: jax.Array  # int [S] response tokens so far
+  active: jax.Array  # bool [S] slot holds an unfinished request
+  finished: jax.Array  # bool [S] the last token ended the request
+  stopped: jax.Array  # bool [S] it ended on a stop token (else on the length limit)
+  keys: jax.Array  # [S] PRNG key of each slot's request
+  sampling: SamplingParams
+
+
+@struct.dataclass
+class StepResult:
+  """What one ``generate`` step produced, per slot."""
+
+  tokens: jax.Array  # int [S]
+  logprobs: jax.Array  # [S] behaviour log-probs
+  policy_logprobs: jax.Array  # [S]
+  emitted: jax.Array  # bool [S] the slot produced a token this step
+  finished: jax.Array  # bool [S] that token ended its request
+  stopped: jax.Array  # bool [S] ... on a stop token
+
+
+def _buckets(limit: int, smallest: int) -> tuple[int, ...]:
+  sizes, size = [], smallest
+  while size < limit:
+    sizes.append(size)
+    size *= 2
+  return tuple(sizes) + (limit,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+  """Slots, buckets and the jitted contract functions for one transformer.
+
+  Attributes:
+    transformer: the model (static).
+    max_slots: number of decode slots S.
+    max_len: cache length per slot (prompt + response).
+    max_prompt_len: longest prompt; prompt lengths are bucketed by powers of two up to it.
+    mesh: where the engine runs; params and the KV cache are sharded over its
+      ``tensor`` axis (kv heads) and slots over ``data``. None: one device.
+    max_stop_tokens: room for stop ids per request.
+  """
+
+  transformer: Transformer
+  max_slots: int
+  max_len: int
+  max_prompt_len: int
+  mesh: Mesh | None = None
+  max_stop_tokens: int = 8
+
+  def __post_init__(self):
+    if self.max_prompt_len >= self.max_len:
+      raise ValueError(f"max_prompt_len={self.max_prompt_len} leaves no room to generate in "
+                       f"max_len={self.max_len}")
+
+  @property
+  def prompt_buckets(self) -> tuple[int, ...]:
+    return _buckets(self.max_prompt_len, 8)
+
+  @property
+  def batch_buckets(self) -> tuple[int, ...]:
+    return _buckets(self.max_slots, 1)
+
+  def prompt_bucket(self, length: int) -> int:
+    if length > self.max_prompt_len:
+      raise ValueError(f"prompt of {length} tokens is longer than max_prompt_len={self.max_prompt_len}")
+    return next(b for b in self.prompt_buckets if b >= length)
+
+  def batch_bucket(self, count: int) -> int:
+    return next(b for b in self.batch_buckets if b >= count)
+
+  # --- state ---------------------------------------------------------------------------------
+
+  def _sharding(self, *spec) -> NamedSharding | None:
+    if self.mesh is None:
+      return None
+    usable = []
+    for axis, size in spec:
+      usable.append(axis if axis and size % self.mesh.shape[axis] == 0 else None)
+    return NamedSharding(self.mesh, PartitionSpec(*usable))
+
+  def init_decode_state(self) -> DecodeState:
+    """Empty slots (on the engine's mesh, KV cache sharded by kv heads and slots)."""
+    S, a = self.max_slots, self.transformer.arch
+    cache = self.transformer.init_cache(S, self.max_len)
+    if self.mesh is not None:
+      kv = self._sharding((None, a.num_layers), ("data", S), (None, self.max_len),
+                          ("tensor", a.num_kv_heads), (None, a.head_dim))
+      cache = dict(cache, k=jax.device_put(cache["k"], kv), v=jax.device_put(cache["v"], kv))
+    # Distinct buffers for every field: the state is donated to each step.
+    zeros_f = lambda: jnp.zeros((S,), jnp.float32)
+    zeros_i = lambda: jnp.zeros((S,), jnp.int32)
+    falses = lambda: jnp.zeros((S,), bool)
+    return DecodeState(
+        cache=cache, last_token=zeros_i(), last_logprob=zeros_f(), last_policy_logprob=zeros_f(),
+        generated=zeros_i(), active=falses(), finished=falses(), stopped=falses(),
+        keys=jax.random.split(jax.random.key(0), S),
+        sampling=SamplingParams(temperature=zeros_f(), top_k=zeros_i(), top_p=jnp.ones((S,)),
+                                max_new_tokens=zeros_i(),
+                                stop_ids=jnp.full((S, self.max_stop_tokens), NO_STOP, jnp.int32)))
+
+  # --- the contract --------------------------------------------------------------------------
+
+  def prefill(self, params: Params, tokens: jax.Array, true_length: jax.Array) -> Prefix:
+    """KV cache and last logits of P prompts. tokens: int [P, B] right-padded; true_length: [P]."""
+    return _prefill(self.transformer, params, jnp.asarray(tokens, jnp.int32),
+                    jnp.asarray(true_length, jnp.int32))
+
+  def insert(self, prefix: Prefix, state: DecodeState, slots: jax.Array, rows: jax.Array,
+             keys: jax.Array, sampling: SamplingParams) -> DecodeState:
+    """Puts prefix row ``rows[i]`` into slot ``slots[i]`` and samples its first token with
+    ``keys[i]``. A slot index ``>= max_slots`` is ignored (padding of a bucketed insert)."""
+    return _insert(prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(rows, jnp.int32),
+                   keys, sampling)
+
+  def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, StepResult]:
+    """Advances every active slot by one token."""
+    return _generate(self.transformer, params, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(transformer: Transformer, params: Params, tokens, true_length) -> Prefix:
+  P, B = tokens.shape
+  mask = jnp.arange(B)[None, :] < true_length[:, None]
+  cache = transformer.init_cache(P, B)
+  hidden, cache = transformer.hidden_states(params, tokens, mask, cache)
+  last = jnp.take_along_axis(hidden, (true_length - 1)[:, None, None], axis=1)[:, 0]
+  return Prefix(cache=cache, logits=transformer.logits(params, last), true_length=true_length)
+
+
+@functools.partial(jax.jit, donate_argnums=1)
+def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: SamplingParams):
+  M = state.cache["valid"].shape[1]
+  B = prefix.cache["k"].shape[2]
+  length = prefix.true_length[rows]
+  put = lambda target, values: target.at[slots].set(values, mode="drop")
+  cache = dict(state.cache)
+  cache["k"] = cache["k"].at[:, slots, :B].set(prefix.cache["k"][:, rows], mode="drop")
+  cache["v"] = cache["v"].at[:, slots, :B].set(prefix.cache["v"][:, rows], mode="drop")
+  cache["valid"] = put(cache["valid"], jnp.arange(M)[None, :] < length[:, None])
+  cache["index"] = put(cache["index"], length)
+  first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))
+  tokens, logprobs, policy_logprobs = sample(prefix.logits[rows], first_keys, sampling.temperature,
+                                             sampling.top_k, sampling.top_p)
+  stopped = jnp.any(tokens[:, None] == sampling.stop_ids, axis=-1)
+  finished = stopped | (sampling.max_new_tokens <= 1) | (length >= M)
+  return state.replace(
+      cache=cache, last_token=put(state.last_token, tokens), last_logprob=put(state.last_logprob, logprobs),
+      last_policy_logprob=put(state.last_policy_logprob, policy_logprobs),
+      generated=put(state.generated, jnp.ones_like(rows)), active=put(state.active, ~finished),
+      finished=put(state.finished, finished), stopped=put(state.stopped, stopped),
+      keys=put(state.keys, keys),
+      sampling=jax.tree.map(put, state.sampling, sampling))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _generate(transformer: Transformer, params: Params, state: DecodeState):
+  M = state.cache["valid"].shape[1]
+  active = state.active
+  logits, cache = transformer(params, state.last_token[:, None], None, state.cache)
+  # Idle slots ran too (static shapes) but keep their bookkeeping unchanged.
+  cache["index"] = jnp.where(active, cache["index"], state.cache["index"])
+  cache["valid"] = jnp.where(active[:, None], cache["valid"], state.cache["valid"])
+  step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
+  s = state.sampling
+  tokens, logprobs, policy_logprobs = sample(logits[:, 0], step_keys, s.temperature, s.top_k, s.top_p)
+  generated = state.generated + active
+  stopped = active & jnp.any(tokens[:, None] == s.stop_ids, axis=-1)
+  # The token just drawn is written to the cache by the next step: stop when there is no room.
+  finished = active & (stopped | (generated >= s.max_new_tokens) | (cache["index"] >= M))
+  keep = lambda new, old: jnp.where(active, new, old)
+  state = state.replace(
+      cache=cache, last_token=keep(tokens, state.last_token),
+      last_logprob=keep(logprobs, state.last_logprob),
+      last_policy_logprob=keep(policy_logprobs, state.last_policy_logprob),
+      generated=generated, active=active & ~finished, finished=finished, stopped=stopped)
+  return state, StepResult(tokens=tokens, logprobs=logprobs, policy_logprobs=policy_logprobs,
+                           emitted=active, finished=finished, stopped=stopped)
+
+
+def shard_params(params: Params, transformer: Transformer, mesh: Mesh, rules) -> Params:
+  """Params in the generation layout of ``mesh`` (tensor-parallel, replicated over data)."""
+  shardings = mesh_lib.logical_shardings(logical_axes(transformer.arch),
+                                         param_shapes(transformer.arch), mesh, rules)
+  return jax.device_put(params, shardings)
+
+
+def np_stop_ids(stop_token_ids, width: int) -> np.ndarray:
+  """Stop ids padded with NO_STOP to ``width``."""
+  ids = list(stop_token_ids)
+  if len(ids) > width:
+    raise ValueError(f"{len(ids)} stop tokens exceed the engine's max_stop_tokens={width}")
+  return np.array(ids + [NO_STOP] * (width - len(ids)), np.int32)

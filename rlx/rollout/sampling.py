@@ -1,0 +1,66 @@
+"""Token sampling with temperature, top-k and top-p, and the behaviour log-prob of each draw.
+
+For logits ``z`` [S, V] of S slots, each with its own temperature ``tau``, ``k`` and
+``p``:
+
+1. ``z / tau``;
+2. top-k: keep logits ``>=`` the k-th largest (ties at the boundary are all kept);
+   ``k = 0`` keeps all;
+3. top-p (nucleus): of what is left, keep the most likely tokens, in order,
+   until their probability reaches ``p`` (the token that crosses ``p`` is kept;
+   ties at the boundary are all kept); ``p = 1`` keeps all;
+4. draw from the softmax of the kept logits.
+
+``behaviour_logprob`` is the log-prob of the drawn token under exactly that
+distribution (step 4): the probability with which it was sampled, which the
+learner's importance ratios need. ``policy_logprob`` is its log-prob under the
+untruncated policy at temperature 1, ``log_softmax(z)``. A slot with
+``tau = 0`` is greedy: it takes the argmax, and its behaviour log-prob is 0
+(a point mass).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def truncate_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array) -> jax.Array:
+  """Temperature-scaled logits [S, V] with the tokens outside top-k / top-p set to -inf.
+
+  Args:
+    logits: [S, V]; temperature, top_p: float [S]; top_k: int [S].
+  """
+  V = logits.shape[-1]
+  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+  ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
+  probs = jax.nn.softmax(ordered, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly more likely tokens
+  keep_sorted = (mass_before < top_p[:, None]) & (ordered > -jnp.inf)
+  threshold = jnp.min(jnp.where(keep_sorted, ordered, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(scaled >= jnp.maximum(threshold, kth), scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Draws one token per slot.
+
+  Args:
+    logits: [S, V]; keys: [S] PRNG keys (one per slot and step);
+    temperature, top_p: float [S]; top_k: int [S].
+  Returns:
+    (tokens int32 [S], behaviour_logprobs [S], policy_logprobs [S]).
+  """
+  truncated = truncate_logits(logits, temperature, top_k, top_p)
+  drawn = jax.vmap(jax.random.categorical)(keys, truncated)
+  greedy = jnp.argmax(logits, axis=-1)
+  is_greedy = temperature <= 0
+  tokens = jnp.where(is_greedy, greedy, drawn).astype(jnp.int32)
+  behaviour = jnp.take_along_axis(jax.nn.log_softmax(truncated, axis=-1), tokens[:, None], -1)[:, 0]
+  policy = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                               tokens[:, None], -1)[:, 0]
+  return tokens, jnp.where(is_greedy, 0.0, behaviour), policy

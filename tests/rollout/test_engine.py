@@ -1,0 +1,161 @@
+"""The engine and the continuous-batching driver against full recompute: greedy tokens,
+behaviour log-probs, stop tokens and limits, ordering, determinism, no recompilation,
+weight swap, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx import mesh as mesh_lib
+from rlx import rollout
+from rlx.config import ArchConfig, MeshConfig
+from rlx.models import init_model
+from rlx.rollout import engine as engine_lib
+from rlx.rollout.engine import Engine
+
+ARCH = ArchConfig(num_layers=2, vocab_size=48, hidden_size=32, intermediate_size=48, num_heads=4,
+                  num_kv_heads=2, head_dim=8, eos_token_ids=(3,))
+
+
+def _model(seed=0, scale=20.0):
+  model = init_model(ARCH, jax.random.key(seed))
+  # Sharper than init, so greedy decoding is far from ties.
+  return model.replace(params=jax.tree.map(lambda p: p * scale if p.ndim > 1 else p, model.params))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model()
+
+
+PROMPTS = [[5, 6, 7], list(range(10, 21)), [9], [30, 31, 32, 33, 34], [40, 41], list(range(1, 15))]
+
+
+def greedy_reference(model, prompt, max_new, stop=()):
+  tokens, logprobs = list(prompt), []
+  for _ in range(max_new):
+    log_softmax = jax.nn.log_softmax(model(jnp.array([tokens]))[0, -1])
+    token = int(jnp.argmax(log_softmax))
+    tokens.append(token)
+    logprobs.append(float(log_softmax[token]))
+    if token in stop:
+      break
+  return tokens[len(prompt):], logprobs
+
+
+def full_recompute_logprobs(model, prompt, response, temperature=1.0):
+  logits = model(jnp.array([list(prompt) + list(response)]))[0] / temperature
+  log_softmax = jax.nn.log_softmax(logits[len(prompt) - 1:-1])
+  return np.asarray(log_softmax[np.arange(len(response)), np.array(response)])
+
+
+def test_greedy_equals_full_recompute_under_continuous_batching(model):
+  # 6 prompts x 2 samples on 4 slots: slots free and refill at different times.
+  completions = rollout.generate(model, PROMPTS, n=2, max_new_tokens=7, temperature=0.0,
+                                 stop_token_ids=[], max_slots=4)
+  assert [(c.prompt_index, c.sample_index) for c in completions] == [
+      (p, s) for p in range(len(PROMPTS)) for s in range(2)]
+  for c in completions:
+    expected, logprobs = greedy_reference(model, PROMPTS[c.prompt_index], 7)
+    assert c.response_tokens == expected
+    assert c.prompt_tokens == PROMPTS[c.prompt_index]
+    assert c.finish_reason == "length"
+    np.testing.assert_allclose(c.policy_logprobs, logprobs, atol=1e-5)
+    assert c.logprobs == [0.0] * 7  # greedy: a point mass
+
+
+def test_each_request_alone_equals_batched(model):
+  batched = rollout.generate(model, PROMPTS, max_new_tokens=6, temperature=0.0, stop_token_ids=[],
+                             max_slots=2)
+  for prompt, c in zip(PROMPTS, batched):
+    alone = rollout.generate(model, [prompt], max_new_tokens=6, temperature=0.0, stop_token_ids=[],
+                             max_slots=2)
+    assert alone[0].response_tokens == c.response_tokens
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.8, 5)])
+def test_behaviour_logprobs_equal_full_recompute(temperature, top_k):
+  model = _model(scale=4.0)  # logits of order 1-10, as in a trained model
+  completions = rollout.generate(model, PROMPTS[:4], n=3, max_new_tokens=6, temperature=temperature,
+                                 top_k=top_k, stop_token_ids=[], seed=1, max_slots=4)
+  for c in completions:
+    prompt, response = c.prompt_tokens, c.response_tokens
+    logits = model(jnp.array([prompt + response]))[0][len(prompt) - 1:-1]
+    n = len(response)
+    truncated = rollout.truncate_logits(logits, jnp.full((n,), temperature), jnp.full((n,), top_k),
+                                        jnp.ones((n,)))
+    expected = jax.nn.log_softmax(truncated)[np.arange(n), np.array(response)]
+    np.testing.assert_allclose(c.logprobs, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(c.policy_logprobs, full_recompute_logprobs(model, prompt, response),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_stop_tokens_and_limits(model):
+  expected, _ = greedy_reference(model, PROMPTS[1], 8)
+  stop = expected[2]
+  (c,) = rollout.generate(model, [PROMPTS[1]], max_new_tokens=8, temperature=0.0,
+                          stop_token_ids=[stop])
+  assert c.response_tokens == expected[:expected.index(stop) + 1]
+  assert c.finish_reason == "stop"
+  (c,) = rollout.generate(model, [PROMPTS[1]], max_new_tokens=1, temperature=0.0, stop_token_ids=[])
+  assert c.response_tokens == expected[:1] and c.finish_reason == "length"
+  # None means the model's eos ids (ARCH.eos_token_ids); sampled responses never run past them.
+  for c in rollout.generate(model, PROMPTS, n=4, max_new_tokens=12, temperature=1.5, seed=3):
+    assert 3 not in c.response_tokens[:-1]
+    assert (c.finish_reason == "stop") == (c.response_tokens[-1] == 3)
+    assert len(c.response_tokens) <= 12
+
+
+def test_seed_fixes_samples_whatever_the_scheduling(model):
+  kwargs = dict(n=3, max_new_tokens=5, temperature=1.0, seed=7, stop_token_ids=[])
+  few_slots = rollout.generate(model, PROMPTS, max_slots=2, **kwargs)
+  many_slots = rollout.generate(model, PROMPTS, max_slots=16, **kwargs)
+  assert [c.response_tokens for c in few_slots] == [c.response_tokens for c in many_slots]
+  other_seed = rollout.generate(model, PROMPTS, max_slots=16, **dict(kwargs, seed=8))
+  assert [c.response_tokens for c in other_seed] != [c.response_tokens for c in many_slots]
+  # The samples of a group differ from each other.
+  assert len({tuple(c.response_tokens) for c in few_slots[:3]}) > 1
+
+
+def test_no_recompilation_and_weight_swap(model):
+  engine = Engine(model.transformer, max_slots=4, max_len=32, max_prompt_len=16)
+  other = _model(seed=1)
+
+  def sizes():
+    return (engine_lib._prefill._cache_size(), engine_lib._insert._cache_size(),
+            engine_lib._generate._cache_size())
+
+  kwargs = dict(max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+  rollout.generate(engine, PROMPTS, params=model.params, **kwargs)
+  rollout.generate(engine, PROMPTS, params=other.params, **kwargs)
+  before = sizes()
+  for i in range(3):
+    rollout.generate(engine, PROMPTS[i:] + PROMPTS[:i], params=model.params, **kwargs)
+  swapped = rollout.generate(engine, PROMPTS, params=other.params, policy_version=5, **kwargs)
+  assert sizes() == before
+  for prompt, c in zip(PROMPTS, swapped):
+    assert c.response_tokens == greedy_reference(other, prompt, 6)[0]
+    assert c.policy_version == 5
+
+
+def test_sharded_engine_gives_the_same_greedy_output(model):
+  mesh = mesh_lib.make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
+  engine = Engine(model.transformer, max_slots=8, max_len=32, max_prompt_len=16, mesh=mesh)
+  params = rollout.shard_params(jax.tree.map(jnp.copy, model.params), model.transformer, mesh,
+                                MeshConfig().logical_axis_rules)
+  assert params["layers"]["k"].sharding.spec[2] == "tensor"
+  kwargs = dict(n=2, max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+  sharded = rollout.generate(engine, PROMPTS, params=params, **kwargs)
+  single = rollout.generate(model, PROMPTS, max_slots=8, **kwargs)
+  assert [c.response_tokens for c in sharded] == [c.response_tokens for c in single]
+
+
+def test_bad_requests_are_refused(model):
+  with pytest.raises(ValueError, match="longer than max_prompt_len"):
+    rollout.generate(Engine(model.transformer, max_slots=2, max_len=24, max_prompt_len=8),
+                     [list(range(9))], params=model.params, max_new_tokens=4)
+  with pytest.raises(ValueError, match="at least one token"):
+    rollout.generate(model, [[]], max_new_tokens=4)
+  with pytest.raises(ValueError, match="leaves no room"):
+    Engine(model.transformer, max_slots=2, max_len=8, max_prompt_len=8)
