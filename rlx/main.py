@@ -2,8 +2,7 @@
 
 Today it validates the config, writes ``DIR/config.json``, builds the meshes,
 builds or loads the policy model on the learning mesh, checks one forward pass
-and reports what is built and what is not yet (the rollout engine and the
-trainer land next).
+and reports what is built and what is not yet (the trainer lands next).
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from rlx import cli
 from rlx.config import ConfigError, RunConfig
 
 NOT_BUILT_YET = (
-    "rollout engine (prefill / insert / generate, continuous batching)",
-    "the {mode} trainer loop, weight sync, rewards, data pipeline and checkpoints",
+    "the {mode} trainer loop that wires the rollout engine, rewards and update_step together",
+    "weight sync, the data pipeline, rewards, checkpoints and the metrics sink",
 )
 
 

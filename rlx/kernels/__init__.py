@@ -1,5 +1,7 @@
-"""Fused log-prob / entropy of the policy: reference, XLA chunked, (Pallas) implementations."""
+"""Fused log-prob / entropy of the policy: reference, XLA chunked and Pallas (GPU, TPU)."""
 
-from rlx.kernels.fused_logprobs import fused_logprobs, reference_logprobs, xla_logprobs
+from rlx.kernels.fused_logprobs import (choose_impl, fused_logprobs, reference_logprobs,
+                                        xla_logprobs)
+from rlx.kernels.pallas_logprobs import pallas_logprobs
 
-__all__ = ["fused_logprobs", "reference_logprobs", "xla_logprobs"]
+__all__ = ["choose_impl", "fused_logprobs", "pallas_logprobs", "reference_logprobs", "xla_logprobs"]

@@ -17,9 +17,12 @@ Implementations, all equal to ``reference`` in values and gradients (tests):
   recomputes each chunk's logits from the saved ``lse``:
   ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)``. Memory is a few
   ``[chunk, V]`` tiles.
-- ``pallas``: the tiled GPU/TPU kernel (the Pallas kernels issue); not built yet.
+- ``pallas``: tiled Pallas kernels (``rlx.kernels.pallas_logprobs``): Triton on
+  GPU, Mosaic on TPU; blocks of masked-out tokens are skipped.
 
-``impl="auto"`` picks ``xla`` on every backend until the Pallas kernels land.
+``impl="auto"`` picks ``pallas`` on GPU and TPU and ``xla`` on CPU. An optional
+``mask`` [T] marks the tokens whose log-probs are needed; the others get 0
+(and no gradient) in every implementation.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from rlx.kernels.pallas_logprobs import pallas_logprobs
 
 Impl = Literal["auto", "reference", "xla", "pallas"]
 DEFAULT_CHUNK = 128  # tokens per chunk: [128, V] float32 tiles (16 MiB at V=32k)
@@ -117,19 +122,30 @@ def xla_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
   return logprobs[:T], entropy[:T]
 
 
-def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
-                   impl: Impl = "auto", temperature: float = 1.0,
-                   chunk: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
+def choose_impl(impl: Impl, backend: str) -> str:
+  """The implementation ``impl`` means on ``backend`` ('cpu', 'gpu' / 'cuda' / 'rocm', 'tpu')."""
+  if impl == "auto":
+    return "xla" if backend == "cpu" else "pallas"
+  return impl
+
+
+def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
+                   mask: jax.Array | None = None, *, impl: Impl = "auto", temperature: float = 1.0,
+                   chunk: int = DEFAULT_CHUNK, interpret: bool = False,
+                   **block_sizes) -> tuple[jax.Array, jax.Array]:
   """Target log-probs [T] and entropy [T] (float32) of ``softmax(hidden @ unembed / temperature)``.
 
   Args:
     hidden: [T, D] final hidden states (any float dtype).
     unembed: [D, V] unembedding matrix.
     targets: int [T] token ids whose log-probs are wanted.
+    mask: bool [T] tokens whose log-probs are needed (others get 0); None: all.
     impl: 'reference', 'xla' (chunked), 'pallas', or 'auto'.
     temperature: divides the logits (use the sampling temperature, so that
       learner log-probs match the behaviour log-probs of the sampler).
     chunk: tokens per chunk of the 'xla' implementation.
+    interpret: run the Pallas kernels in the interpreter (tests on CPU).
+    **block_sizes: ``block_t`` / ``block_v`` of the Pallas kernels.
   """
   if hidden.ndim != 2 or unembed.ndim != 2 or targets.ndim != 1:
     raise ValueError(f"expected hidden [T, D], unembed [D, V], targets [T]; got {hidden.shape}, "
@@ -137,14 +153,21 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array, *,
   if hidden.shape[1] != unembed.shape[0] or hidden.shape[0] != targets.shape[0]:
     raise ValueError(f"shapes disagree: hidden {hidden.shape}, unembed {unembed.shape}, "
                      f"targets {targets.shape}")
-  if impl == "auto":
-    impl = "xla"
+  backend = jax.default_backend()
+  impl = choose_impl(impl, backend)
   if impl == "reference":
-    return reference_logprobs(hidden, unembed, targets, temperature)
-  if impl == "xla":
-    return xla_logprobs(hidden, unembed, targets, temperature, chunk)
-  if impl == "pallas":
-    raise NotImplementedError(
-        "impl='pallas' is the subject of the Pallas kernels issue (fused log-prob/entropy on "
-        "GPU and TPU); use impl='xla' or 'auto' until it lands")
-  raise ValueError(f"unknown impl {impl!r}; choose auto, reference, xla or pallas")
+    out = reference_logprobs(hidden, unembed, targets, temperature)
+  elif impl == "xla":
+    out = xla_logprobs(hidden, unembed, targets, temperature, chunk)
+  elif impl == "pallas":
+    variant = "tpu" if backend == "tpu" else "gpu"
+    if backend == "cpu" and not interpret:
+      raise ValueError("impl='pallas' runs on GPU or TPU; on CPU use impl='xla' (or interpret=True "
+                       "to run the kernels in Pallas' interpreter)")
+    return pallas_logprobs(hidden, unembed, targets, mask, variant=variant, temperature=temperature,
+                           interpret=interpret, **block_sizes)
+  else:
+    raise ValueError(f"unknown impl {impl!r}; choose auto, reference, xla or pallas")
+  if mask is None:
+    return out
+  return tuple(jnp.where(mask, x, 0.0) for x in out)

@@ -1,0 +1,79 @@
+"""The Pallas kernels (GPU: Triton lowering, TPU: Mosaic) in interpret mode on CPU, against the
+full-logits reference: values and gradients, fp32 and bf16, odd T and V, masks; and dispatch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.kernels import choose_impl, fused_logprobs, pallas_logprobs
+from tests.kernels.test_fused_logprobs import _assert_relative_error, _inputs
+
+
+def _run(fn, hidden, unembed, g_lp, g_h):
+  def loss(hidden, unembed):
+    lp, ent = fn(hidden, unembed)
+    return jnp.sum(lp * g_lp) + jnp.sum(ent * g_h), (lp, ent)
+
+  (_, (lp, ent)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, unembed)
+  return lp, ent, grads
+
+
+# Few, large blocks: the interpreter is slow. Odd T and V exercise padding and masking.
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+@pytest.mark.parametrize("T, D, V, temperature", [(37, 16, 50, 1.0), (24, 32, 131, 0.7)])
+def test_pallas_equals_reference_fp32(variant, T, D, V, temperature):
+  hidden, unembed, targets, g_lp, g_h = _inputs(T * V, T, D, V, scale=2.0)
+  pallas = _run(lambda h, u: pallas_logprobs(h, u, targets, variant=variant, block_t=16,
+                                             block_v=32 if V < 100 else 64,
+                                             temperature=temperature, interpret=True),
+                hidden, unembed, g_lp, g_h)
+  reference = _run(lambda h, u: fused_logprobs(h, u, targets, impl="reference",
+                                               temperature=temperature),
+                   hidden, unembed, g_lp, g_h)
+  for ours, theirs in zip(jax.tree.leaves(pallas), jax.tree.leaves(reference)):
+    _assert_relative_error(ours, theirs, 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_pallas_equals_reference_bf16(variant):
+  hidden, unembed, targets, g_lp, g_h = _inputs(11, 40, 32, 96, dtype=jnp.bfloat16)
+  pallas = _run(lambda h, u: pallas_logprobs(h, u, targets, variant=variant, block_t=32,
+                                             block_v=64, interpret=True), hidden, unembed, g_lp, g_h)
+  reference = _run(lambda h, u: fused_logprobs(h, u, targets, impl="reference"),
+                   hidden, unembed, g_lp, g_h)
+  assert pallas[2][0].dtype == jnp.bfloat16 and pallas[0].dtype == jnp.float32
+  for ours, theirs in zip(jax.tree.leaves(pallas), jax.tree.leaves(reference)):
+    _assert_relative_error(ours, theirs, 1e-2)
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_masked_tokens_get_zero_and_no_gradient(variant):
+  T, D, V = 48, 16, 64
+  hidden, unembed, targets, g_lp, g_h = _inputs(5, T, D, V)
+  mask = jnp.arange(T) < 20  # the last block of 16 is fully masked (skipped), one is partial
+  pallas = _run(lambda h, u: pallas_logprobs(h, u, targets, mask, variant=variant, block_t=16,
+                                             block_v=32, interpret=True), hidden, unembed, g_lp, g_h)
+  xla = _run(lambda h, u: fused_logprobs(h, u, targets, mask, impl="xla", chunk=16),
+             hidden, unembed, g_lp, g_h)
+  lp, ent, (d_hidden, _) = pallas
+  assert float(jnp.abs(lp[20:]).max()) == 0.0 and float(jnp.abs(ent[20:]).max()) == 0.0
+  assert float(jnp.abs(d_hidden[20:]).max()) == 0.0
+  for ours, theirs in zip(jax.tree.leaves(pallas), jax.tree.leaves(xla)):
+    _assert_relative_error(ours, theirs, 1e-5)
+
+
+def test_auto_dispatch_by_backend():
+  assert choose_impl("auto", "cpu") == "xla"
+  assert choose_impl("auto", "gpu") == "pallas"
+  assert choose_impl("auto", "tpu") == "pallas"
+  assert choose_impl("reference", "gpu") == "reference"
+
+
+def test_fused_logprobs_runs_pallas_in_interpret_mode():
+  hidden, unembed, targets, *_ = _inputs(2, 16, 16, 40)
+  lp, ent = fused_logprobs(hidden, unembed, targets, impl="pallas", interpret=True, block_t=16,
+                           block_v=32)
+  ref_lp, ref_ent = fused_logprobs(hidden, unembed, targets, impl="reference")
+  _assert_relative_error(lp, ref_lp, 1e-5)
+  _assert_relative_error(ent, ref_ent, 1e-5)
