@@ -75,19 +75,23 @@ def init_train_state(params: Params, optimizer: optax.GradientTransformation,
 
 
 def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
-                      attention_mask: jax.Array, *, impl: str = "auto", temperature: float = 1.0,
+                      attention_mask: jax.Array, response_mask: jax.Array | None = None, *,
+                      impl: str = "auto", temperature: float = 1.0,
                       chunk: int = 128) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy [B, T] of every target token (position 0 gets 0), via the fused path.
 
   Args:
     tokens: int [B, T]; attention_mask: bool [B, T].
+    response_mask: bool [B, T] the targets that are needed (others get 0, and
+      the Pallas kernels skip whole blocks of them); None computes all.
     temperature: the sampling temperature, so that these match the behaviour log-probs.
   """
   hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
   B, T, D = hidden.shape
+  mask = None if response_mask is None else response_mask[:, 1:].reshape(-1)
   logprobs, entropy = fused_logprobs(
       hidden[:, :-1].reshape(B * (T - 1), D), transformer.unembedding(params),
-      tokens[:, 1:].reshape(-1), impl=impl, temperature=temperature, chunk=chunk)
+      tokens[:, 1:].reshape(-1), mask, impl=impl, temperature=temperature, chunk=chunk)
   pad = lambda x: jnp.pad(x.reshape(B, T - 1), ((0, 0), (1, 0)))
   return pad(logprobs), pad(entropy)
 
@@ -97,10 +101,10 @@ def _temperature(config: RunConfig) -> float:
 
 
 def make_logprobs_fn(config: RunConfig, transformer: Transformer):
-  """Jitted ``(params, tokens, attention_mask) -> logprobs [B, T]``: old and reference
-  log-probs through the same fused path as the loss."""
-  def logprobs(params, tokens, attention_mask):
-    return sequence_logprobs(transformer, params, tokens, attention_mask,
+  """Jitted ``(params, tokens, attention_mask, response_mask=None) -> logprobs [B, T]``: old
+  and reference log-probs through the same fused path as the loss."""
+  def logprobs(params, tokens, attention_mask, response_mask=None):
+    return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
                              impl=config.model.logprob_impl, temperature=_temperature(config),
                              chunk=config.model.logprob_chunk)[0]
   return jax.jit(logprobs)
@@ -148,7 +152,8 @@ def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array,
                     *, config: RunConfig, transformer: Transformer):
   """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch."""
   logprobs, entropy = sequence_logprobs(
-      transformer, params, batch.tokens, batch.attention_mask, impl=config.model.logprob_impl,
+      transformer, params, batch.tokens, batch.attention_mask, batch.response_mask,
+      impl=config.model.logprob_impl,
       temperature=_temperature(config), chunk=config.model.logprob_chunk)
   loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef)
   numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.loss_agg,
