@@ -13,10 +13,10 @@ Implementations, all equal to ``reference`` in values and gradients (tests):
 
 - ``reference``: the plain version; holds ``[T, V]`` float32 logits (and more in
   the backward pass).
-- ``xla``: scans over chunks of tokens, with a custom VJP whose backward pass
-  recomputes each chunk's logits from the saved ``lse``:
-  ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)``. Memory is a few
-  ``[chunk, V]`` tiles.
+- ``xla``: the forward pass scans over chunks of tokens; a custom VJP's backward
+  pass scans over slices of the vocabulary, recomputing each slice's logits
+  from the saved ``lse``: ``dz = g_lp * (onehot - p) - g_H * p * (log p + H)``.
+  Memory is a few ``[chunk, V]`` / ``[T, slice]`` tiles.
 - ``pallas``: tiled Pallas kernels (``rlx.kernels.pallas_logprobs``): Triton on
   GPU, Mosaic on TPU; blocks of masked-out tokens are skipped.
 
@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from rlx.kernels.pallas_logprobs import pallas_logprobs
 
 Impl = Literal["auto", "reference", "xla", "pallas"]
-DEFAULT_CHUNK = 128  # tokens per chunk: [128, V] float32 tiles (16 MiB at V=32k)
+DEFAULT_CHUNK = 128  # forward: tokens per chunk, [128, V] float32 tiles (16 MiB at V=32k)
+VOCAB_CHUNK = 1024  # backward: vocabulary entries per slice, [T, 1024] float32 tiles
 
 
 def reference_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
@@ -84,26 +85,41 @@ def _chunked_forward(hidden, unembed, targets, chunk, temperature):
 
 
 def _chunked_backward(chunk, temperature, residuals, cotangents):
+  """Recomputes the logits one vocabulary slice at a time, for all tokens at once:
+  ``d_unembed[:, slice] = hidden.T @ dz`` is written in place, ``d_hidden`` accumulates
+  ``dz @ unembed[:, slice].T`` in a small [T, D] carry. (Slicing the vocabulary
+  rather than the tokens avoids re-reading and re-writing a [D, V] accumulator per chunk.)"""
   hidden, unembed, targets, lse, entropy = residuals
   g_logprobs, g_entropy = cotangents
+  V = unembed.shape[1]
+  width = min(VOCAB_CHUNK, V)
 
-  def body(d_unembed, xs):
-    hidden_chunk, target_chunk, lse_chunk, entropy_chunk, g_lp, g_h = xs
-    logits = jnp.einsum("cd,dv->cv", hidden_chunk, unembed,
-                        preferred_element_type=jnp.float32) / temperature
-    log_probs = logits - lse_chunk[:, None]
+  def slice_grads(d_hidden, d_unembed, start, size):
+    w = jax.lax.dynamic_slice_in_dim(unembed, start, size, axis=1)
+    logits = jnp.einsum("td,dv->tv", hidden, w, preferred_element_type=jnp.float32) / temperature
+    log_probs = logits - lse[:, None]
     probs = jnp.exp(log_probs)
-    d_logits = -probs * (g_lp[:, None] + g_h[:, None] * (log_probs + entropy_chunk[:, None]))
-    d_logits = d_logits.at[jnp.arange(target_chunk.shape[0]), target_chunk].add(g_lp)  # onehot term
+    d_logits = -probs * (g_logprobs[:, None] + g_entropy[:, None] * (log_probs + entropy[:, None]))
+    cols = targets - start  # the onehot term, for targets inside this slice
+    inside = (cols >= 0) & (cols < size)
+    d_logits = d_logits.at[jnp.arange(targets.shape[0]), jnp.clip(cols, 0, size - 1)].add(
+        jnp.where(inside, g_logprobs, 0.0))
     d_logits = d_logits / temperature
-    d_hidden_chunk = jnp.einsum("cv,dv->cd", d_logits, unembed, preferred_element_type=jnp.float32)
-    d_unembed = d_unembed + jnp.einsum("cd,cv->dv", hidden_chunk, d_logits,
-                                       preferred_element_type=jnp.float32)
-    return d_unembed, d_hidden_chunk.astype(hidden.dtype)
+    d_hidden = d_hidden + jnp.einsum("tv,dv->td", d_logits, w, preferred_element_type=jnp.float32)
+    d_w = jnp.einsum("td,tv->dv", hidden, d_logits, preferred_element_type=jnp.float32)
+    # Each slice of d_unembed is written once: store it in the output dtype straight away.
+    return d_hidden, jax.lax.dynamic_update_slice_in_dim(d_unembed, d_w.astype(unembed.dtype),
+                                                         start, axis=1)
 
-  xs = tuple(_to_chunks(x, chunk) for x in (hidden, targets, lse, entropy, g_logprobs, g_entropy))
-  d_unembed, d_hidden = jax.lax.scan(body, jnp.zeros(unembed.shape, jnp.float32), xs)
-  return d_hidden.reshape(hidden.shape), d_unembed.astype(unembed.dtype), None
+  def body(carry, j):
+    return slice_grads(*carry, j * width, width), None
+
+  carry = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(unembed.shape, unembed.dtype))
+  carry, _ = jax.lax.scan(body, carry, jnp.arange(V // width))
+  if V % width:  # the last, narrower slice
+    carry = slice_grads(*carry, V - V % width, V % width)
+  d_hidden, d_unembed = carry
+  return d_hidden.astype(hidden.dtype), d_unembed, None
 
 
 _chunked.defvjp(_chunked_forward, _chunked_backward)

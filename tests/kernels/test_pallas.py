@@ -3,7 +3,6 @@ full-logits reference: values and gradients, fp32 and bf16, odd T and V, masks; 
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from rlx.kernels import choose_impl, fused_logprobs, pallas_logprobs
