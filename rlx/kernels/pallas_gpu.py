@@ -16,8 +16,11 @@ vocabulary (d unembed) and loops over the other dimension inside the kernel.
 - d unembed, grid (V / bv,): loops over token blocks, recomputing each tile.
 
 Blocks of tokens whose response mask is all False are skipped (their outputs
-and gradients are 0). Inputs are padded to whole blocks by the caller
-(``rlx.kernels.pallas_logprobs``).
+and gradients are 0). Triton lowering needs every array in a kernel to have
+power-of-two sides: blocks are powers of two, and the caller
+(``rlx.kernels.pallas_logprobs``) pads the model width to one and the tokens
+and vocabulary to whole blocks. Whole-array refs (the unembedding in the
+forward pass, the tokens in d unembed) are only ever read in such blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from rlx.kernels import pallas_common as tiles
 def _forward_kernel(h_ref, w_ref, t_ref, m_ref, lp_ref, ent_ref, lse_ref, *, vocab_size, block_v,
                     temperature):
   rows = h_ref.shape[0]
-  active = jnp.any(m_ref[...] != 0)
+  active = jnp.max(m_ref[...]) != 0
 
   @pl.when(active)
   def _():
@@ -61,7 +64,7 @@ def _forward_kernel(h_ref, w_ref, t_ref, m_ref, lp_ref, ent_ref, lse_ref, *, voc
 
 def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dh_ref, *,
                      vocab_size, block_v, temperature):
-  active = jnp.any(m_ref[...] != 0)
+  active = jnp.max(m_ref[...]) != 0
 
   @pl.when(active)
   def _():
@@ -99,7 +102,7 @@ def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gen
                            gent_ref[rows], temperature)
       return acc + jnp.dot(hidden.T, dz.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
-    return jax.lax.cond(jnp.any(m_ref[rows] != 0), add, lambda acc: acc, acc)
+    return jax.lax.cond(jnp.max(m_ref[rows]) != 0, add, lambda acc: acc, acc)
 
   acc = jax.lax.fori_loop(0, h_ref.shape[0] // block_t, body, jnp.zeros(dw_ref.shape, jnp.float32))
   dw_ref[...] = acc.astype(dw_ref.dtype)

@@ -86,11 +86,18 @@ def pallas_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
     block_t, block_v: tokens and vocab entries per block (defaults per variant).
     interpret: run the kernels in Pallas' interpreter (CPU tests).
   """
-  T, _ = hidden.shape
+  T, D = hidden.shape
   V = unembed.shape[1]
   default_t, default_v = DEFAULT_BLOCKS[variant]
   block_t = _fit(block_t or default_t, T, 8)
   block_v = _fit(block_v or default_v, V, 16)
+  if variant == "gpu":
+    # Triton lowering needs every array in the kernel to have power-of-two sides
+    # (and matmul sides >= 16): pad the model width with zeros, which adds nothing.
+    if any(b & (b - 1) for b in (block_t, block_v)):
+      raise ValueError(f"GPU blocks must be powers of two, got block_t={block_t}, block_v={block_v}")
+    width = max(16, 1 << (D - 1).bit_length())
+    hidden, unembed = _pad_to(hidden, width, 1), _pad_to(unembed, width, 0)
   mask = jnp.ones((T,), bool) if mask is None else mask.astype(bool)
   column = lambda x: _pad_to(x.astype(jnp.int32)[:, None], block_t, 0)
   logprob, entropy = _fused(_pad_to(hidden, block_t, 0), _pad_to(unembed, block_v, 1),

@@ -20,7 +20,7 @@ def _run(fn, hidden, unembed, g_lp, g_h):
 
 # Few, large blocks: the interpreter is slow. Odd T and V exercise padding and masking.
 @pytest.mark.parametrize("variant", ["gpu", "tpu"])
-@pytest.mark.parametrize("T, D, V, temperature", [(37, 16, 50, 1.0), (24, 32, 131, 0.7)])
+@pytest.mark.parametrize("T, D, V, temperature", [(37, 16, 50, 1.0), (24, 24, 131, 0.7)])  # D=24: padded to 32 on GPU
 def test_pallas_equals_reference_fp32(variant, T, D, V, temperature):
   hidden, unembed, targets, g_lp, g_h = _inputs(T * V, T, D, V, scale=2.0)
   pallas = _run(lambda h, u: pallas_logprobs(h, u, targets, variant=variant, block_t=16,
