@@ -138,9 +138,9 @@ class AlgorithmConfig:
   name: Literal["ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp"] = "grpo"
   """Algorithm family; decides the advantage estimator and policy loss."""
   clip_eps_low: float = 0.2
-  """Lower clip range of the importance ratio (1 - eps_low)."""
+  """Lower clip range of the importance ratio (1 - eps_low); GSPO's sequence-level ratio wants ~3e-4."""
   clip_eps_high: float = 0.2
-  """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher uses 0.28."""
+  """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher uses 0.28, GSPO ~4e-4."""
   dual_clip: float | None = None
   """Dual-clip constant c (> 1) for negative advantages; None disables it."""
   kl_coef: float = 0.0
