@@ -1,0 +1,70 @@
+"""Built-in synthetic tasks with verifiable answers, generated deterministically from a seed.
+
+Each row is ``{"prompt": str, "answer": str}``; the answer is what the task's
+verifier in ``rlx.rewards`` checks against. Train and eval rows never share a
+problem: a problem belongs to the eval split when a hash of its text falls in
+``eval_fraction``.
+
+- ``arithmetic``: ``What is 37 + 58?`` -> ``95`` (+, - and *).
+- ``countdown``: reach a target from 3-4 numbers with + - * (each number at most
+  once); every target is built from the numbers, so each problem has a solution.
+  The answer is ``"target|n1,n2,..."``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from typing import Literal
+
+Split = Literal["train", "eval"]
+INSTRUCTION = "Put the final answer in <answer></answer>."
+
+
+def _arithmetic(rng: random.Random) -> dict[str, str]:
+  op = rng.choice("+-*")
+  a = rng.randint(0, 99)
+  b = rng.randint(0, 99) if op != "*" else rng.randint(0, 12)
+  value = {"+": a + b, "-": a - b, "*": a * b}[op]
+  return {"prompt": f"What is {a} {op} {b}? {INSTRUCTION}", "answer": str(value)}
+
+
+def _countdown(rng: random.Random) -> dict[str, str]:
+  numbers = [rng.randint(1, 12) for _ in range(rng.choice((3, 4)))]
+  used = rng.sample(numbers, rng.randint(2, len(numbers)))
+  expression, value = str(used[0]), used[0]
+  for n in used[1:]:
+    op = rng.choice("+-*")
+    expression = f"({expression} {op} {n})"
+    value = {"+": value + n, "-": value - n, "*": value * n}[op]
+  shown = ", ".join(map(str, numbers))
+  prompt = (f"Using the numbers {shown}, each at most once, and + - * /, make {value}. "
+            f"{INSTRUCTION}")
+  return {"prompt": prompt, "answer": f"{value}|{','.join(map(str, numbers))}"}
+
+
+TASKS: dict[str, Callable[[random.Random], dict[str, str]]] = {
+    "arithmetic": _arithmetic, "countdown": _countdown}
+
+
+def _in_eval(prompt: str, eval_fraction: float) -> bool:
+  digest = hashlib.sha256(prompt.encode()).digest()
+  return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
+
+
+def task_rows(task: str, count: int, *, seed: int = 0, split: Split = "train",
+              eval_fraction: float = 0.1) -> list[dict[str, str]]:
+  """``count`` rows of a built-in task: the same rows for the same arguments, and never a
+  problem of the other split."""
+  if task not in TASKS:
+    raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
+  if not 0 < eval_fraction < 1:
+    raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+  rng = random.Random(f"{task}:{split}:{seed}")
+  rows = []
+  while len(rows) < count:
+    row = TASKS[task](rng)
+    if _in_eval(row["prompt"], eval_fraction) == (split == "eval"):
+      rows.append(row)
+  return rows

@@ -1,0 +1,112 @@
+"""Answer extraction, the verifiers, and the worker pool's handling of errors and timeouts."""
+
+import time
+
+import numpy as np
+import pytest
+
+from rlx import rewards
+from rlx.rewards import verifiers
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("work... <answer>42</answer>", "42"),
+    ("<answer>1</answer> then <answer>2</answer>", "2"),
+    ("so the result is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+    ("\\boxed{1} and finally \\boxed{x^{2}}", "x^{2}"),
+    ("Some steps.\nAnswer: 17", "17"),
+    ("Some steps.\nThe answer is 3/4.", "3/4"),
+    ("#### 12", "12"),
+    ("I think it is 41 or maybe 42", None),  # numbers in the text are not answers
+    ("Answer: 5\nbut wait, more text", None),
+    ("", None),
+])
+def test_final_answer_only_from_explicit_markers(text, expected):
+  assert rewards.final_answer(text) == expected
+
+
+def test_arithmetic():
+  assert rewards.arithmetic_reward("12 + 30 = <answer>42</answer>", "42") == 1.0
+  assert rewards.arithmetic_reward("<answer>41</answer>", "42") == 0.0
+  assert rewards.arithmetic_reward("42", "42") == 0.0  # no marked answer
+  assert rewards.arithmetic_reward("<answer>forty-two</answer>", "42") == 0.0
+  assert rewards.arithmetic_reward("<answer>-7</answer>", "-7") == 1.0
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ("(6 - 4) * 12", 1.0), ("12 * (6 - 4) = 24", 1.0), ("12 * 2", 0.0),  # 2 is not given
+    ("6 * 4", 1.0),  # a subset of the numbers is allowed
+    ("6 * 4 * 1 / 1", 0.0),  # 1 not given
+    ("6 + 6 + 12", 0.0),  # 6 given once
+    ("__import__('os')", 0.0), ("12 / (6 - 6)", 0.0), ("12 ** 2", 0.0),
+])
+def test_countdown(answer, expected):
+  assert rewards.countdown_reward(f"<answer>{answer}</answer>", "24|6,4,12") == expected
+
+
+def test_expression_evaluator_is_exact_and_refuses_code():
+  value, numbers = rewards.evaluate_expression("(1 + 2) / 3 - -4")
+  assert value == 5 and numbers == [1, 2, 3, 4]
+  with pytest.raises(ValueError):
+    rewards.evaluate_expression("len('abc')")
+
+
+def test_math_verify_equivalence():
+  assert rewards.math_reward("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+  assert rewards.math_reward("Answer: 2/4", "\\frac{1}{2}") == 1.0
+  assert rewards.math_reward("\\boxed{x^2 + 2x + 1}", "(x+1)^2") == 1.0
+  assert rewards.math_reward("\\boxed{3}", "\\frac{1}{2}") == 0.0
+  assert rewards.math_reward("the value 1/2 appears here", "\\frac{1}{2}") == 0.0
+
+
+def test_format_and_weighted_score():
+  assert rewards.format_reward("think <answer>7</answer>") == 1.0
+  assert rewards.format_reward("<answer>7</answer> trailing words") == 0.0
+  assert rewards.score("arithmetic", 0.1, "<answer>7</answer>", "7") == pytest.approx(1.1)
+  assert rewards.score("arithmetic", 0.1, "<answer>8</answer>", "7") == pytest.approx(0.1)
+
+
+def _boom(response, reference):
+  raise RuntimeError("reward function bug")
+
+
+def _sleepy(response, reference):
+  time.sleep(30 if response == "slow" else 0)
+  return 1.0
+
+
+def test_inline_pool_counts_exceptions(monkeypatch):
+  monkeypatch.setitem(verifiers.VERIFIERS, "arithmetic", _boom)
+  pool = rewards.RewardPool("arithmetic", num_workers=0)
+  scores, counts = pool.score(["<answer>1</answer>"] * 3, ["1"] * 3)
+  np.testing.assert_array_equal(scores, [0, 0, 0])
+  assert counts["reward/errors"] == 3 and pool.totals["reward/errors"] == 3
+
+
+def test_worker_pool_scores_and_counts_errors():
+  with rewards.RewardPool("countdown", num_workers=2, timeout_s=5) as pool:
+    scores, counts = pool.score(["<answer>6 * 4</answer>", "<answer>6 + 4</answer>", "nothing"],
+                                ["24|6,4", "24|6,4", "24|6,4"])
+    np.testing.assert_array_equal(scores, [1, 0, 0])
+    assert counts == {"reward/errors": 0, "reward/timeouts": 0}
+    # A malformed reference makes the verifier raise: it scores 0, is counted, the run goes on.
+    scores, counts = pool.score(["<answer>6 * 4</answer>"] * 2, ["24", "24|6,4"])
+    np.testing.assert_array_equal(scores, [0, 1])
+    assert counts["reward/errors"] == 1 and pool.totals["reward/errors"] == 1
+
+
+def test_worker_pool_replaces_a_stuck_worker():
+  with rewards.RewardPool(_sleepy, num_workers=2, timeout_s=1) as pool:
+    started = time.monotonic()
+    scores, counts = pool.score(["fast", "slow", "fast"], ["", "", ""])
+    assert time.monotonic() - started < 15
+    np.testing.assert_array_equal(scores, [1, 0, 1])
+    assert counts["reward/timeouts"] == 1
+    scores, counts = pool.score(["fast"] * 4, [""] * 4)  # fresh workers carry on
+    np.testing.assert_array_equal(scores, [1] * 4)
+    assert counts["reward/timeouts"] == 0
+
+
+def test_unknown_verifier_is_refused():
+  with pytest.raises(ValueError, match="unknown reward 'maths'"):
+    rewards.RewardPool("maths", num_workers=0)
