@@ -1,0 +1,100 @@
+"""The one metrics sink of a run: console progress, ``WORKDIR/metrics.jsonl`` and TensorBoard.
+
+    with MetricsSink(workdir, config.logging, total_steps=config.trainer.steps) as sink:
+        sink.write(step, {"reward/mean": 0.4, "policy/kl": 0.01, ...})
+
+Jitted code returns flat dicts of scalars; only the trainer writes them here.
+Values may be Python or NumPy / JAX scalars. On resume from step k, lines of
+``metrics.jsonl`` past k (written after the checkpoint, before the stop) are
+dropped, so the file reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from rlx.config import LoggingConfig
+
+# Shown on the console, in this order, when present.
+CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "eval/accuracy", "policy/kl", "policy/entropy",
+                "rollout/policy_lag_max", "throughput/tokens_per_s", "time/step_s")
+
+
+def _scalar(value: Any) -> float | int:
+  value = value.item() if hasattr(value, "item") else value
+  if isinstance(value, bool):
+    return int(value)
+  if not isinstance(value, (int, float)):
+    raise TypeError(f"metrics must be scalars, got {type(value).__name__}")
+  return value
+
+
+class MetricsSink:
+  """Writes each step's metrics to the console, a JSONL file and TensorBoard event files."""
+
+  def __init__(self, workdir: str | pathlib.Path, config: LoggingConfig = LoggingConfig(), *,
+               total_steps: int | None = None, resume_step: int | None = None,
+               write: bool = True):
+    self.config, self.total_steps, self.write_files = config, total_steps, write
+    workdir = pathlib.Path(workdir)
+    self.jsonl_path = workdir / "metrics.jsonl"
+    self._jsonl = self._tensorboard = self._progress = None
+    if not write:  # other processes of a multi-host run keep quiet
+      return
+    workdir.mkdir(parents=True, exist_ok=True)
+    if config.jsonl:
+      if resume_step is not None and self.jsonl_path.exists():
+        kept = [line for line in self.jsonl_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step]
+        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+      self._jsonl = open(self.jsonl_path, "a")
+    if config.tensorboard:
+      from tensorboardX import SummaryWriter
+      self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=resume_step)
+    if config.progress_bar:
+      from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+      self._progress = Progress(TextColumn("[bold]rlx"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), TextColumn("{task.description}"))
+      self._task = self._progress.add_task("", total=total_steps, completed=resume_step or 0)
+      self._progress.start()
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """Records one step; returns the metrics as Python scalars."""
+    values = {key: _scalar(value) for key, value in sorted(metrics.items())}
+    if not self.write_files or step % self.config.every_steps:
+      return values
+    if self._jsonl is not None:
+      record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                 for k, v in values.items()}}
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+    if self._tensorboard is not None:
+      for key, value in values.items():
+        self._tensorboard.add_scalar(key, value, step)
+    summary = "  ".join(f"{k.split('/')[-1]} {values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
+    if self._progress is not None:
+      self._progress.update(self._task, completed=step, description=summary)
+    elif summary:
+      print(f"rlx: step {step}: {summary}", flush=True)
+    return values
+
+  def close(self) -> None:
+    if self._progress is not None:
+      self._progress.stop()
+      self._progress = None
+    if self._tensorboard is not None:
+      self._tensorboard.close()
+      self._tensorboard = None
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

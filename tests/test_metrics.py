@@ -1,0 +1,61 @@
+"""The metrics sink: JSONL lines, TensorBoard events, resume truncation, scalar checks."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.config import LoggingConfig
+from rlx.metrics import MetricsSink
+
+
+def _lines(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_and_tensorboard(tmp_path, capsys):
+  config = LoggingConfig(progress_bar=False)
+  with MetricsSink(tmp_path, config, total_steps=3) as sink:
+    for step in (1, 2, 3):
+      values = sink.write(step, {"reward/mean": jnp.float32(step / 10), "policy/kl": np.float64(0.5),
+                                 "response/tokens": 7, "bad": float("nan")})
+  assert values["reward/mean"] == pytest.approx(0.3) and isinstance(values["reward/mean"], float)
+  lines = _lines(tmp_path / "metrics.jsonl")
+  assert [line["step"] for line in lines] == [1, 2, 3]
+  assert lines[0]["response/tokens"] == 7 and lines[0]["bad"] is None  # NaN is written as null
+  assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+  assert "rlx: step 3: mean 0.3  kl 0.5" in capsys.readouterr().out
+
+
+def test_resume_drops_steps_after_the_checkpoint(tmp_path):
+  config = LoggingConfig(progress_bar=False, tensorboard=False)
+  with MetricsSink(tmp_path, config) as sink:
+    for step in range(1, 6):
+      sink.write(step, {"loss": step})
+  with MetricsSink(tmp_path, config, resume_step=3) as sink:
+    sink.write(4, {"loss": 40})
+  assert [(line["step"], line["loss"]) for line in _lines(tmp_path / "metrics.jsonl")] == [
+      (1, 1), (2, 2), (3, 3), (4, 40)]
+
+
+def test_every_steps_and_quiet_processes(tmp_path):
+  with MetricsSink(tmp_path / "a", LoggingConfig(progress_bar=False, tensorboard=False,
+                                                 every_steps=2)) as sink:
+    for step in range(1, 6):
+      sink.write(step, {"loss": 1.0})
+  assert [line["step"] for line in _lines(tmp_path / "a" / "metrics.jsonl")] == [2, 4]
+  with MetricsSink(tmp_path / "b", LoggingConfig(), write=False) as sink:
+    sink.write(1, {"loss": 1.0})
+  assert not (tmp_path / "b").exists()
+
+
+def test_progress_bar_runs(tmp_path):
+  with MetricsSink(tmp_path, LoggingConfig(tensorboard=False), total_steps=2) as sink:
+    sink.write(1, {"reward/mean": 0.5})
+
+
+def test_non_scalars_are_refused(tmp_path):
+  with MetricsSink(tmp_path, LoggingConfig(progress_bar=False, tensorboard=False)) as sink:
+    with pytest.raises(TypeError, match="metrics must be scalars"):
+      sink.write(1, {"loss": "high"})
