@@ -1,0 +1,105 @@
+"""Weight transfer learner -> generator, with the time it takes measured.
+
+The learner ``publish``es each new policy version; the generator asks for the
+``latest`` version newer than the one it holds. Two ways:
+
+- ``ReshardSync``: ``jax.device_put`` of the learner's params into the
+  generation layout (another sub-mesh, or the same devices re-laid-out for
+  decoding), in device memory. For learner and generator in one job.
+- ``OrbaxSync``: the learner writes each version with Orbax (tensorstore) under
+  a directory on local or shared storage; the generator restores the newest
+  version straight into its own shardings. Old versions are deleted. For
+  learner and generator running as separate jobs.
+
+Both return the generator's params in ``generation_shardings``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+Params = Any
+
+
+class ReshardSync:
+  """In-memory resharding to the generation layout."""
+
+  def __init__(self, generation_shardings: Any):
+    self.generation_shardings = generation_shardings
+    self._lock = threading.Lock()
+    self._latest: tuple[Params, int] | None = None
+    self.last_seconds = 0.0
+
+  def publish(self, params: Params, version: int) -> float:
+    """Reshards ``params`` for the generator; returns the seconds it took."""
+    started = time.perf_counter()
+    resharded = jax.block_until_ready(jax.device_put(params, self.generation_shardings))
+    with self._lock:
+      self._latest = (resharded, version)
+    self.last_seconds = time.perf_counter() - started
+    return self.last_seconds
+
+  def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
+    """The newest published (params, version) if its version is above ``newer_than``."""
+    with self._lock:
+      if self._latest is None or self._latest[1] <= newer_than:
+        return None
+      return self._latest
+
+  def close(self) -> None:
+    pass
+
+
+class OrbaxSync:
+  """Policy versions as Orbax checkpoints under ``directory`` (keeps the newest ``keep``)."""
+
+  def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, keep: int = 2):
+    self.directory = pathlib.Path(directory).absolute()
+    self.generation_shardings = generation_shardings
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
+                                           create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._abstract = None
+    self.last_seconds = 0.0
+
+  def publish(self, params: Params, version: int) -> float:
+    """Writes version ``version``; returns the seconds until it is on storage."""
+    started = time.perf_counter()
+    self._manager.save(version, args=ocp.args.StandardSave(params))
+    self._manager.wait_until_finished()
+    self.last_seconds = time.perf_counter() - started
+    return self.last_seconds
+
+  def latest(self, newer_than: int = -1, like: Params | None = None) -> tuple[Params, int] | None:
+    """Restores the newest version above ``newer_than`` into the generation shardings.
+
+    ``like`` (params or ``ShapeDtypeStruct``s of the same tree) is needed once, the
+    first time, when this process has published nothing itself.
+    """
+    self._manager.reload()  # another job may have written new versions
+    version = self._manager.latest_step()
+    if version is None or version <= newer_than:
+      return None
+    if self._abstract is None:
+      if like is None:
+        raise ValueError("OrbaxSync.latest needs like= (the params' structure) the first time")
+      self._abstract = jax.tree.map(
+          lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+          like, self.generation_shardings)
+    started = time.perf_counter()
+    params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))
+    self.last_seconds = time.perf_counter() - started
+    return params, version
+
+  def versions(self) -> list[int]:
+    self._manager.reload()
+    return list(self._manager.all_steps())
+
+  def close(self) -> None:
+    self._manager.close()
