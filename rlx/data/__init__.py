@@ -1,5 +1,8 @@
-"""Prompt sources: built-in synthetic tasks (the grain pipeline over files lands with the trainer)."""
+"""Prompt sources (JSONL, Parquet, built-in synthetic tasks) and the grain prompt pipeline."""
 
-from rlx.data.tasks import TASKS, task_rows
+from rlx.data.pipeline import PromptStream
+from rlx.data.sources import DataError, JsonlSource, ParquetSource, TaskSource, open_source
+from rlx.data.tasks import TASKS, task_row, task_rows
 
-__all__ = ["TASKS", "task_rows"]
+__all__ = ["DataError", "JsonlSource", "ParquetSource", "PromptStream", "TASKS", "TaskSource",
+           "open_source", "task_row", "task_rows"]

@@ -53,18 +53,27 @@ def _in_eval(prompt: str, eval_fraction: float) -> bool:
   return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 
 
-def task_rows(task: str, count: int, *, seed: int = 0, split: Split = "train",
-              eval_fraction: float = 0.1) -> list[dict[str, str]]:
-  """``count`` rows of a built-in task: the same rows for the same arguments, and never a
-  problem of the other split."""
+def _check(task: str, eval_fraction: float) -> None:
   if task not in TASKS:
     raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(TASKS)}")
   if not 0 < eval_fraction < 1:
     raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
-  rng = random.Random(f"{task}:{split}:{seed}")
-  rows = []
-  while len(rows) < count:
-    row = TASKS[task](rng)
+
+
+def task_row(task: str, index: int, *, seed: int = 0, split: Split = "train",
+             eval_fraction: float = 0.1) -> dict[str, str]:
+  """Row ``index`` of a built-in task, computed on its own (random access, deterministic)."""
+  _check(task, eval_fraction)
+  for attempt in range(1000):
+    row = TASKS[task](random.Random(f"{task}:{seed}:{index}:{attempt}"))
     if _in_eval(row["prompt"], eval_fraction) == (split == "eval"):
-      rows.append(row)
-  return rows
+      return row
+  raise RuntimeError(f"no {split} problem found for {task} row {index}")  # p ~ 0.9^1000
+
+
+def task_rows(task: str, count: int, *, seed: int = 0, split: Split = "train",
+              eval_fraction: float = 0.1) -> list[dict[str, str]]:
+  """The first ``count`` rows of a built-in task: the same rows for the same arguments, and
+  never a problem of the other split."""
+  return [task_row(task, i, seed=seed, split=split, eval_fraction=eval_fraction)
+          for i in range(count)]

@@ -1,0 +1,145 @@
+"""Random-access prompt sources: JSONL and Parquet files, and the built-in tasks.
+
+Every source yields ``{"prompt": str, "answer": str}`` rows (the field names
+in the file are configurable). File sources check every row once when they
+open: a malformed row either raises an error that names the file and line (or
+Parquet row), or is skipped and counted in ``skipped``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Literal
+
+from rlx.data.tasks import TASKS, Split, task_row
+
+OnBadRow = Literal["error", "skip"]
+
+
+class DataError(ValueError):
+  """A data file is missing or has a malformed row; the message names the file and line."""
+
+
+def _row(record, prompt_field: str, answer_field: str) -> dict[str, str] | str:
+  """The row, or why it is malformed."""
+  if not isinstance(record, dict):
+    return f"expected a JSON object, got {type(record).__name__}"
+  missing = [f for f in (prompt_field, answer_field) if record.get(f) is None]
+  if missing:
+    return f"missing field(s) {', '.join(map(repr, missing))} (has {', '.join(map(repr, record))})"
+  prompt = record[prompt_field]
+  if not isinstance(prompt, str) or not prompt.strip():
+    return f"field {prompt_field!r} must be a non-empty string"
+  return {"prompt": prompt, "answer": str(record[answer_field])}
+
+
+class JsonlSource:
+  """A JSONL file, indexed by byte offsets (rows are parsed again when read)."""
+
+  def __init__(self, path: str | pathlib.Path, prompt_field: str = "prompt",
+               answer_field: str = "answer", on_bad_row: OnBadRow = "error"):
+    self.path = pathlib.Path(path)
+    if not self.path.is_file():
+      raise DataError(f"data file {self.path} does not exist")
+    self.prompt_field, self.answer_field = prompt_field, answer_field
+    self.offsets: list[int] = []
+    self.skipped = 0
+    with open(self.path, "rb") as f:
+      offset = 0
+      for number, line in enumerate(f, start=1):
+        start, offset = offset, offset + len(line)
+        if not line.strip():
+          continue
+        try:
+          problem = _row(json.loads(line), prompt_field, answer_field)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+          problem = f"not valid JSON ({error})"
+        if isinstance(problem, str):
+          if on_bad_row == "error":
+            raise DataError(f"{self.path}:{number}: {problem}; fix the row or set "
+                            "config.data.on_bad_row=skip")
+          self.skipped += 1
+          continue
+        self.offsets.append(start)
+    if not self.offsets:
+      raise DataError(f"{self.path} has no usable rows")
+
+  def __len__(self) -> int:
+    return len(self.offsets)
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    with open(self.path, "rb") as f:
+      f.seek(self.offsets[index])
+      return _row(json.loads(f.readline()), self.prompt_field, self.answer_field)
+
+
+class ParquetSource:
+  """A Parquet file's prompt and answer columns, held in memory (needs pyarrow)."""
+
+  def __init__(self, path: str | pathlib.Path, prompt_field: str = "prompt",
+               answer_field: str = "answer", on_bad_row: OnBadRow = "error"):
+    self.path = pathlib.Path(path)
+    if not self.path.is_file():
+      raise DataError(f"data file {self.path} does not exist")
+    try:
+      import pyarrow.parquet as pq
+    except ImportError:
+      raise DataError("reading Parquet needs pyarrow: pip install 'rlx[parquet]'") from None
+    names = pq.read_schema(self.path).names
+    missing = [f for f in (prompt_field, answer_field) if f not in names]
+    if missing:
+      raise DataError(f"{self.path}: no column(s) {', '.join(map(repr, missing))} "
+                      f"(columns: {', '.join(names)}); set config.data.prompt_field / answer_field")
+    table = pq.read_table(self.path, columns=[prompt_field, answer_field]).to_pylist()
+    self.rows, self.skipped = [], 0
+    for number, record in enumerate(table):
+      row = _row(record, prompt_field, answer_field)
+      if isinstance(row, str):
+        if on_bad_row == "error":
+          raise DataError(f"{self.path}: row {number}: {row}; fix the row or set "
+                          "config.data.on_bad_row=skip")
+        self.skipped += 1
+        continue
+      self.rows.append(row)
+    if not self.rows:
+      raise DataError(f"{self.path} has no usable rows")
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    return self.rows[index]
+
+
+class TaskSource:
+  """A built-in task as a random-access source of ``size`` rows."""
+
+  def __init__(self, task: str, *, seed: int = 0, split: Split = "train",
+               eval_fraction: float = 0.1, size: int = 1_000_000):
+    self.task, self.seed, self.split, self.eval_fraction, self.size = (
+        task, seed, split, eval_fraction, size)
+    self.skipped = 0
+    task_row(task, 0, seed=seed, split=split, eval_fraction=eval_fraction)  # validates
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index: int) -> dict[str, str]:
+    return task_row(self.task, index, seed=self.seed, split=self.split,
+                    eval_fraction=self.eval_fraction)
+
+
+def open_source(source: str, *, prompt_field: str = "prompt", answer_field: str = "answer",
+                on_bad_row: OnBadRow = "error", split: Split = "train", seed: int = 0,
+                eval_fraction: float = 0.1):
+  """A built-in task by name, or a ``.jsonl`` / ``.parquet`` file by path."""
+  if source in TASKS:
+    return TaskSource(source, seed=seed, split=split, eval_fraction=eval_fraction)
+  suffix = pathlib.Path(source).suffix.lower()
+  if suffix in (".jsonl", ".json"):
+    return JsonlSource(source, prompt_field, answer_field, on_bad_row)
+  if suffix in (".parquet", ".pq"):
+    return ParquetSource(source, prompt_field, answer_field, on_bad_row)
+  raise DataError(f"config.data.source={source!r} is neither a built-in task "
+                  f"({', '.join(TASKS)}) nor a .jsonl / .parquet file")

@@ -1,0 +1,83 @@
+"""Sources and the prompt stream: fields, malformed rows (error naming file and line, or skip
+and count), deterministic shuffles, epochs, checkpointable position, tokenization."""
+
+import json
+
+import pytest
+
+from rlx.data import DataError, JsonlSource, ParquetSource, PromptStream, TaskSource, open_source
+
+
+def _jsonl(path, rows):
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+  return path
+
+
+def test_jsonl_fields_and_random_access(tmp_path):
+  path = _jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "solution": i} for i in range(5)])
+  source = JsonlSource(path, prompt_field="question", answer_field="solution")
+  assert len(source) == 5 and source[3] == {"prompt": "q3", "answer": "3"}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "d.jsonl:3: not valid JSON"),
+    ({"prompt": "p"}, "d.jsonl:3: missing field(s) 'answer'"),
+    ({"prompt": "", "answer": 1}, "d.jsonl:3: field 'prompt' must be a non-empty string"),
+    ([1, 2], "d.jsonl:3: expected a JSON object"),
+])
+def test_malformed_rows_are_named_or_skipped(tmp_path, bad, message):
+  good = {"prompt": "p", "answer": "a"}
+  path = _jsonl(tmp_path / "d.jsonl", [good, good, bad, good])
+  with pytest.raises(DataError) as error:
+    JsonlSource(path)
+  assert message in str(error.value) and "on_bad_row=skip" in str(error.value)
+  source = JsonlSource(path, on_bad_row="skip")
+  assert len(source) == 3 and source.skipped == 1
+
+
+def test_parquet(tmp_path):
+  pa = pytest.importorskip("pyarrow")
+  import pyarrow.parquet as pq
+  path = tmp_path / "d.parquet"
+  pq.write_table(pa.table({"problem": ["a", None, "c"], "answer": ["1", "2", "3"]}), path)
+  with pytest.raises(DataError, match="row 1: missing field"):
+    ParquetSource(path, prompt_field="problem")
+  source = ParquetSource(path, prompt_field="problem", on_bad_row="skip")
+  assert [source[i]["prompt"] for i in range(len(source))] == ["a", "c"] and source.skipped == 1
+  with pytest.raises(DataError, match="no column"):
+    ParquetSource(path)
+
+
+def test_open_source_refuses_unknown_sources(tmp_path):
+  with pytest.raises(DataError, match="neither a built-in task"):
+    open_source("prompts.csv")
+  with pytest.raises(DataError, match="does not exist"):
+    open_source(str(tmp_path / "missing.jsonl"))
+  assert isinstance(open_source("countdown"), TaskSource)
+
+
+def test_stream_is_deterministic_covers_epochs_and_resumes(tmp_path):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(12)]
+  source = JsonlSource(_jsonl(tmp_path / "d.jsonl", rows))
+  prompts = lambda batch: [r["prompt"] for r in batch]
+  first = [prompts(b) for b in PromptStream(source, batch_size=4, seed=3, num_epochs=2)]
+  again = [prompts(b) for b in PromptStream(source, batch_size=4, seed=3, num_epochs=2)]
+  other = [prompts(b) for b in PromptStream(source, batch_size=4, seed=4, num_epochs=2)]
+  assert first == again and first != other
+  assert len(first) == 6
+  epoch1, epoch2 = sum(first[:3], []), sum(first[3:], [])
+  assert sorted(epoch1) == sorted(epoch2) == sorted(r["prompt"] for r in rows)
+  assert epoch1 != epoch2  # each epoch is a fresh shuffle
+  stream = PromptStream(source, batch_size=4, seed=3)
+  next(stream), next(stream)
+  state = json.loads(json.dumps(stream.get_state()))  # survives a checkpoint
+  expected = [prompts(next(stream)) for _ in range(3)]
+  resumed = PromptStream(source, batch_size=4, seed=3)
+  resumed.set_state(state)
+  assert [prompts(next(resumed)) for _ in range(3)] == expected
+
+
+def test_stream_tokenizes_prompts():
+  stream = PromptStream(TaskSource("arithmetic"), batch_size=2, encode=lambda text: [len(text)])
+  batch = next(stream)
+  assert all(row["prompt_tokens"] == [len(row["prompt"])] for row in batch)
