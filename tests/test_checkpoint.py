@@ -1,0 +1,59 @@
+"""Checkpoints: a sharded train state, the critic, the data position and metadata round-trip;
+retention; the stop signal."""
+
+import os
+import signal
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from rlx import mesh as mesh_lib
+from rlx import update
+from rlx.checkpoint import Checkpointer, StopSignal
+from rlx.config import ArchConfig, CheckpointConfig, MeshConfig, RunConfig
+from rlx.models import init_model
+
+ARCH = ArchConfig(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+
+
+def _state(seed):
+  mesh = mesh_lib.make_mesh(MeshConfig(fsdp=4, tensor=2))
+  optimizer, _ = update.make_optimizer(RunConfig().optimizer, total_steps=10)
+  params = init_model(ARCH, jax.random.key(seed), mesh=mesh).params
+  state = update.init_train_state(params, optimizer, jax.random.key(seed + 100))
+  return state.replace(step=jnp.asarray(seed, jnp.int32), policy_version=state.policy_version + seed)
+
+
+def test_round_trip_in_the_same_shardings(tmp_path):
+  checkpointer = Checkpointer(tmp_path, CheckpointConfig(max_to_keep=2, async_save=True))
+  try:
+    assert checkpointer.restore(_state(0)) is None
+    for step in (1, 2, 3):
+      state, critic = _state(step), _state(step + 10)
+      checkpointer.save(step, state, critic=critic, data_state={"next_index": 8 * step},
+                        meta={"policy_version": step, "dropped": 0})
+    checkpointer.wait()
+    assert checkpointer.latest_step() == 3
+    restored = checkpointer.restore(_state(0), like_critic=_state(0))
+    chex.assert_trees_all_equal(jax.device_get(jax.random.key_data(restored.state.key)),
+                                jax.device_get(jax.random.key_data(state.key)))
+    chex.assert_trees_all_equal(jax.device_get(restored.state.replace(key=None)),
+                                jax.device_get(state.replace(key=None)))
+    chex.assert_trees_all_equal(jax.device_get(restored.critic.params), jax.device_get(critic.params))
+    assert restored.state.params["layers"]["q"].sharding == state.params["layers"]["q"].sharding
+    assert restored.data_state == {"next_index": 24} and restored.meta["policy_version"] == 3
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
+    older = checkpointer.restore(_state(0), step=2)
+    assert int(older.state.step) == 2 and older.critic is None
+  finally:
+    checkpointer.close()
+
+
+def test_stop_signal_sets_a_flag():
+  with StopSignal() as stop:
+    assert not stop.requested
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested and stop.received == "SIGTERM"
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
