@@ -226,8 +226,8 @@ class Transformer:
       positions = jnp.maximum(cache["valid"].sum(-1, keepdims=True) + count, 0)
       S = cache["valid"].shape[1]
       query_slots = cache["index"][:, None] + jnp.arange(T)[None]  # [B, T]
-      valid = jax.vmap(lambda v, r, i: jax.lax.dynamic_update_slice(v, r, (i,)))(
-          cache["valid"], real, cache["index"])
+      # Writes past the end of the cache are dropped (the caller keeps index + T <= S).
+      valid = cache["valid"].at[jnp.arange(B)[:, None], query_slots].set(real, mode="drop")
       key_slots = jnp.arange(S)
       attn_mask = (key_slots[None, None, :] <= query_slots[..., None]) & (
           valid[:, None, :] | (key_slots[None, None, :] == query_slots[..., None]))
@@ -235,8 +235,8 @@ class Transformer:
     x = params["embed"].astype(self.dtype)[tokens]
     inv_freq = rope_inv_freq(a)
 
-    def layer(x, xs):
-      p, cache_k, cache_v = xs
+    def attention_block(x, p, write_kv):
+      """Pre-norm attention; ``write_kv(k, v) -> (keys, values)`` gives what to attend to."""
       h = rms_norm(x, p["attn_norm"], a.rms_norm_eps)
       q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(self.dtype))
       k = jnp.einsum("btd,dke->btke", h, p["k"].astype(self.dtype))
@@ -247,32 +247,52 @@ class Transformer:
       if a.qk_norm:
         q, k = rms_norm(q, p["q_norm"], a.rms_norm_eps), rms_norm(k, p["k_norm"], a.rms_norm_eps)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-      if cache_k is not None:
-        write = jax.vmap(lambda c, new, i: jax.lax.dynamic_update_slice(c, new, (i, 0, 0)))
-        k, v = write(cache_k, k, cache["index"]), write(cache_v, v, cache["index"])
+      keys, values = write_kv(k, v)
       if self.attention == "reference":
-        out = reference_attention(q, k, v, attn_mask)
+        out = reference_attention(q, keys, values, attn_mask)
       else:
-        out = fused_attention(q, k, v, None if use_causal_only else attn_mask)
+        out = fused_attention(q, keys, values, None if use_causal_only else attn_mask)
       attn = jnp.einsum("bthe,hed->btd", out, p["o"].astype(self.dtype))
       if a.o_bias:
         attn = attn + p["o_bias"].astype(self.dtype)
-      x = x + attn
+      return x + attn
+
+    def mlp_block(x, p):
       h = rms_norm(x, p["mlp_norm"], a.rms_norm_eps)
       gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(self.dtype))
       up = jnp.einsum("btd,df->btf", h, p["up"].astype(self.dtype))
-      x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down"].astype(self.dtype))
-      return x, (k, v) if cache_k is not None else None
+      return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down"].astype(self.dtype))
 
-    if self.remat != "none":
-      layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])
-    layer_cache = (None, None) if cache is None else (cache["k"], cache["v"])
-    x, new_kv = jax.lax.scan(layer, x, (params["layers"], *layer_cache))
-    x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
     if cache is None:
-      return x, None
-    new_cache = {"k": new_kv[0], "v": new_kv[1], "valid": valid, "index": cache["index"] + T}
-    return x, new_cache
+      def layer(x, p):
+        return mlp_block(attention_block(x, p, lambda k, v: (k, v)), p), None
+
+      if self.remat != "none":
+        layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])
+      x, _ = jax.lax.scan(layer, x, params["layers"])
+      return rms_norm(x, params["final_norm"], a.rms_norm_eps), None
+
+    # With a cache, the whole [L, B, S, K, E] cache is the scan's carry and each layer writes
+    # its new keys and values into it in place: a decode step never copies the cache.
+    rows, write_slots = jnp.arange(B)[:, None], query_slots
+
+    def cached_layer(carry, xs):
+      x, cache_k, cache_v = carry
+      p, l = xs
+
+      def write_kv(k, v):
+        nonlocal cache_k, cache_v
+        cache_k = cache_k.at[l, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[l, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
+        return cache_k[l], cache_v[l]
+
+      x = mlp_block(attention_block(x, p, write_kv), p)
+      return (x, cache_k, cache_v), None
+
+    (x, new_k, new_v), _ = jax.lax.scan(
+        cached_layer, (x, cache["k"], cache["v"]), (params["layers"], jnp.arange(a.num_layers)))
+    x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
+    return x, {"k": new_k, "v": new_v, "valid": valid, "index": cache["index"] + T}
 
   def unembedding(self, params: Params) -> jax.Array:
     """The unembedding matrix [D, V] (the fused log-prob loss takes it with the hidden states)."""
