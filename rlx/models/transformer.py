@@ -236,7 +236,8 @@ class Transformer:
     inv_freq = rope_inv_freq(a)
 
     def attention_block(x, p, write_kv):
-      """Pre-norm attention; ``write_kv(k, v) -> (keys, values)`` gives what to attend to."""
+      """Pre-norm attention. ``write_kv(k, v) -> (keys, values, written)`` stores the new keys
+      and values and gives what to attend to; ``written`` is returned alongside the output."""
       h = rms_norm(x, p["attn_norm"], a.rms_norm_eps)
       q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(self.dtype))
       k = jnp.einsum("btd,dke->btke", h, p["k"].astype(self.dtype))
@@ -247,7 +248,7 @@ class Transformer:
       if a.qk_norm:
         q, k = rms_norm(q, p["q_norm"], a.rms_norm_eps), rms_norm(k, p["k_norm"], a.rms_norm_eps)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-      keys, values = write_kv(k, v)
+      keys, values, written = write_kv(k, v)
       if self.attention == "reference":
         out = reference_attention(q, keys, values, attn_mask)
       else:
@@ -255,7 +256,7 @@ class Transformer:
       attn = jnp.einsum("bthe,hed->btd", out, p["o"].astype(self.dtype))
       if a.o_bias:
         attn = attn + p["o_bias"].astype(self.dtype)
-      return x + attn
+      return x + attn, written
 
     def mlp_block(x, p):
       h = rms_norm(x, p["mlp_norm"], a.rms_norm_eps)
@@ -265,7 +266,8 @@ class Transformer:
 
     if cache is None:
       def layer(x, p):
-        return mlp_block(attention_block(x, p, lambda k, v: (k, v)), p), None
+        x, _ = attention_block(x, p, lambda k, v: (k, v, None))
+        return mlp_block(x, p), None
 
       if self.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])
@@ -281,13 +283,12 @@ class Transformer:
       p, l = xs
 
       def write_kv(k, v):
-        nonlocal cache_k, cache_v
-        cache_k = cache_k.at[l, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[l, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
-        return cache_k[l], cache_v[l]
+        k_all = cache_k.at[l, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
+        v_all = cache_v.at[l, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
+        return k_all[l], v_all[l], (k_all, v_all)
 
-      x = mlp_block(attention_block(x, p, write_kv), p)
-      return (x, cache_k, cache_v), None
+      x, (cache_k, cache_v) = attention_block(x, p, write_kv)
+      return (mlp_block(x, p), cache_k, cache_v), None
 
     (x, new_k, new_v), _ = jax.lax.scan(
         cached_layer, (x, cache["k"], cache["v"]), (params["layers"], jnp.arange(a.num_layers)))
