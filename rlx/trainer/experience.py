@@ -1,0 +1,117 @@
+"""From sampled completions and their rewards to the arrays the learner trains on.
+
+    batch, stats = build_batch(completions, rewards, config, pad_id=tokenizer.pad_id)
+
+Layout of row b (T = longest prompt + longest response of the batch)::
+
+    [pad .. pad | prompt tokens | response tokens | pad .. pad]
+                  (left-padded)                     (right-padded)
+
+Per-token arrays are aligned with the target token (see ``rlx.types``): the
+response mask is True on response tokens, the behaviour log-probs sit on them.
+
+Advantages follow the algorithm: GRPO / DAPO / GSPO / CISPO use the
+group-relative advantage, Dr.GRPO the same without the std, RLOO the
+leave-one-out baseline, REINFORCE++ whitened returns-to-go. (PPO's GAE needs
+the critic's values: the trainer computes it on device.) DAPO's soft overlong
+punishment is added to the rewards when ``overlong_buffer > 0``, and overlong
+filtering masks truncated responses out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from rlx import algorithms
+from rlx.config import RunConfig
+from rlx.rollout import Completion
+from rlx.types import RolloutBatch
+
+GROUP_RELATIVE = {"grpo", "dapo", "gspo", "cispo"}
+
+
+def layout(completions: Sequence[Completion], pad_id: int) -> dict[str, np.ndarray]:
+  """Token ids, attention and response masks, and behaviour log-probs [B, T] (NumPy)."""
+  prompt_len = max(len(c.prompt_tokens) for c in completions)
+  response_len = max(len(c.response_tokens) for c in completions)
+  B, T = len(completions), prompt_len + response_len
+  tokens = np.full((B, T), pad_id, np.int32)
+  attention = np.zeros((B, T), bool)
+  response = np.zeros((B, T), bool)
+  behaviour = np.zeros((B, T), np.float32)
+  for b, c in enumerate(completions):
+    start = prompt_len - len(c.prompt_tokens)
+    end = prompt_len + len(c.response_tokens)
+    tokens[b, start:prompt_len] = c.prompt_tokens
+    tokens[b, prompt_len:end] = c.response_tokens
+    attention[b, start:end] = True
+    response[b, prompt_len:end] = True
+    behaviour[b, prompt_len:end] = c.logprobs
+  return {"tokens": tokens, "attention_mask": attention, "response_mask": response,
+          "behaviour_logprobs": behaviour}
+
+
+def shaped_rewards(completions: Sequence[Completion], rewards: np.ndarray,
+                   config: RunConfig) -> np.ndarray:
+  """Task rewards plus DAPO's soft overlong punishment (when ``overlong_buffer > 0``)."""
+  rewards = np.asarray(rewards, np.float32)
+  buffer = config.algorithm.overlong_buffer
+  if buffer <= 0:
+    return rewards
+  lengths = np.array([len(c.response_tokens) for c in completions])
+  # A response cut at the limit did not finish: count it as one token over.
+  lengths = lengths + np.array([c.finish_reason == "length" for c in completions])
+  penalty = algorithms.overlong_penalty(jnp.asarray(lengths), config.rollout.max_new_tokens, buffer)
+  return rewards + np.asarray(penalty)
+
+
+def advantages(config: RunConfig, rewards: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+  """Per-token advantages [B, T] for every algorithm but PPO."""
+  name, group = config.algorithm.name, config.rollout.group_size
+  mask = jnp.asarray(response_mask)
+  rewards = jnp.asarray(rewards, jnp.float32)
+  if name in GROUP_RELATIVE or name == "dr_grpo":
+    sequence = algorithms.group_relative(rewards, group, scale_by_std=name != "dr_grpo")
+  elif name == "rloo":
+    sequence = algorithms.rloo(rewards, group)
+  elif name == "reinforce_pp":
+    last = jnp.cumsum(mask, axis=1) == mask.sum(1, keepdims=True)  # the last response token
+    token_rewards = jnp.where(mask & last, rewards[:, None], 0.0)
+    return np.asarray(algorithms.reinforce_plus_plus(token_rewards, mask, config.algorithm.gamma))
+  else:
+    raise ValueError(f"{name}: advantages come from the critic (GAE), computed by the trainer")
+  return np.asarray(algorithms.per_token(sequence, mask))
+
+
+def build_batch(completions: Sequence[Completion], rewards: np.ndarray, config: RunConfig, *,
+                pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+  """The learner's batch (old log-probs still to be recomputed: they start as the behaviour
+  log-probs) and statistics of the rewards and responses."""
+  if len(completions) != len(rewards):
+    raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
+  arrays = layout(completions, pad_id)
+  shaped = shaped_rewards(completions, rewards, config)
+  response_mask = arrays["response_mask"]
+  truncated = np.array([c.finish_reason == "length" for c in completions])
+  if config.algorithm.overlong_filter:
+    response_mask = np.asarray(algorithms.overlong_filter(jnp.asarray(response_mask),
+                                                          jnp.asarray(truncated)))
+  advantage = (np.zeros(response_mask.shape, np.float32) if config.algorithm.name == "ppo"
+               else advantages(config, shaped, response_mask))
+  lengths = np.array([len(c.response_tokens) for c in completions])
+  batch = RolloutBatch(
+      tokens=arrays["tokens"], attention_mask=arrays["attention_mask"],
+      response_mask=response_mask, advantages=advantage.astype(np.float32),
+      old_logprobs=arrays["behaviour_logprobs"], behaviour_logprobs=arrays["behaviour_logprobs"],
+      policy_version=np.array([c.policy_version for c in completions], np.int32))
+  stats = {
+      "reward/mean": float(np.mean(rewards)),
+      "reward/shaped_mean": float(np.mean(shaped)),
+      "response/length_mean": float(lengths.mean()),
+      "response/length_max": int(lengths.max()),
+      "response/truncated_frac": float(truncated.mean()),
+  }
+  return batch, stats
