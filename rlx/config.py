@@ -336,6 +336,12 @@ class TrainerConfig:
   """Held-out evaluation every N steps; 0 never."""
   ppo_epochs: int = 1
   """Optimizer passes over each rollout batch."""
+  warmup_sft_steps: int = 0
+  """Supervised steps on the task's reference answers before RL (teaches a fresh model the answer format)."""
+  warmup_sft_learning_rate: float = 1e-3
+  """Learning rate of the supervised warm-up."""
+  eval_prompts: int = 64
+  """Held-out prompts scored (greedy) at each evaluation, before and after training."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -123,3 +123,22 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
                    eos_token=_token_text(config.get("eos_token")),
                    pad_token=_token_text(config.get("pad_token")), chat_template=template,
                    extra_eos_ids=extra_eos)
+
+
+BUILTIN_SPECIALS = ("<|pad|>", "<|eos|>")
+BUILTIN_TAGS = ("<answer>", "</answer>")
+
+
+def builtin_tokenizer() -> Tokenizer:
+  """The built-in model's tokenizer: one token per printable ASCII character, plus pad and
+  eos, and the answer tags as single (non-special) tokens. No chat template."""
+  import string
+
+  vocab = {token: i for i, token in enumerate(
+      [*BUILTIN_SPECIALS, *BUILTIN_TAGS, *string.printable[:95]])}
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=" "))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+  backend.decoder = tokenizers.decoders.Fuse()
+  backend.add_special_tokens(list(BUILTIN_SPECIALS))
+  backend.add_tokens(list(BUILTIN_TAGS))
+  return Tokenizer(backend, eos_token="<|eos|>", pad_token="<|pad|>")

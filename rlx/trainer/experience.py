@@ -33,10 +33,24 @@ from rlx.types import RolloutBatch
 GROUP_RELATIVE = {"grpo", "dapo", "gspo", "cispo"}
 
 
-def layout(completions: Sequence[Completion], pad_id: int) -> dict[str, np.ndarray]:
-  """Token ids, attention and response masks, and behaviour log-probs [B, T] (NumPy)."""
+def _bucket(length: int, smallest: int = 8) -> int:
+  size = smallest
+  while size < length:
+    size *= 2
+  return size
+
+
+def layout(completions: Sequence[Completion], pad_id: int,
+           bucket: bool = True) -> dict[str, np.ndarray]:
+  """Token ids, attention and response masks, and behaviour log-probs [B, T] (NumPy).
+
+  With ``bucket``, the prompt and response parts are padded to powers of two, so
+  that the jitted learner step sees few distinct shapes (it compiles once per shape).
+  """
   prompt_len = max(len(c.prompt_tokens) for c in completions)
   response_len = max(len(c.response_tokens) for c in completions)
+  if bucket:
+    prompt_len, response_len = _bucket(prompt_len), _bucket(response_len)
   B, T = len(completions), prompt_len + response_len
   tokens = np.full((B, T), pad_id, np.int32)
   attention = np.zeros((B, T), bool)
@@ -87,12 +101,12 @@ def advantages(config: RunConfig, rewards: np.ndarray, response_mask: np.ndarray
 
 
 def build_batch(completions: Sequence[Completion], rewards: np.ndarray, config: RunConfig, *,
-                pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+                pad_id: int, bucket: bool = True) -> tuple[RolloutBatch, dict[str, float]]:
   """The learner's batch (old log-probs still to be recomputed: they start as the behaviour
   log-probs) and statistics of the rewards and responses."""
   if len(completions) != len(rewards):
     raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
-  arrays = layout(completions, pad_id)
+  arrays = layout(completions, pad_id, bucket)
   shaped = shaped_rewards(completions, rewards, config)
   response_mask = arrays["response_mask"]
   truncated = np.array([c.finish_reason == "length" for c in completions])

@@ -26,11 +26,14 @@ def _config(name="grpo", group=2, **algorithm):
 
 
 def test_layout_left_pads_prompts_and_right_pads_responses():
-  arrays = layout([_completion([5, 6], [7, 8, 9]), _completion([1, 2, 3], [4])], pad_id=0)
+  arrays = layout([_completion([5, 6], [7, 8, 9]), _completion([1, 2, 3], [4])], pad_id=0,
+                  bucket=False)
   np.testing.assert_array_equal(arrays["tokens"], [[0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0]])
   np.testing.assert_array_equal(arrays["attention_mask"], [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
   np.testing.assert_array_equal(arrays["response_mask"], [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0]])
   np.testing.assert_array_equal(arrays["behaviour_logprobs"][1], [0, 0, 0, -0.5, 0, 0])
+  bucketed = layout([_completion([5] * 9, [7, 8, 9])], pad_id=0)
+  assert bucketed["tokens"].shape == (1, 16 + 8)  # prompt and response parts in powers of two
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo", "rloo"])

@@ -1,0 +1,68 @@
+"""Supervised warm-up: next-token cross-entropy on (prompt, reference answer) pairs, so that a
+freshly initialised model learns the answer format before RL improves its answers.
+
+The response a row is trained on is ``<answer>{answer}</answer>`` followed by eos.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rlx.models import Model, Tokenizer
+from rlx.trainer.experience import layout
+from rlx.update import sequence_logprobs
+
+
+def target_text(answer: str) -> str:
+  """What the warm-up teaches the model to write for a row."""
+  return f"<answer>{answer.split('|')[0]}</answer>"
+
+
+def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[dict[str, np.ndarray]]:
+  """Token arrays of prompt + target response (the response is what the loss sees)."""
+  from rlx.rollout import Completion
+  for batch in rows:
+    completions = []
+    for row in batch:
+      response = tokenizer.encode(target_text(row["answer"]), add_special_tokens=False)
+      response = response + [tokenizer.eos_id]
+      completions.append(Completion(prompt_tokens=row["prompt_tokens"], response_tokens=response,
+                                    logprobs=[0.0] * len(response), policy_logprobs=[],
+                                    finish_reason="stop", policy_version=0, prompt_index=0,
+                                    sample_index=0))
+    yield layout(completions, tokenizer.pad_id)
+
+
+def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, steps: int,
+            learning_rate: float) -> tuple[Model, list[float]]:
+  """``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the model and
+  the loss of every step."""
+  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
+      0.0, learning_rate, max(steps // 10, 1), max(steps, 2)), weight_decay=0.0)
+  transformer = model.transformer
+
+  @jax.jit
+  def step(params, opt_state, tokens, attention_mask, response_mask):
+    def loss_fn(params):
+      logprobs, _ = sequence_logprobs(transformer, params, tokens, attention_mask, response_mask)
+      return -jnp.sum(logprobs) / jnp.maximum(response_mask.sum(), 1)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = model.params
+  opt_state = optimizer.init(params)
+  losses = []
+  batches = sft_batches(rows, tokenizer)
+  for _ in range(steps):
+    arrays = next(batches)
+    params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
+                                   arrays["response_mask"])
+    losses.append(float(loss))
+  return model.replace(params=params), losses
