@@ -36,7 +36,6 @@ from rlx.rewards import RewardPool
 from rlx.sync import ReshardSync
 from rlx.trainer.experience import build_batch
 from rlx.trainer.warmup import warm_up
-from rlx.types import RolloutBatch
 
 
 class DynamicSamplingError(RuntimeError):
@@ -212,5 +211,3 @@ def train_colocated(config: RunConfig, workdir: str | pathlib.Path, say=print) -
           "eval_accuracy_after": accuracy_after, "metrics": str(sink.jsonl_path),
           "checkpoints": str(checkpointer.directory), "stopped": stop.requested}
 
-
-__all__ = ["DynamicSamplingError", "RolloutBatch", "evaluate", "train_colocated"]
