@@ -34,6 +34,13 @@ def _row(record, prompt_field: str, answer_field: str) -> dict[str, str] | str:
   return {"prompt": prompt, "answer": str(record[answer_field])}
 
 
+def _refuse_or_count(source, where: str, problem: str, on_bad_row: OnBadRow) -> None:
+  """A malformed row: raise naming where it is, or count it in ``source.skipped``."""
+  if on_bad_row == "error":
+    raise DataError(f"{where}: {problem}; fix the row or set config.data.on_bad_row=skip")
+  source.skipped += 1
+
+
 class JsonlSource:
   """A JSONL file, indexed by byte offsets (rows are parsed again when read)."""
 
@@ -56,10 +63,7 @@ class JsonlSource:
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
           problem = f"not valid JSON ({error})"
         if isinstance(problem, str):
-          if on_bad_row == "error":
-            raise DataError(f"{self.path}:{number}: {problem}; fix the row or set "
-                            "config.data.on_bad_row=skip")
-          self.skipped += 1
+          _refuse_or_count(self, f"{self.path}:{number}", problem, on_bad_row)
           continue
         self.offsets.append(start)
     if not self.offsets:
@@ -96,10 +100,7 @@ class ParquetSource:
     for number, record in enumerate(table):
       row = _row(record, prompt_field, answer_field)
       if isinstance(row, str):
-        if on_bad_row == "error":
-          raise DataError(f"{self.path}: row {number}: {row}; fix the row or set "
-                          "config.data.on_bad_row=skip")
-        self.skipped += 1
+        _refuse_or_count(self, f"{self.path}: row {number}", row, on_bad_row)
         continue
       self.rows.append(row)
     if not self.rows:

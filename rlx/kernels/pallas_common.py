@@ -65,3 +65,10 @@ def tile_grad(z, cols, targets, lse, entropy, g_logprob, g_entropy, temperature:
   onehot = (cols == targets).astype(jnp.float32)
   dz = g_logprob * (onehot - p) - g_entropy * p * (log_p + entropy)
   return dz / temperature
+
+
+def recompute_dz(hidden, unembed_block, first_col, targets, lse, entropy, g_logprob, g_entropy, *,
+                 vocab_size: int, temperature: float):
+  """The backward kernels' common core: recompute one logit tile and return its ``dz``."""
+  z, cols = masked_tile(hidden, unembed_block, first_col, vocab_size, temperature)
+  return tile_grad(z, cols, targets, lse, entropy, g_logprob, g_entropy, temperature)

@@ -74,8 +74,8 @@ def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent
     def body(j, acc):
       first = j * block_v
       w_block = w_ref[:, pl.ds(first, block_v)]
-      z, cols = tiles.masked_tile(hidden, w_block, first, vocab_size, temperature)
-      dz = tiles.tile_grad(z, cols, targets, lse, entropy, g_lp, g_ent, temperature)
+      dz = tiles.recompute_dz(hidden, w_block, first, targets, lse, entropy, g_lp, g_ent,
+                              vocab_size=vocab_size, temperature=temperature)
       return acc + jnp.dot(dz.astype(w_block.dtype), w_block.T, preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, w_ref.shape[1] // block_v, body,
@@ -97,9 +97,9 @@ def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gen
 
     def add(acc):
       hidden = h_ref[pl.ds(i * block_t, block_t), :]
-      z, cols = tiles.masked_tile(hidden, w_block, first, vocab_size, temperature)
-      dz = tiles.tile_grad(z, cols, t_ref[rows], lse_ref[rows], ent_ref[rows], glp_ref[rows],
-                           gent_ref[rows], temperature)
+      dz = tiles.recompute_dz(hidden, w_block, first, t_ref[rows], lse_ref[rows], ent_ref[rows],
+                              glp_ref[rows], gent_ref[rows], vocab_size=vocab_size,
+                              temperature=temperature)
       return acc + jnp.dot(hidden.T, dz.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     return jax.lax.cond(jnp.max(m_ref[rows]) != 0, add, lambda acc: acc, acc)

@@ -64,9 +64,9 @@ def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent
   @pl.when(jnp.any(m_ref[...] != 0))
   def _():
     w_block = w_ref[...]
-    z, cols = tiles.masked_tile(h_ref[...], w_block, j * w_block.shape[1], vocab_size, temperature)
-    dz = tiles.tile_grad(z, cols, t_ref[...], lse_ref[...], ent_ref[...], glp_ref[...],
-                         gent_ref[...], temperature)
+    dz = tiles.recompute_dz(h_ref[...], w_block, j * w_block.shape[1], t_ref[...], lse_ref[...],
+                            ent_ref[...], glp_ref[...], gent_ref[...], vocab_size=vocab_size,
+                            temperature=temperature)
     acc[...] += jax.lax.dot_general(dz.astype(w_block.dtype), w_block, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
 
@@ -86,9 +86,9 @@ def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gen
   @pl.when(jnp.any(m_ref[...] != 0))
   def _():
     hidden = h_ref[...]
-    z, cols = tiles.masked_tile(hidden, w_ref[...], j * w_ref.shape[1], vocab_size, temperature)
-    dz = tiles.tile_grad(z, cols, t_ref[...], lse_ref[...], ent_ref[...], glp_ref[...],
-                         gent_ref[...], temperature)
+    dz = tiles.recompute_dz(hidden, w_ref[...], j * w_ref.shape[1], t_ref[...], lse_ref[...],
+                            ent_ref[...], glp_ref[...], gent_ref[...], vocab_size=vocab_size,
+                            temperature=temperature)
     acc[...] += jax.lax.dot_general(hidden, dz.astype(hidden.dtype), (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
 
