@@ -274,12 +274,12 @@ class DataConfig:
   """Passes over the data; None repeats forever."""
   on_bad_row: Literal["error", "skip"] = "error"
   """A malformed row either stops the run (naming file and line) or is skipped and counted."""
-  eval_fraction: float = 0.0
-  """Fraction of a built-in task held out for evaluation."""
+  eval_fraction: float = 0.1
+  """Fraction of a built-in task's problems held out for evaluation (never trained on)."""
 
   def __post_init__(self):
     _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
-    _check(0 <= self.eval_fraction < 1, "data.eval_fraction", "must be in [0, 1)")
+    _check(0 < self.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

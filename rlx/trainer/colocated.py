@@ -73,7 +73,7 @@ def _prepare(config: RunConfig, say) -> tuple[_Run, object]:
   data = config.data
   source = open_source(data.source, prompt_field=data.prompt_field, answer_field=data.answer_field,
                        on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
-                       eval_fraction=max(data.eval_fraction, 0.1))
+                       eval_fraction=data.eval_fraction)
   stream = PromptStream(source, batch_size=data.prompts_per_step, seed=data.shuffle_seed,
                         num_epochs=data.num_epochs, encode=tokenizer.encode_prompt)
   eval_rows = []
