@@ -53,6 +53,7 @@ def test_every_steps_and_quiet_processes(tmp_path):
 def test_progress_bar_runs(tmp_path):
   with MetricsSink(tmp_path, LoggingConfig(tensorboard=False), total_steps=2) as sink:
     sink.write(1, {"reward/mean": 0.5})
+  assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
 
 
 def test_non_scalars_are_refused(tmp_path):

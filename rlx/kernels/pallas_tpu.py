@@ -53,48 +53,51 @@ def _forward_kernel(h_ref, w_ref, t_ref, m_ref, lp_ref, ent_ref, lse_ref, m_s, s
     lse_ref[...] = jnp.where(active, lse, 0.0)
 
 
-def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dh_ref, acc, *,
-                     vocab_size, temperature):
-  j = pl.program_id(1)
+def _reduce_into(out_ref, acc, axis: int, active, contribution) -> None:
+  """Sums ``contribution()`` over grid axis ``axis`` (an "arbitrary" one) in the float32
+  scratch ``acc`` and writes the total to ``out_ref`` at the last step; skips inactive tiles."""
+  k = pl.program_id(axis)
 
-  @pl.when(j == 0)
+  @pl.when(k == 0)
   def _():
     acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-  @pl.when(jnp.any(m_ref[...] != 0))
+  @pl.when(active)
   def _():
-    w_block = w_ref[...]
-    dz = tiles.recompute_dz(h_ref[...], w_block, j * w_block.shape[1], t_ref[...], lse_ref[...],
-                            ent_ref[...], glp_ref[...], gent_ref[...], vocab_size=vocab_size,
-                            temperature=temperature)
-    acc[...] += jax.lax.dot_general(dz.astype(w_block.dtype), w_block, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+    acc[...] += contribution()
 
-  @pl.when(j == pl.num_programs(1) - 1)
+  @pl.when(k == pl.num_programs(axis) - 1)
   def _():
-    dh_ref[...] = acc[...].astype(dh_ref.dtype)
+    out_ref[...] = acc[...].astype(out_ref.dtype)
+
+
+def _tile_dz(h_ref, w_ref, t_ref, lse_ref, ent_ref, glp_ref, gent_ref, vocab_block, vocab_size,
+             temperature):
+  return tiles.recompute_dz(h_ref[...], w_ref[...], vocab_block * w_ref.shape[1], t_ref[...],
+                            lse_ref[...], ent_ref[...], glp_ref[...], gent_ref[...],
+                            vocab_size=vocab_size, temperature=temperature)
+
+
+def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dh_ref, acc, *,
+                     vocab_size, temperature):
+  def contribution():  # dz @ unembed_block.T
+    dz = _tile_dz(h_ref, w_ref, t_ref, lse_ref, ent_ref, glp_ref, gent_ref, pl.program_id(1),
+                  vocab_size, temperature)
+    return jax.lax.dot_general(dz.astype(w_ref.dtype), w_ref[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+  _reduce_into(dh_ref, acc, 1, jnp.any(m_ref[...] != 0), contribution)
 
 
 def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dw_ref, acc, *,
                       vocab_size, temperature):
-  j, i = pl.program_id(0), pl.program_id(1)
+  def contribution():  # hidden_block.T @ dz
+    dz = _tile_dz(h_ref, w_ref, t_ref, lse_ref, ent_ref, glp_ref, gent_ref, pl.program_id(0),
+                  vocab_size, temperature)
+    return jax.lax.dot_general(h_ref[...], dz.astype(h_ref.dtype), (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
-  @pl.when(i == 0)
-  def _():
-    acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-  @pl.when(jnp.any(m_ref[...] != 0))
-  def _():
-    hidden = h_ref[...]
-    dz = tiles.recompute_dz(hidden, w_ref[...], j * w_ref.shape[1], t_ref[...], lse_ref[...],
-                            ent_ref[...], glp_ref[...], gent_ref[...], vocab_size=vocab_size,
-                            temperature=temperature)
-    acc[...] += jax.lax.dot_general(hidden, dz.astype(hidden.dtype), (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-
-  @pl.when(i == pl.num_programs(1) - 1)
-  def _():
-    dw_ref[...] = acc[...].astype(dw_ref.dtype)
+  _reduce_into(dw_ref, acc, 1, jnp.any(m_ref[...] != 0), contribution)
 
 
 def _params(semantics):

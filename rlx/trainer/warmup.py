@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from rlx.models import Model, Tokenizer
+from rlx.rollout import Completion
 from rlx.trainer.experience import layout
 from rlx.update import sequence_logprobs
 
@@ -25,7 +26,6 @@ def target_text(answer: str) -> str:
 
 def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[dict[str, np.ndarray]]:
   """Token arrays of prompt + target response (the response is what the loss sees)."""
-  from rlx.rollout import Completion
   for batch in rows:
     completions = []
     for row in batch:
