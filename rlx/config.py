@@ -340,6 +340,8 @@ class TrainerConfig:
   """Supervised steps on the task's reference answers before RL (teaches a fresh model the answer format)."""
   warmup_sft_learning_rate: float = 1e-3
   """Learning rate of the supervised warm-up."""
+  warmup_sft_batch: int = 32
+  """Examples per supervised warm-up step."""
   eval_prompts: int = 64
   """Held-out prompts scored (greedy) at each evaluation, before and after training."""
 

@@ -39,14 +39,19 @@ class ReshardSync:
   def publish(self, params: Params, version: int) -> float:
     """Reshards ``params`` for the generator; returns the seconds it took."""
     started = time.perf_counter()
-    resharded = jax.block_until_ready(jax.device_put(params, self.generation_shardings))
+    # may_alias=False: the learner donates its params to the next step, so the generator's
+    # copy must not share buffers with them even when the layouts agree (one device).
+    resharded = jax.block_until_ready(
+        jax.device_put(params, self.generation_shardings, may_alias=False))
     with self._lock:
       self._latest = (resharded, version)
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
-  def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
-    """The newest published (params, version) if its version is above ``newer_than``."""
+  def latest(self, newer_than: int = -1, like: Params | None = None) -> tuple[Params, int] | None:
+    """The newest published (params, version) if its version is above ``newer_than``
+    (``like`` is for the same call on ``OrbaxSync``, and unused here)."""
+    del like
     with self._lock:
       if self._latest is None or self._latest[1] <= newer_than:
         return None
@@ -65,14 +70,16 @@ class OrbaxSync:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self._abstract = None
     self.last_seconds = 0.0
 
   def publish(self, params: Params, version: int) -> float:
     """Writes version ``version``; returns the seconds until it is on storage."""
     started = time.perf_counter()
-    self._manager.save(version, args=ocp.args.StandardSave(params))
-    self._manager.wait_until_finished()
+    with self._lock:
+      self._manager.save(version, args=ocp.args.StandardSave(params))
+      self._manager.wait_until_finished()
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
@@ -82,8 +89,9 @@ class OrbaxSync:
     ``like`` (params or ``ShapeDtypeStruct``s of the same tree) is needed once, the
     first time, when this process has published nothing itself.
     """
-    self._manager.reload()  # another job may have written new versions
-    version = self._manager.latest_step()
+    with self._lock:
+      self._manager.reload()  # another job may have written new versions
+      version = self._manager.latest_step()
     if version is None or version <= newer_than:
       return None
     if self._abstract is None:
@@ -93,13 +101,15 @@ class OrbaxSync:
           lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
           like, self.generation_shardings)
     started = time.perf_counter()
-    params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))
+    with self._lock:
+      params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))
     self.last_seconds = time.perf_counter() - started
     return params, version
 
   def versions(self) -> list[int]:
-    self._manager.reload()
-    return list(self._manager.all_steps())
+    with self._lock:
+      self._manager.reload()
+      return list(self._manager.all_steps())
 
   def close(self) -> None:
     self._manager.close()

@@ -1,9 +1,22 @@
-"""The training loops (colocated and split) and what they share: turning completions and
-rewards into the learner's batch."""
+"""The training loops (colocated and split) and what they share: building a run, drawing and
+scoring rollouts, turning them into the learner's batch, and the learner.
 
-from rlx.trainer.colocated import DynamicSamplingError, evaluate, train_colocated
+    summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
+"""
+
+from rlx.trainer.colocated import train_colocated
+from rlx.trainer.common import DynamicSamplingError, Learner, collect, evaluate, prepare
 from rlx.trainer.experience import advantages, build_batch, layout, shaped_rewards
+from rlx.trainer.split import Generator, train_split
 from rlx.trainer.warmup import warm_up
 
-__all__ = ["DynamicSamplingError", "advantages", "build_batch", "evaluate", "layout",
-           "shaped_rewards", "train_colocated", "warm_up"]
+
+def train(config, workdir, say=print) -> dict:
+  """Runs (or resumes) the loop of ``config.mesh.mode``; returns its summary."""
+  loop = train_split if config.mesh.mode == "split" else train_colocated
+  return loop(config, workdir, say)
+
+
+__all__ = ["DynamicSamplingError", "Generator", "Learner", "advantages", "build_batch", "collect",
+           "evaluate", "layout", "prepare", "shaped_rewards", "train", "train_colocated",
+           "train_split", "warm_up"]

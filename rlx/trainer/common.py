@@ -1,0 +1,292 @@
+"""What the colocated and split loops share: building a run from its config, drawing and scoring
+rollouts (with DAPO's dynamic sampling), held-out evaluation, and the learner.
+
+    run = prepare(config, say)                      # meshes, model (+ warm-up), data, engine, pool
+    learner = Learner(run, workdir)                 # train state, critic, reference, checkpoints
+    draw = collect(run, gen_params, version, seed)  # a full batch of groups, scored
+    metrics = learner.learn(draw)                   # one update (and the critic's)
+
+The same ``Learner.learn`` runs in both deployments: the loss code never knows
+how fresh its data is beyond what each rollout's policy version says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlx import algorithms, rollout, update
+from rlx.checkpoint import Checkpointer
+from rlx.config import ConfigError, RunConfig
+from rlx.data import PromptStream, TaskSource, open_source
+from rlx.mesh import Meshes, make_meshes
+from rlx.models import Model, Tokenizer, build_model, builtin_tokenizer, load_tokenizer
+from rlx.models import param_shardings, save_pretrained
+from rlx.rewards import RewardPool
+from rlx.rollout import Completion
+from rlx.sync import OrbaxSync, ReshardSync
+from rlx.trainer.experience import build_batch
+from rlx.trainer.warmup import warm_up
+
+Say = Callable[[str], None]
+MAX_DRAWS = 8
+
+
+class DynamicSamplingError(RuntimeError):
+  """DAPO's dynamic sampling could not fill a batch with groups of varied rewards."""
+
+
+def verifier_name(config: RunConfig) -> str:
+  if config.reward.name != "auto":
+    return config.reward.name
+  return config.data.source if config.data.source in ("arithmetic", "countdown") else "math"
+
+
+@dataclasses.dataclass
+class Run:
+  """A run's parts, built once from its config."""
+
+  config: RunConfig
+  meshes: Meshes
+  tokenizer: Tokenizer
+  model: Model
+  engine: rollout.Engine
+  sync: ReshardSync | OrbaxSync
+  pool: RewardPool
+  stream: PromptStream
+  eval_rows: list[dict]
+  workdir: pathlib.Path
+
+  def close(self) -> None:
+    self.pool.close()
+    self.sync.close()
+
+
+def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Run:
+  """Meshes, tokenizer, model (warmed up when asked), prompt stream, eval rows, rollout engine,
+  weight sync and reward pool."""
+  workdir = pathlib.Path(workdir)
+  meshes = make_meshes(config.mesh)
+  tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
+  model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
+  if tokenizer.vocab_size > model.arch.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab is "
+                      f"{model.arch.vocab_size}; the tokenizer belongs to another model")
+  data = config.data
+  source = open_source(data.source, prompt_field=data.prompt_field, answer_field=data.answer_field,
+                       on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
+                       eval_fraction=data.eval_fraction)
+  stream = PromptStream(source, batch_size=data.prompts_per_step, seed=data.shuffle_seed,
+                        num_epochs=data.num_epochs, encode=tokenizer.encode_prompt)
+  eval_rows = []
+  if isinstance(source, TaskSource) and config.trainer.eval_prompts:
+    eval_source = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
+                             eval_fraction=source.eval_fraction)
+    eval_rows = [dict(eval_source[i], prompt_tokens=tokenizer.encode_prompt(eval_source[i]["prompt"]))
+                 for i in range(config.trainer.eval_prompts)]
+  r = config.rollout
+  engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
+                          max_len=r.max_prompt_len + r.max_new_tokens,
+                          max_prompt_len=r.max_prompt_len, mesh=meshes.generation)
+  shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
+  sync = (OrbaxSync(workdir / "policy_versions", shardings) if config.mesh.weight_sync == "orbax"
+          else ReshardSync(shardings))
+  pool = RewardPool(verifier_name(config), format_weight=config.reward.format_weight,
+                    num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
+  if config.trainer.warmup_sft_steps:
+    model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
+  return Run(config, meshes, tokenizer, model, engine, sync, pool, stream, eval_rows, workdir)
+
+
+def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
+               directory: pathlib.Path, say: Say) -> Model:
+  """The model after the supervised warm-up, saved in Hugging Face format under ``directory``
+  (a resumed run loads it from there instead of training it again)."""
+  if (directory / "config.json").is_file():
+    say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
+    return build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
+                       config.mesh.logical_axis_rules)
+  trainer = config.trainer
+  stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
+                        seed=config.data.shuffle_seed + 1, encode=tokenizer.encode_prompt)
+  started = time.perf_counter()
+  model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
+                          learning_rate=trainer.warmup_sft_learning_rate)
+  save_pretrained(model, directory)
+  say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
+      f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
+  return model
+
+
+def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
+                       seed: int, version: int) -> tuple[list[Completion], np.ndarray, dict]:
+  """``n`` samples of each row's prompt, and their rewards from the host pool."""
+  r = run.config.rollout
+  completions = rollout.generate(
+      run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
+      max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+      stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version)
+  texts = [run.tokenizer.decode(c.response_tokens) for c in completions]
+  rewards, counts = run.pool.score(texts, [rows[c.prompt_index]["answer"] for c in completions])
+  return completions, rewards, counts
+
+
+def evaluate(run: Run, params) -> float | None:
+  """Held-out accuracy (greedy): the share of eval prompts whose answer the verifier accepts."""
+  if not run.eval_rows:
+    return None
+  _, rewards, _ = generate_and_score(run, params, run.eval_rows, n=1, temperature=0.0, seed=0,
+                                     version=0)
+  return float(np.mean(rewards >= 1.0))
+
+
+@dataclasses.dataclass
+class Draw:
+  """A full batch of scored groups, and what it cost."""
+
+  completions: list[Completion]
+  rewards: np.ndarray
+  counts: dict
+  generate_seconds: float
+  data_state: dict
+
+
+def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) -> Draw:
+  """``prompts_per_step`` groups of ``group_size`` samples. With dynamic sampling, groups whose
+  rewards are all equal are dropped and more prompts drawn (at most ``MAX_DRAWS`` draws).
+
+  ``params_fn()`` gives the (params, version) to sample with; it is asked before every
+  draw, so a refill uses the newest policy the generator has.
+  """
+  config, group = run.config, run.config.rollout.group_size
+  wanted = config.data.prompts_per_step * group
+  completions, rewards, counts, draws, dropped = [], [], {}, 0, 0
+  started = time.perf_counter()
+  while len(completions) < wanted:
+    if draws == MAX_DRAWS:
+      raise DynamicSamplingError(
+          f"dynamic sampling kept {len(completions) // group} of {wanted // group} groups after "
+          f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
+          "raise config.rollout.group_size, or set config.algorithm.dynamic_sampling=false")
+    rows = next(run.stream)
+    params, version = params_fn()
+    drawn, scores, drawn_counts = generate_and_score(
+        run, params, rows, n=group, temperature=config.rollout.temperature,
+        seed=seed * MAX_DRAWS + draws, version=version)
+    for key, value in drawn_counts.items():
+      counts[key] = counts.get(key, 0) + value
+    keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
+            if config.algorithm.dynamic_sampling else np.ones(len(scores), bool))
+    dropped += int((~keep).sum()) // group
+    completions += [drawn[i] for i in np.flatnonzero(keep)]
+    rewards += [scores[i] for i in np.flatnonzero(keep)]
+    draws += 1
+  counts.update({"rollout/dropped_groups": dropped, "rollout/draws": draws})
+  return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32), counts,
+              time.perf_counter() - started, run.stream.get_state())
+
+
+class Learner:
+  """The policy's train state (and the critic's, for PPO), the reference policy, the jitted
+  steps and the checkpoints; ``learn`` turns a draw into one update."""
+
+  def __init__(self, run: Run):
+    config = self.config = run.config
+    self.run = run
+    optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=config.trainer.steps)
+    self.state = update.init_train_state(run.model.params, optimizer,
+                                         jax.random.key(config.trainer.seed))
+    algo = config.algorithm
+    self.ref_params = (jax.tree.map(jnp.copy, run.model.params)
+                       if algo.kl_coef > 0 or algo.kl_in_reward else None)
+    self.step_fn = update.make_update_step(config, run.model.transformer, optimizer, schedule)
+    self.logprobs_fn = update.make_logprobs_fn(config, run.model.transformer)
+    self.critic = self.critic_step = self.values_fn = None
+    if algo.name == "ppo":
+      critic_optimizer, _ = update.make_optimizer(
+          config.optimizer, total_steps=config.trainer.steps,
+          peak=config.optimizer.critic_learning_rate)
+      critic_params = update.init_critic_params(jax.tree.map(jnp.copy, run.model.params),
+                                                jax.random.key(config.trainer.seed + 1))
+      self.critic = update.init_train_state(critic_params, critic_optimizer,
+                                            jax.random.key(config.trainer.seed + 1))
+      self.critic_step = update.make_critic_step(config, run.model.transformer, critic_optimizer)
+      self.values_fn = jax.jit(lambda p, tokens, attention: update.critic_values(
+          run.model.transformer, p, tokens, attention))
+    self.kl_coef = algo.kl_coef
+    self.checkpointer = Checkpointer(run.workdir / "checkpoints", config.checkpoint)
+
+  @property
+  def version(self) -> int:
+    return int(self.state.policy_version)
+
+  def restore(self) -> int | None:
+    """Resumes from the newest checkpoint, if any; returns its step."""
+    restored = self.checkpointer.restore(self.state, like_critic=self.critic)
+    if restored is None:
+      return None
+    self.state, self.critic = restored.state, restored.critic
+    self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
+    self.run.stream.set_state(restored.data_state)
+    return restored.step
+
+  def save(self, step: int, data_state: dict) -> None:
+    self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
+                           meta={"policy_version": self.version, "kl_coef": self.kl_coef})
+
+  def _ppo_advantages(self, batch, rewards: np.ndarray):
+    """GAE over the critic's values; the task reward sits on the last response token, and the
+    KL to the reference is a per-token penalty when ``kl_in_reward``."""
+    algo = self.config.algorithm
+    mask = batch.response_mask
+    last = (jnp.cumsum(mask, axis=1) == mask.sum(1, keepdims=True)) & mask
+    token_rewards = jnp.where(last, jnp.asarray(rewards)[:, None], 0.0)
+    if algo.kl_in_reward and batch.ref_logprobs is not None:
+      token_rewards = algorithms.kl_reward_penalty(token_rewards, batch.old_logprobs,
+                                                   batch.ref_logprobs, mask, self.kl_coef,
+                                                   algo.kl_estimator)
+    values = self.values_fn(self.critic.params, batch.tokens, batch.attention_mask)
+    advantages, returns = algorithms.gae(token_rewards, values, mask, algo.gamma, algo.lam)
+    advantages = algorithms.masked_whiten(advantages, mask)
+    return batch.replace(advantages=jnp.where(mask, advantages, 0.0), returns=returns,
+                         old_values=values)
+
+  def learn(self, draw: Draw) -> dict:
+    """One policy update on ``draw`` (``trainer.ppo_epochs`` passes), and the critic's."""
+    config = self.config
+    batch, stats = build_batch(draw.completions, draw.rewards, config, pad_id=self.run.tokenizer.pad_id)
+    batch = jax.tree.map(jnp.asarray, batch)
+    batch = batch.replace(old_logprobs=self.logprobs_fn(
+        self.state.params, batch.tokens, batch.attention_mask, batch.response_mask))
+    if self.ref_params is not None:
+      batch = batch.replace(ref_logprobs=self.logprobs_fn(
+          self.ref_params, batch.tokens, batch.attention_mask, batch.response_mask))
+    lag = self.version - np.asarray(batch.policy_version)
+    metrics = {}
+    if self.critic is not None:
+      batch = self._ppo_advantages(batch, draw.rewards)
+      self.critic, critic_metrics = self.critic_step(self.critic, batch)
+      metrics.update(critic_metrics)
+    for _ in range(config.trainer.ppo_epochs):
+      self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
+    metrics.update(step_metrics)
+    algo = config.algorithm
+    if algo.kl_target is not None and "policy/kl" in metrics:
+      self.kl_coef = float(algorithms.adaptive_kl_coef(
+          self.kl_coef, metrics["policy/kl"], algo.kl_target, algo.kl_horizon,
+          steps=batch.batch_size))
+    metrics.update(stats)
+    metrics.update(draw.counts)
+    metrics.update({"reward/accuracy": float(np.mean(draw.rewards >= 1.0)),
+                    "rollout/policy_lag_mean": float(lag.mean()),
+                    "rollout/policy_lag_max": int(lag.max())})
+    return metrics
+
+  def close(self) -> None:
+    self.checkpointer.close()

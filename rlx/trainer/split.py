@@ -1,0 +1,235 @@
+"""The split loop: generation and learning on disjoint sub-meshes, at the same time.
+
+    summary = train_split(config, workdir)
+
+A generator thread samples and scores batches on the generation sub-mesh and
+hands them to the learner through a bounded queue; the learner trains on the
+learning sub-mesh and publishes every new policy version (reshard across
+sub-meshes, or an Orbax checkpoint). Staleness is bounded by
+``mesh.max_staleness`` = k:
+
+- the generator starts the batch the learner will train on at policy version v
+  only once version v - k is published (it blocks when k versions ahead), and
+  samples with the newest version it has; so with k = 0 the two take turns
+  (synchronous), with k >= 1 they overlap;
+- the learner checks every batch: one holding a rollout more than k versions
+  behind is dropped and counted (it cannot happen with the gate above, unless
+  the gate is bypassed; the check is the guarantee);
+- the loss corrects what staleness remains with the configured off-policy
+  weights (``algorithm.off_policy``: truncated importance sampling of the
+  recomputed old log-probs against the behaviour log-probs of the engine).
+
+Metrics add the policy lag (mean, max), dropped batches, the busy fraction of
+each side (cumulative since the loop started), the sync seconds of each side and
+the tokens/s of each side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import queue
+import threading
+import time
+
+import jax
+
+from rlx.checkpoint import StopSignal
+from rlx.config import ConfigError, RunConfig
+from rlx.metrics import MetricsSink
+from rlx.trainer.common import Draw, Learner, Run, Say, collect, evaluate, prepare
+
+
+@dataclasses.dataclass
+class _Produced:
+  draw: Draw
+  sync_seconds: float
+  waited_seconds: float
+
+
+class Generator(threading.Thread):
+  """Produces scored batches on the generation sub-mesh, at most ``max_staleness`` policy
+  versions ahead of the learner.
+
+  Batch i (counting from 0) is the one the learner trains on at version
+  ``first_version + i * versions_per_step``; the generator starts it once the
+  published version is at least that minus ``max_staleness``.
+  """
+
+  def __init__(self, run: Run, *, like, first_step: int, first_version: int,
+               versions_per_step: int, delay_s: float = 0.0):
+    super().__init__(name="rlx-generator", daemon=True)
+    self.job, self.like, self.delay_s = run, like, delay_s
+    self.k = run.config.mesh.max_staleness
+    self.first_step, self.first_version, self.versions_per_step = (first_step, first_version,
+                                                                   versions_per_step)
+    self.queue: queue.Queue[_Produced | BaseException] = queue.Queue(maxsize=max(self.k, 1))
+    self._published = threading.Condition()
+    self._published_version = -1
+    self._halt = threading.Event()
+    self.busy_seconds = 0.0
+    self.tokens = 0
+    self._params = None
+    self._version = -1
+
+  def published(self, version: int) -> None:
+    """The learner tells the generator a new version is out."""
+    with self._published:
+      self._published_version = max(self._published_version, version)
+      self._published.notify_all()
+
+  def stop(self) -> None:
+    self._halt.set()
+    with self._published:
+      self._published.notify_all()
+
+  def _refresh(self) -> float:
+    """Takes the newest published params, if newer than those held; returns the seconds."""
+    started = time.perf_counter()
+    newer = self.job.sync.latest(self._version, like=self.like)
+    if newer is not None:
+      self._params, self._version = newer
+    return time.perf_counter() - started
+
+  def run(self) -> None:  # noqa: D102 (threading.Thread API)
+    try:
+      index = 0
+      while not self._halt.is_set():
+        needed = self.first_version + index * self.versions_per_step - self.k
+        wait_started = time.perf_counter()
+        with self._published:
+          while self._published_version < needed and not self._halt.is_set():
+            self._published.wait(timeout=0.5)
+        if self._halt.is_set():
+          return
+        waited = time.perf_counter() - wait_started
+        sync_seconds = self._refresh()
+
+        def params():
+          nonlocal sync_seconds
+          sync_seconds += self._refresh()
+          return self._params, self._version
+
+        started = time.perf_counter()
+        draw = collect(self.job, params, seed=self.job.config.trainer.seed * 1_000_003
+                       + self.first_step + index)
+        if self.delay_s:
+          time.sleep(self.delay_s)
+        self.busy_seconds += time.perf_counter() - started
+        self.tokens += sum(len(c.response_tokens) for c in draw.completions)
+        item = _Produced(draw, sync_seconds, waited)
+        while not self._halt.is_set():
+          try:
+            self.queue.put(item, timeout=0.5)
+            break
+          except queue.Full:
+            continue
+        index += 1
+    except BaseException as error:  # handed to the learner, which raises it
+      self.queue.put(error)
+
+  def next(self) -> _Produced:
+    item = self.queue.get()
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+
+def expired(draw: Draw, version: int, max_staleness: int) -> bool:
+  """Whether ``draw`` holds a rollout more than ``max_staleness`` versions behind ``version``."""
+  return any(version - c.policy_version > max_staleness for c in draw.completions)
+
+
+def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print, *,
+                learner_delay_s: float = 0.0, generator_delay_s: float = 0.0) -> dict:
+  """Runs (or resumes) a split run; returns a summary with the eval accuracy before and after.
+
+  ``learner_delay_s`` / ``generator_delay_s`` slow one side down on purpose (for tests
+  and benchmarks of the staleness control).
+  """
+  if config.mesh.mode != "split":
+    raise ConfigError("train_split needs config.mesh.mode=split")
+  if config.mesh.multihost:
+    raise ConfigError(
+        "config.mesh.mode=split runs generation in a thread of one controller and does not "
+        "span processes yet; use config.mesh.mode=colocated for a multi-host run")
+  run = prepare(config, workdir, say)
+  learner = Learner(run)
+  start = learner.restore()
+  if start is not None:
+    say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), learner.state.params)
+  run.sync.publish(learner.state.params, learner.version)
+  accuracy_before = (evaluate(run, run.sync.latest(like=like)[0]) if start is None else None)
+  if accuracy_before is not None:
+    say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  step = start or 0
+  generator = Generator(run, like=like, first_step=step, first_version=learner.version,
+                        versions_per_step=config.trainer.ppo_epochs, delay_s=generator_delay_s)
+  generator.published(learner.version)
+  k = config.mesh.max_staleness
+  sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
+                     resume_step=start)
+  dropped_batches, learn_seconds, learn_tokens = 0, 0.0, 0
+  data_state = run.stream.get_state()
+  generator.start()
+  loop_started = time.perf_counter()
+  try:
+    with StopSignal() as stop, sink:
+      while step < config.trainer.steps and not stop.requested:
+        started = time.perf_counter()
+        produced = generator.next()
+        received = time.perf_counter()
+        draw = produced.draw
+        if expired(draw, learner.version, k):
+          dropped_batches += 1
+          continue
+        metrics = learner.learn(draw)
+        if learner_delay_s:
+          time.sleep(learner_delay_s)
+        learned = time.perf_counter()
+        sync_seconds = run.sync.publish(learner.state.params, learner.version)
+        generator.published(learner.version)
+        finished = time.perf_counter()
+        step += 1
+        data_state = draw.data_state
+        learn_seconds += finished - received
+        tokens = sum(len(c.response_tokens) for c in draw.completions)
+        learn_tokens += tokens
+        wall = finished - loop_started
+        elapsed = finished - started
+        metrics.update({
+            "rollout/dropped_batches": dropped_batches,
+            "time/step_s": elapsed, "time/wait_for_data_s": received - started,
+            "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
+            "time/sync_s": sync_seconds, "time/generator_sync_s": produced.sync_seconds,
+            "time/generator_wait_s": produced.waited_seconds,
+            "time/generation_busy_frac": min(generator.busy_seconds / wall, 1.0),
+            "time/learning_busy_frac": min(learn_seconds / wall, 1.0),
+            "throughput/tokens_per_s": tokens / elapsed,
+            "throughput/samples_per_s": len(draw.completions) / elapsed,
+            "throughput/generation_tokens_per_s": generator.tokens / max(generator.busy_seconds,
+                                                                         1e-9),
+            "throughput/learning_tokens_per_s": learn_tokens / max(learn_seconds, 1e-9)})
+        if config.trainer.eval_every and step % config.trainer.eval_every == 0:
+          metrics["eval/accuracy"] = evaluate(run, run.sync.latest(like=like)[0])
+        sink.write(step, metrics)
+        if stop.requested or (config.checkpoint.every_steps
+                              and step % config.checkpoint.every_steps == 0):
+          learner.save(step, data_state)
+      if stop.requested:
+        say(f"rlx: {stop.received}: checkpoint saved at step {step}; rerun the same command to "
+            "resume")
+      elif start != step and (config.checkpoint.every_steps == 0
+                              or step % config.checkpoint.every_steps):
+        learner.save(step, data_state)
+  finally:
+    generator.stop()
+    generator.join(timeout=60)
+  learner.close()
+  accuracy_after = evaluate(run, run.sync.latest(like=like)[0])
+  run.close()
+  return {"steps": step, "eval_accuracy_before": accuracy_before,
+          "eval_accuracy_after": accuracy_after, "metrics": str(sink.jsonl_path),
+          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.requested,
+          "dropped_batches": dropped_batches}
