@@ -1,8 +1,10 @@
 """Entry point: ``python -m rlx.main --config configs/X.py --workdir DIR [--config.a.b=value ...]``.
 
-Today it validates the config, writes ``DIR/config.json``, builds the meshes,
-builds or loads the policy model on the learning mesh, checks one forward pass
-and reports what is built and what is not yet (the trainer lands next).
+Validates the config, writes ``DIR/config.json``, starts JAX (fake CPU devices
+on a CPU machine, the multi-process runtime when ``mesh.multihost``), and runs
+the loop of ``mesh.mode`` (colocated or split); a workdir with a checkpoint
+resumes. At the end it prints the held-out accuracy before and after RL and
+where the metrics and checkpoints are.
 """
 
 from __future__ import annotations
@@ -14,11 +16,6 @@ import time
 
 from rlx import cli
 from rlx.config import ConfigError, RunConfig
-
-NOT_BUILT_YET = (
-    "the {mode} trainer loop that wires the rollout engine, rewards and update_step together",
-    "weight sync, the data pipeline, rewards, checkpoints and the metrics sink",
-)
 
 
 def write_config(config: RunConfig, workdir: pathlib.Path) -> pathlib.Path:
@@ -51,57 +48,33 @@ def start_jax(config: RunConfig):
   return jax
 
 
-def run(config: RunConfig, workdir: pathlib.Path) -> int:
-  """Builds what exists of a run and reports it."""
-  jax = start_jax(config)  # after parsing, so that a bad command line never waits for JAX
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec
+def _percent(value: float | None) -> str:
+  return "n/a" if value is None else f"{value:.1%}"
 
-  from rlx import mesh as mesh_lib
-  from rlx import models
+
+def run(config: RunConfig, workdir: pathlib.Path) -> int:
+  """Trains (or resumes) the run ``config`` describes, in ``workdir``."""
+  jax = start_jax(config)  # after parsing, so that a bad command line never waits for JAX
+  from rlx import trainer
 
   lead = jax.process_index() == 0
-  say = print if lead else (lambda *args, **kwargs: None)
-  if lead:
-    say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
-  meshes = mesh_lib.make_meshes(config.mesh)
+  say = (lambda message: print(message, flush=True)) if lead else (lambda message: None)
+  say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
   say(f"rlx: {jax.device_count()} {jax.default_backend()} devices in {jax.process_count()} "
-      f"process(es), mode={config.mesh.mode}")
-  say(f"rlx:   learning mesh   {dict(meshes.learning.shape)}")
-  say(f"rlx:   generation mesh {dict(meshes.generation.shape)}"
-      + (" (same devices, time-sliced)" if meshes.colocated else " (disjoint devices)"))
+      f"process(es), mode={config.mesh.mode}, algorithm={config.algorithm.name}, "
+      f"model={config.model.path or 'built-in ' + config.model.arch.family}")
   started = time.perf_counter()
-  model = models.build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
-  arch = model.arch
-  count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(model.params))
-  source = config.model.path or f"built-in {arch.family} (random init, seed {config.model.seed})"
-  say(f"rlx: model {source}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
-      f"{arch.num_heads}/{arch.num_kv_heads} q/kv heads, vocab {arch.vocab_size}, "
-      f"{count / 1e6:.2f}M params ({config.model.param_dtype}), "
-      f"ready in {time.perf_counter() - started:.1f}s")
-  if config.model.path and (pathlib.Path(config.model.path) / "tokenizer.json").is_file():
-    tokenizer = models.load_tokenizer(config.model.path)
-    if tokenizer.vocab_size > arch.vocab_size:  # JAX would clamp the extra ids silently
-      raise models.CheckpointError(
-          f"{config.model.path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-          f"vocab_size is {arch.vocab_size}; the tokenizer belongs to another model")
-    say(f"rlx: tokenizer: {tokenizer.vocab_size} tokens, eos ids {list(tokenizer.eos_ids)}, "
-        f"chat template {'yes' if tokenizer.chat_template else 'no'}")
-  batch = NamedSharding(meshes.learning, PartitionSpec(("data", "fsdp")))
-  probe_shape = (meshes.learning.size, 8)
-  probe = jax.make_array_from_callback(
-      probe_shape, batch, lambda index: np.zeros(probe_shape, np.int32)[index])
-  logits = model(probe)
-  finite = jax.jit(lambda x: jnp.isfinite(x).all(),
-                   out_shardings=NamedSharding(meshes.learning, PartitionSpec()))(logits)
-  finite = bool(finite)
-  say(f"rlx: forward pass on a probe batch {probe_shape} -> logits {logits.shape}, "
-      f"{'finite' if finite else 'NOT FINITE'}")
-  say("rlx: not built yet, so no training ran:")
-  for item in NOT_BUILT_YET:
-    say(f"rlx:   - {item.format(mode=config.mesh.mode)}")
-  return 0 if finite else 1
+  summary = trainer.train(config, workdir, say)
+  minutes = (time.perf_counter() - started) / 60
+  say(f"rlx: {summary['steps']} steps in {minutes:.1f} min"
+      + (" (stopped early; rerun the same command to resume)" if summary["stopped"] else ""))
+  if summary["eval_accuracy_after"] is not None:
+    before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
+    change = "" if before is None else f" ({100 * (after - before):+.1f} points)"
+    say(f"rlx: held-out accuracy: before RL {_percent(before)}, after RL {_percent(after)}{change}")
+  say(f"rlx: metrics:     {summary['metrics']} (TensorBoard: {workdir / 'tb'})")
+  say(f"rlx: checkpoints: {summary['checkpoints']}")
+  return 0
 
 
 def main(argv: list[str] | None = None) -> int:

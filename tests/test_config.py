@@ -128,23 +128,38 @@ def test_main_help_prints_field_docs():
   assert "Nucleus sampling mass" in result.stdout
 
 
-def test_main_runs_the_default_split_config(tmp_path):
+def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_path):
+  from tests.trainer.tiny import OVERRIDES
+
   workdir = tmp_path / "run"
-  result = _rlx_main("--config", "configs/dapo_split.py", "--workdir", str(workdir),
-                     "--config.model.arch.num_layers=2")
+  result = _rlx_main("--config", "configs/dapo_split.py", "--workdir", str(workdir), *OVERRIDES,
+                     "--config.trainer.steps=2", "--config.algorithm.dynamic_sampling=false")
   assert result.returncode == 0, result.stderr
   written = json.loads((workdir / "config.json").read_text())
-  assert written["mesh"]["mode"] == "split" and written["model"]["arch"]["num_layers"] == 2
-  assert "logits" in result.stdout and "not built yet" in result.stdout
-  assert "(disjoint devices)" in result.stdout
+  assert written["mesh"]["mode"] == "split" and written["model"]["arch"]["num_layers"] == 1
+  assert "2 steps in" in result.stdout
+  assert "held-out accuracy: before RL" in result.stdout
+  assert f"metrics:     {workdir / 'metrics.jsonl'}" in result.stdout
+  assert f"checkpoints: {workdir / 'checkpoints'}" in result.stdout
 
 
-def test_main_loads_a_hugging_face_model_and_its_tokenizer(tmp_path):
+def test_main_trains_a_hugging_face_model_with_its_tokenizer(tmp_path):
+  from tests.trainer.tiny import OVERRIDES
+
   result = _rlx_main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path),
-                     "--config.model.path=tests/fixtures/hf/qwen2", "--config.mesh.tensor=2")
+                     "--config.model.path=tests/fixtures/hf/qwen2", "--config.mesh.tensor=2",
+                     *OVERRIDES, "--config.trainer.steps=1", "--config.trainer.warmup_sft_steps=0")
   assert result.returncode == 0, result.stderr
-  assert "model tests/fixtures/hf/qwen2: 2 layers" in result.stdout
-  assert "tokenizer: 300 tokens" in result.stdout
+  assert "model=tests/fixtures/hf/qwen2" in result.stdout and "1 steps in" in result.stdout
+
+
+def test_main_names_a_malformed_data_row(tmp_path):
+  data = tmp_path / "prompts.jsonl"
+  data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "no answer"}\n')
+  result = _rlx_main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path / "run"),
+                     f"--config.data.source={data}", "--config.trainer.warmup_sft_steps=0")
+  assert result.returncode == 2
+  assert f"{data}:2" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_main_reports_a_broken_checkpoint_clearly(tmp_path):

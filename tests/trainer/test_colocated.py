@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlx.config import ArchConfig, ConfigError, RunConfig
+from rlx.config import ArchConfig, RunConfig
 from rlx.trainer.colocated import train_colocated
 
 TINY = ArchConfig(num_layers=1, vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -25,7 +25,8 @@ def _config(steps, **algorithm):
       optimizer=dataclasses.replace(c.optimizer, learning_rate=1e-3),
       checkpoint=dataclasses.replace(c.checkpoint, every_steps=1, async_save=False),
       logging=dataclasses.replace(c.logging, progress_bar=False, tensorboard=False),
-      trainer=dataclasses.replace(c.trainer, steps=steps, warmup_sft_steps=2, eval_prompts=4))
+      trainer=dataclasses.replace(c.trainer, steps=steps, warmup_sft_steps=2, warmup_sft_batch=4,
+                                  eval_prompts=4))
 
 
 def _metrics(workdir):
@@ -47,8 +48,3 @@ def test_resumed_run_equals_straight_run(tmp_path):
               "time/sync_s", "throughput/tokens_per_s"):
     assert key in a[0]
   assert (tmp_path / "straight" / "checkpoints").is_dir()
-
-
-def test_ppo_is_refused_until_the_critic_loop_lands(tmp_path):
-  with pytest.raises(ConfigError, match="does not train a critic yet"):
-    train_colocated(_config(1, name="ppo"), tmp_path)

@@ -1,0 +1,33 @@
+"""Tiny sizes for end-to-end loop tests: the shipped configs, shrunk by command-line overrides."""
+
+import json
+import pathlib
+
+from rlx import cli
+
+ROOT = pathlib.Path(__file__).parent.parent.parent
+
+OVERRIDES = (
+    "--config.model.arch.num_layers=1", "--config.model.arch.vocab_size=128",
+    "--config.model.arch.hidden_size=32", "--config.model.arch.intermediate_size=64",
+    "--config.model.arch.num_heads=2", "--config.model.arch.num_kv_heads=1",
+    "--config.model.arch.head_dim=16", "--config.rollout.max_new_tokens=8",
+    "--config.rollout.max_slots=8", "--config.rollout.group_size=2",
+    "--config.data.prompts_per_step=2", "--config.trainer.warmup_sft_steps=2",
+    "--config.trainer.warmup_sft_batch=4", "--config.trainer.eval_prompts=4",
+    "--config.trainer.eval_every=0", "--config.reward.num_workers=0",
+    "--config.reward.format_weight=0.5", "--config.logging.progress_bar=false",
+    "--config.logging.tensorboard=false", "--config.checkpoint.async_save=false",
+    "--config.optimizer.learning_rate=1e-3",
+)
+
+
+def config(name: str, *overrides: str):
+  """``configs/{name}.py`` at a tiny size, with more overrides on top."""
+  loaded = cli.load_config_file(str(ROOT / "configs" / f"{name}.py"))
+  return cli.apply_overrides(loaded, OVERRIDES + overrides)
+
+
+def metrics(workdir) -> list[dict]:
+  return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text()
+          .splitlines()]
