@@ -1,4 +1,4 @@
-"""Base config: the built-in tiny model on the synthetic arithmetic task, sized so that a
+"""Base config: the built-in tiny model on the synthetic sort task, sized so that a
 2-core CPU trains it in minutes; on GPU/TPU or with a real model, override what you need.
 
 The built-in model starts from random weights, learns the answer format with a
@@ -20,10 +20,10 @@ def get_config() -> RunConfig:
                         remat="none"),
       rollout=RolloutConfig(max_slots=64, max_prompt_len=64, max_new_tokens=16, group_size=8),
       algorithm=AlgorithmConfig(name="grpo", off_policy="none"),
-      optimizer=OptimizerConfig(learning_rate=1e-4, max_grad_norm=1.0),
+      optimizer=OptimizerConfig(learning_rate=3e-4, max_grad_norm=1.0),
       mesh=MeshConfig(cpu_devices=2),
-      data=DataConfig(source="arithmetic", prompts_per_step=8),
+      data=DataConfig(source="sort", prompts_per_step=8),
       checkpoint=CheckpointConfig(every_steps=100),
-      trainer=TrainerConfig(steps=300, eval_every=50, eval_prompts=200, warmup_sft_steps=1500,
+      trainer=TrainerConfig(steps=600, eval_every=100, eval_prompts=200, warmup_sft_steps=100,
                             warmup_sft_learning_rate=3e-3),
   )

@@ -165,6 +165,8 @@ class AlgorithmConfig:
   """Lambda of GAE (PPO)."""
   dynamic_sampling: bool = False
   """DAPO: drop groups whose rewards are all equal and refill the batch."""
+  dynamic_sampling_max_draws: int = 16
+  """DAPO: most prompt batches drawn to fill one training batch before the run stops with an error."""
   overlong_filter: bool = False
   """DAPO: mask truncated responses out of the loss."""
   overlong_buffer: int = 0
@@ -180,6 +182,8 @@ class AlgorithmConfig:
     _check(self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip", "must be > 1")
     _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma",
            "gamma and lam must be in [0, 1]")
+    _check(self.dynamic_sampling_max_draws >= 1, "algorithm.dynamic_sampling_max_draws",
+           "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,7 +265,7 @@ class DataConfig:
   """Where prompts come from."""
 
   source: str = "arithmetic"
-  """A built-in synthetic task ('arithmetic', 'countdown') or a path to a .jsonl / .parquet file."""
+  """A built-in synthetic task ('arithmetic', 'countdown', 'sort') or a path to a .jsonl / .parquet file."""
   prompt_field: str = "prompt"
   """Field of a row that holds the prompt."""
   answer_field: str = "answer"
@@ -286,7 +290,7 @@ class DataConfig:
 class RewardConfig:
   """How responses are scored (on the host, off the device path)."""
 
-  name: Literal["auto", "math", "arithmetic", "countdown"] = "auto"
+  name: Literal["auto", "math", "arithmetic", "countdown", "sort"] = "auto"
   """Verifier; 'auto' takes the one that matches data.source ('math' for files)."""
   format_weight: float = 0.0
   """Weight of the format reward added to the verifier's reward."""

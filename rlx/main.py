@@ -88,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as error:  # CheckpointError and other refusals with a message for the user
     print(f"rlx: error: {error}", file=sys.stderr)
     return 2
+  except RuntimeError as error:  # the run failed (e.g. dynamic sampling ran dry); checkpoints stay
+    from rlx.trainer import DynamicSamplingError
+
+    if not isinstance(error, DynamicSamplingError):
+      raise
+    print(f"rlx: error: {error}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

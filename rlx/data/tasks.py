@@ -9,6 +9,8 @@ problem: a problem belongs to the eval split when a hash of its text falls in
 - ``countdown``: reach a target from 3-4 numbers with + - * (each number at most
   once); every target is built from the numbers, so each problem has a solution.
   The answer is ``"target|n1,n2,..."``.
+- ``sort``: write 4-6 digits in ascending order: ``Sort 7 3 9 1 in ascending
+  order.`` -> ``1379``.
 """
 
 from __future__ import annotations
@@ -44,8 +46,14 @@ def _countdown(rng: random.Random) -> dict[str, str]:
   return {"prompt": prompt, "answer": f"{value}|{','.join(map(str, numbers))}"}
 
 
+def _sort(rng: random.Random) -> dict[str, str]:
+  digits = [str(rng.randint(0, 9)) for _ in range(rng.randint(4, 6))]
+  return {"prompt": f"Sort {' '.join(digits)} in ascending order. {INSTRUCTION}",
+          "answer": "".join(sorted(digits))}
+
+
 TASKS: dict[str, Callable[[random.Random], dict[str, str]]] = {
-    "arithmetic": _arithmetic, "countdown": _countdown}
+    "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort}
 
 
 def _in_eval(prompt: str, eval_fraction: float) -> bool:

@@ -71,6 +71,19 @@ class Tokenizer:
     return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs),
                        add_special_tokens=False)
 
+  def save_pretrained(self, path: str | pathlib.Path) -> pathlib.Path:
+    """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, chat template),
+    which ``load_tokenizer`` and ``transformers`` read back."""
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    self.backend.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+              "eos_token": self.eos_token, "pad_token": self.pad_token}
+    if self.chat_template is not None:
+      config["chat_template"] = self.chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
   def encode_prompt(self, prompt: str) -> list[int]:
     """A user prompt as ids: through the chat template when there is one, else plain text."""
     if self.chat_template is None:

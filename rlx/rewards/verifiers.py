@@ -6,6 +6,8 @@
 - ``countdown``: the final answer is an expression over the given numbers (each
   used at most once; + - * / and parentheses) whose value is the target; the
   reference is ``"target|n1,n2,..."``.
+- ``sort``: the final answer, spaces and commas aside, is the reference string
+  of digits.
 - ``format``: 1 when the response ends with its answer in ``<answer>...</answer>``.
 """
 
@@ -96,7 +98,15 @@ def math_reward(response: str, reference: str) -> float:
   return 1.0 if math_verify.verify(gold, predicted) else 0.0
 
 
-VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward}
+def sort_reward(response: str, reference: str) -> float:
+  answer = final_answer(response)
+  if answer is None:
+    return 0.0
+  return 1.0 if re.sub(r"[\s,]", "", answer) == reference else 0.0
+
+
+VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward,
+             "sort": sort_reward}
 
 
 def score(verifier, format_weight: float, response: str, reference: str) -> float:

@@ -28,14 +28,13 @@ from rlx.data import PromptStream, TaskSource, open_source
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import Model, Tokenizer, build_model, builtin_tokenizer, load_tokenizer
 from rlx.models import param_shardings, save_pretrained
-from rlx.rewards import RewardPool
+from rlx.rewards import VERIFIERS, RewardPool
 from rlx.rollout import Completion
 from rlx.sync import OrbaxSync, ReshardSync
 from rlx.trainer.experience import build_batch
 from rlx.trainer.warmup import warm_up
 
 Say = Callable[[str], None]
-MAX_DRAWS = 8
 
 
 class DynamicSamplingError(RuntimeError):
@@ -45,7 +44,7 @@ class DynamicSamplingError(RuntimeError):
 def verifier_name(config: RunConfig) -> str:
   if config.reward.name != "auto":
     return config.reward.name
-  return config.data.source if config.data.source in ("arithmetic", "countdown") else "math"
+  return config.data.source if config.data.source in VERIFIERS else "math"
 
 
 @dataclasses.dataclass
@@ -106,8 +105,9 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
 
 def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
                directory: pathlib.Path, say: Say) -> Model:
-  """The model after the supervised warm-up, saved in Hugging Face format under ``directory``
-  (a resumed run loads it from there instead of training it again)."""
+  """The model after the supervised warm-up, saved with its tokenizer in Hugging Face format
+  under ``directory`` (a resumed run loads it from there instead of training it again; any run
+  can start from it with ``--config.model.path``)."""
   if (directory / "config.json").is_file():
     say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
     return build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
@@ -119,6 +119,7 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate)
   save_pretrained(model, directory)
+  tokenizer.save_pretrained(directory)
   say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
       f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
   return model
@@ -159,26 +160,29 @@ class Draw:
 
 def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) -> Draw:
   """``prompts_per_step`` groups of ``group_size`` samples. With dynamic sampling, groups whose
-  rewards are all equal are dropped and more prompts drawn (at most ``MAX_DRAWS`` draws).
+  rewards are all equal are dropped and more prompts drawn (at most
+  ``algorithm.dynamic_sampling_max_draws`` draws).
 
   ``params_fn()`` gives the (params, version) to sample with; it is asked before every
   draw, so a refill uses the newest policy the generator has.
   """
   config, group = run.config, run.config.rollout.group_size
+  max_draws = config.algorithm.dynamic_sampling_max_draws
   wanted = config.data.prompts_per_step * group
   completions, rewards, counts, draws, dropped = [], [], {}, 0, 0
   started = time.perf_counter()
   while len(completions) < wanted:
-    if draws == MAX_DRAWS:
+    if draws == max_draws:
       raise DynamicSamplingError(
           f"dynamic sampling kept {len(completions) // group} of {wanted // group} groups after "
           f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
-          "raise config.rollout.group_size, or set config.algorithm.dynamic_sampling=false")
+          "raise config.rollout.group_size or config.algorithm.dynamic_sampling_max_draws, or set "
+          "config.algorithm.dynamic_sampling=false")
     rows = next(run.stream)
     params, version = params_fn()
     drawn, scores, drawn_counts = generate_and_score(
         run, params, rows, n=group, temperature=config.rollout.temperature,
-        seed=seed * MAX_DRAWS + draws, version=version)
+        seed=seed * max_draws + draws, version=version)
     for key, value in drawn_counts.items():
       counts[key] = counts.get(key, 0) + value
     keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))

@@ -8,7 +8,7 @@ from rlx import rewards
 from rlx.data import task_rows
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("task", ["arithmetic", "countdown", "sort"])
 def test_rows_are_deterministic_and_splits_disjoint(task):
   train = task_rows(task, 300, seed=1)
   assert train == task_rows(task, 300, seed=1)
@@ -52,3 +52,12 @@ def test_every_countdown_problem_is_solvable():
 def test_unknown_task_is_refused():
   with pytest.raises(ValueError, match="unknown built-in task 'sorting'"):
     task_rows("sorting", 3)
+
+
+def test_sort_answers_are_the_prompt_digits_in_order():
+  from rlx import rewards
+
+  for row in task_rows("sort", 30, seed=5):
+    digits = row["prompt"].split(" in ascending")[0].removeprefix("Sort ").split()
+    assert row["answer"] == "".join(sorted(digits)) and 4 <= len(digits) <= 6
+    assert rewards.sort_reward(f"<answer>{row['answer']}</answer>", row["answer"]) == 1.0

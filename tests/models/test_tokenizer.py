@@ -59,3 +59,14 @@ def test_chat_template_sources(tokenizer_dir, tmp_path):
 def test_missing_tokenizer_is_refused(tmp_path):
   with pytest.raises(models.CheckpointError, match="no tokenizer.json"):
     models.load_tokenizer(tmp_path)
+
+
+def test_a_saved_tokenizer_loads_back_the_same(tmp_path):
+  from rlx.models import builtin_tokenizer, load_tokenizer
+
+  original = builtin_tokenizer()
+  loaded = load_tokenizer(original.save_pretrained(tmp_path))
+  text = "What is 3 + 4? <answer>7</answer>"
+  assert loaded.encode(text) == original.encode(text)
+  assert (loaded.eos_id, loaded.pad_id, loaded.vocab_size) == (original.eos_id, original.pad_id,
+                                                                original.vocab_size)

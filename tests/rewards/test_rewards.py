@@ -110,3 +110,11 @@ def test_worker_pool_replaces_a_stuck_worker():
 def test_unknown_verifier_is_refused():
   with pytest.raises(ValueError, match="unknown reward 'maths'"):
     rewards.RewardPool("maths", num_workers=0)
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("<answer>1379</answer>", 1.0), ("<answer>1, 3, 7, 9</answer>", 1.0),
+    ("<answer>1 3 7 9</answer>", 1.0), ("<answer>1397</answer>", 0.0),
+    ("<answer>137</answer>", 0.0), ("1379", 0.0)])
+def test_sort_reward_credits_only_the_sorted_digits(response, expected):
+  assert rewards.sort_reward(response, "1379") == expected

@@ -1,0 +1,40 @@
+"""DAPO's dynamic sampling in the loop: only groups of varied rewards are kept, the batch is
+refilled, and a run whose groups never vary stops with an error that says what to change."""
+
+import numpy as np
+import pytest
+
+from rlx.rewards import RewardPool
+from rlx.trainer import DynamicSamplingError, collect, prepare
+from tests.trainer import tiny
+
+
+def _odd_length(response: str, reference: str) -> float:
+  del reference
+  return float(len(response) % 2)
+
+
+def _run(tmp_path, verifier, max_draws=16):
+  config = tiny.config("dapo_split", "--config.rollout.group_size=4",
+                       f"--config.algorithm.dynamic_sampling_max_draws={max_draws}")
+  run = prepare(config, tmp_path, say=lambda message: None)
+  run.pool = RewardPool(verifier, num_workers=0)
+  run.sync.publish(run.model.params, 0)  # the generation layout
+  return run
+
+
+def test_kept_groups_have_varied_rewards_and_fill_the_batch(tmp_path):
+  run = _run(tmp_path, _odd_length)
+  draw = collect(run, run.sync.latest, seed=0)
+  groups = draw.rewards.reshape(-1, 4)
+  assert len(draw.completions) == 2 * 4
+  assert np.all(groups.std(axis=1) > 0)
+  assert draw.counts["rollout/draws"] >= 1
+  # every draw is 2 prompts; what was not kept (beyond the batch) was dropped
+  assert draw.counts["rollout/dropped_groups"] <= 2 * draw.counts["rollout/draws"] - 2
+
+
+def test_groups_that_never_vary_stop_the_run_with_a_clear_error(tmp_path):
+  run = _run(tmp_path, lambda response, reference: 0.0, max_draws=3)
+  with pytest.raises(DynamicSamplingError, match="kept 0 of 2 groups after 3 draws"):
+    collect(run, run.sync.latest, seed=0)
