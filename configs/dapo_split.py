@@ -19,6 +19,7 @@ def get_config():
       name="dapo_split",
       algorithm=dataclasses.replace(
           config.algorithm, name="dapo", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
-          loss_agg="token-mean", dynamic_sampling=True, overlong_buffer=4, off_policy="tis"),
+          loss_agg="token-mean", dynamic_sampling=True, dynamic_sampling_max_draws=32,
+          overlong_buffer=4, off_policy="tis"),
       mesh=dataclasses.replace(config.mesh, mode="split", max_staleness=1, weight_sync="reshard"),
   )

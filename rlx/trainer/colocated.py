@@ -14,6 +14,7 @@ SIGINT before exiting. A workdir with a checkpoint resumes from it.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import time
 
@@ -43,7 +44,8 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
   with StopSignal() as stop, sink:
     while step < config.trainer.steps and not stop.requested:
       started = time.perf_counter()
-      draw = collect(run, lambda: (params, version), seed=config.trainer.seed * 1_000_003 + step)
+      draw = collect(run, functools.partial(tuple, (params, version)),
+                     seed=config.trainer.seed * 1_000_003 + step)
       learn_started = time.perf_counter()
       metrics = learner.learn(draw)
       learned = time.perf_counter()

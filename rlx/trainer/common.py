@@ -26,8 +26,15 @@ from rlx.checkpoint import Checkpointer
 from rlx.config import ConfigError, RunConfig
 from rlx.data import PromptStream, TaskSource, open_source
 from rlx.mesh import Meshes, make_meshes
-from rlx.models import Model, Tokenizer, build_model, builtin_tokenizer, load_tokenizer
-from rlx.models import param_shardings, save_pretrained
+from rlx.models import (
+  Model,
+  Tokenizer,
+  build_model,
+  builtin_tokenizer,
+  load_tokenizer,
+  param_shardings,
+  save_pretrained,
+)
 from rlx.rewards import VERIFIERS, RewardPool
 from rlx.rollout import Completion
 from rlx.sync import OrbaxSync, ReshardSync

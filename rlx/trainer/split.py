@@ -91,7 +91,7 @@ class Generator(threading.Thread):
       self._params, self._version = newer
     return time.perf_counter() - started
 
-  def run(self) -> None:  # noqa: D102 (threading.Thread API)
+  def run(self) -> None:
     try:
       index = 0
       while not self._halt.is_set():
@@ -125,7 +125,7 @@ class Generator(threading.Thread):
           except queue.Full:
             continue
         index += 1
-    except BaseException as error:  # handed to the learner, which raises it
+    except BaseException as error:  # noqa: BLE001 - handed to the learner, which raises it
       self.queue.put(error)
 
   def next(self) -> _Produced:

@@ -12,7 +12,7 @@ from rlx.trainer.common import Draw
 from rlx.trainer.split import expired
 from tests.trainer import tiny
 
-QUIET = dict(say=lambda message: None)
+QUIET = {"say": lambda message: None}
 
 
 def _split(*overrides):
