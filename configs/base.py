@@ -20,10 +20,10 @@ def get_config() -> RunConfig:
                         remat="none"),
       rollout=RolloutConfig(max_slots=64, max_prompt_len=64, max_new_tokens=16, group_size=8),
       algorithm=AlgorithmConfig(name="grpo", off_policy="none"),
-      optimizer=OptimizerConfig(learning_rate=5e-4, max_grad_norm=1.0),
+      optimizer=OptimizerConfig(learning_rate=3e-4, max_grad_norm=1.0),
       mesh=MeshConfig(cpu_devices=2),
       data=DataConfig(source="sort", prompts_per_step=8),
       checkpoint=CheckpointConfig(every_steps=100),
-      trainer=TrainerConfig(steps=500, eval_every=100, eval_prompts=200, warmup_sft_steps=100,
+      trainer=TrainerConfig(steps=600, eval_every=100, eval_prompts=500, warmup_sft_steps=90,
                             warmup_sft_learning_rate=3e-3),
   )

@@ -40,7 +40,7 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
     say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
   step = start or 0
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
-                     resume_step=start)
+                     resume_step=start, write=jax.process_index() == 0)
   with StopSignal() as stop, sink:
     while step < config.trainer.steps and not stop.requested:
       started = time.perf_counter()

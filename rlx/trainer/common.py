@@ -126,7 +126,8 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate)
   save_pretrained(model, directory)
-  tokenizer.save_pretrained(directory)
+  if jax.process_index() == 0:
+    tokenizer.save_pretrained(directory)
   say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
       f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
   return model

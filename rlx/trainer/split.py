@@ -169,7 +169,7 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   generator.published(learner.version)
   k = config.mesh.max_staleness
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
-                     resume_step=start)
+                     resume_step=start, write=jax.process_index() == 0)
   dropped_batches, learn_seconds, learn_tokens = 0, 0.0, 0
   data_state = run.stream.get_state()
   generator.start()

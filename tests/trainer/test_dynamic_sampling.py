@@ -38,3 +38,16 @@ def test_groups_that_never_vary_stop_the_run_with_a_clear_error(tmp_path):
   run = _run(tmp_path, lambda response, reference: 0.0, max_draws=3)
   with pytest.raises(DynamicSamplingError, match="kept 0 of 2 groups after 3 draws"):
     collect(run, run.sync.latest, seed=0)
+
+
+def _raises(response: str, reference: str) -> float:
+  raise RuntimeError("a broken reward function")
+
+
+def test_a_raising_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
+  config = tiny.config("grpo_colocated", "--config.rollout.group_size=4")
+  run = prepare(config, tmp_path, say=lambda message: None)
+  run.pool = RewardPool(_raises, num_workers=0)
+  run.sync.publish(run.model.params, 0)
+  draw = collect(run, run.sync.latest, seed=0)
+  assert np.all(draw.rewards == 0) and draw.counts["reward/errors"] == 2 * 4
