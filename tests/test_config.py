@@ -148,7 +148,8 @@ def test_main_trains_a_hugging_face_model_with_its_tokenizer(tmp_path):
 
   result = _rlx_main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path),
                      "--config.model.path=tests/fixtures/hf/qwen2", "--config.mesh.tensor=2",
-                     *OVERRIDES, "--config.trainer.steps=1", "--config.trainer.warmup_sft_steps=0")
+                     *OVERRIDES, "--config.trainer.steps=1", "--config.trainer.warmup_sft_steps=0",
+                     "--config.rollout.max_prompt_len=128")
   assert result.returncode == 0, result.stderr
   assert "model=tests/fixtures/hf/qwen2" in result.stdout and "1 steps in" in result.stdout
 

@@ -131,7 +131,8 @@ class Engine:
 
   def prompt_bucket(self, length: int) -> int:
     if length > self.max_prompt_len:
-      raise ValueError(f"prompt of {length} tokens is longer than max_prompt_len={self.max_prompt_len}")
+      raise ValueError(f"prompt of {length} tokens is longer than max_prompt_len={self.max_prompt_len}; "
+                       "raise config.rollout.max_prompt_len or shorten the prompt")
     return next(b for b in self.prompt_buckets if b >= length)
 
   def batch_bucket(self, count: int) -> int:
