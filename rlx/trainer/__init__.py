@@ -4,6 +4,7 @@ scoring rollouts, turning them into the learner's batch, and the learner.
     summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
 """
 
+from rlx.config import ConfigError
 from rlx.trainer.colocated import train_colocated
 from rlx.trainer.common import DynamicSamplingError, Learner, collect, evaluate, prepare
 from rlx.trainer.experience import advantages, build_batch, layout, shaped_rewards
@@ -13,6 +14,12 @@ from rlx.trainer.warmup import warm_up
 
 def train(config, workdir, say=print) -> dict:
   """Runs (or resumes) the loop of ``config.mesh.mode``; returns its summary."""
+  if config.mesh.multihost:
+    raise ConfigError(
+        "config.mesh.multihost=true: the training loops drive one process for now (the rollout "
+        "engine and the learner's batches place host data on local devices); run one process "
+        "with all of this machine's devices, or split learner and generator into separate jobs "
+        "over config.mesh.weight_sync=orbax once that launcher lands")
   loop = train_split if config.mesh.mode == "split" else train_colocated
   return loop(config, workdir, say)
 

@@ -79,8 +79,8 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   weight sync and reward pool."""
   workdir = pathlib.Path(workdir)
   meshes = make_meshes(config.mesh)
-  tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
   model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
+  tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
   if tokenizer.vocab_size > model.arch.vocab_size:
     raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab is "
                       f"{model.arch.vocab_size}; the tokenizer belongs to another model")

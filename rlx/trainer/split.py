@@ -152,7 +152,7 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   if config.mesh.multihost:
     raise ConfigError(
         "config.mesh.mode=split runs generation in a thread of one controller and does not "
-        "span processes yet; use config.mesh.mode=colocated for a multi-host run")
+        "span processes yet (config.mesh.multihost=true)")
   run = prepare(config, workdir, say)
   learner = Learner(run)
   start = learner.restore()
