@@ -49,7 +49,7 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
       learn_started = time.perf_counter()
       metrics = learner.learn(draw)
       learned = time.perf_counter()
-      sync_seconds = run.sync.publish(learner.state.params, learner.version)
+      run.sync.publish(learner.state.params, learner.version)
       params, version = run.sync.latest(like=like)
       step += 1
       elapsed = time.perf_counter() - started
@@ -57,7 +57,7 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
       metrics.update({
           "time/step_s": elapsed, "time/generate_s": draw.generate_seconds,
           "time/learn_s": learned - learn_started, "time/sync_s": time.perf_counter() - learned,
-          "time/publish_s": sync_seconds, "throughput/tokens_per_s": tokens / elapsed,
+          "throughput/tokens_per_s": tokens / elapsed,
           "throughput/samples_per_s": len(draw.completions) / elapsed})
       if config.trainer.eval_every and step % config.trainer.eval_every == 0:
         metrics["eval/accuracy"] = evaluate(run, params)

@@ -288,6 +288,7 @@ class Learner:
     for _ in range(config.trainer.ppo_epochs):
       self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
     metrics.update(step_metrics)
+    jax.block_until_ready(self.state)  # so that the time of a step is the learner's, not the sync's
     algo = config.algorithm
     if algo.kl_target is not None and "policy/kl" in metrics:
       self.kl_coef = float(algorithms.adaptive_kl_coef(
