@@ -288,6 +288,8 @@ class Learner:
     for _ in range(config.trainer.ppo_epochs):
       self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
     metrics.update(step_metrics)
+    # without a reference policy, policy/kl is the KL to the policy that sampled (approx_kl)
+    metrics.setdefault("policy/kl", metrics["policy/approx_kl"])
     jax.block_until_ready(self.state)  # so that the time of a step is the learner's, not the sync's
     algo = config.algorithm
     if algo.kl_target is not None and "policy/kl" in metrics:

@@ -6,7 +6,7 @@ import pytest
 from rlx.trainer import train
 from tests.trainer import tiny
 
-EXPECTED = ("reward/mean", "reward/accuracy", "response/length_mean", "policy/entropy",
+EXPECTED = ("reward/mean", "reward/accuracy", "response/length_mean", "policy/kl", "policy/entropy",
             "policy/clip_frac_high", "rollout/policy_lag_max", "time/step_s", "time/sync_s",
             "throughput/tokens_per_s")
 
