@@ -22,22 +22,13 @@ import jax
 
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import Learner, Say, collect, evaluate, prepare
+from rlx.trainer.common import Say, begin, collect, evaluate, finish
 
 
 def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> dict:
   """Runs (or resumes) a colocated run; returns a summary with the eval accuracy before and after."""
-  run = prepare(config, workdir, say)
-  learner = Learner(run)
-  start = learner.restore()
-  if start is not None:
-    say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), learner.state.params)
-  run.sync.publish(learner.state.params, learner.version)
-  params, version = run.sync.latest(like=like)
-  accuracy_before = evaluate(run, params) if start is None else None
-  if accuracy_before is not None:
-    say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  run, learner, start, accuracy_before = begin(config, workdir, say)
+  params, version = run.sync.latest(like=learner.abstract_params)
   step = start or 0
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
@@ -49,8 +40,8 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
       learn_started = time.perf_counter()
       metrics = learner.learn(draw)
       learned = time.perf_counter()
-      run.sync.publish(learner.state.params, learner.version)
-      params, version = run.sync.latest(like=like)
+      learner.publish()
+      params, version = run.sync.latest(like=learner.abstract_params)
       step += 1
       elapsed = time.perf_counter() - started
       tokens = sum(len(c.response_tokens) for c in draw.completions)
@@ -62,15 +53,8 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
       if config.trainer.eval_every and step % config.trainer.eval_every == 0:
         metrics["eval/accuracy"] = evaluate(run, params)
       sink.write(step, metrics)
-      if stop.requested or (config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0):
+      if learner.checkpoint_due(step, stop.requested):
         learner.save(step, draw.data_state)
-    if stop.requested:
-      say(f"rlx: {stop.received}: checkpoint saved at step {step}; rerun the same command to resume")
-    elif start != step and (config.checkpoint.every_steps == 0 or step % config.checkpoint.every_steps):
-      learner.save(step, run.stream.get_state())
-  learner.close()
-  accuracy_after = evaluate(run, params)
-  run.close()
-  return {"steps": step, "eval_accuracy_before": accuracy_before,
-          "eval_accuracy_after": accuracy_after, "metrics": str(sink.jsonl_path),
-          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.requested}
+    return finish(run, learner, start=start, step=step, stop=stop,
+                  data_state=run.stream.get_state(), accuracy_before=accuracy_before,
+                  metrics_path=sink.jsonl_path, say=say)

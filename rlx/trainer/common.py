@@ -133,6 +133,41 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   return model
 
 
+def begin(config: RunConfig, workdir: str | pathlib.Path,
+          say: Say) -> tuple[Run, Learner, int | None, float | None]:
+  """Builds a run and its learner, resumes from the newest checkpoint if there is one, publishes
+  the first weights and (on a fresh run) measures the held-out accuracy before RL.
+
+  Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
+  """
+  run = prepare(config, workdir, say)
+  learner = Learner(run)
+  start = learner.restore()
+  if start is not None:
+    say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
+  learner.publish()
+  accuracy_before = evaluate(run, learner.generation_params()) if start is None else None
+  if accuracy_before is not None:
+    say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  return run, learner, start, accuracy_before
+
+
+def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
+           accuracy_before: float | None, metrics_path: pathlib.Path, say: Say) -> dict:
+  """Saves the last step (unless a save just happened), closes the run and returns its summary
+  with the held-out accuracy after RL."""
+  if stop.requested:
+    say(f"rlx: {stop.received}: checkpoint saved at step {step}; rerun the same command to resume")
+  elif step != (start or 0) and not learner.checkpoint_due(step, stopping=False):
+    learner.save(step, data_state)
+  learner.close()
+  accuracy_after = evaluate(run, learner.generation_params())
+  run.close()
+  return {"steps": step, "eval_accuracy_before": accuracy_before,
+          "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),
+          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.requested}
+
+
 def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
                        seed: int, version: int) -> tuple[list[Completion], np.ndarray, dict]:
   """``n`` samples of each row's prompt, and their rewards from the host pool."""
@@ -233,6 +268,9 @@ class Learner:
           run.model.transformer, p, tokens, attention))
     self.kl_coef = algo.kl_coef
     self.checkpointer = Checkpointer(run.workdir / "checkpoints", config.checkpoint)
+    self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                        self.state.params)
+    """The params' shapes and dtypes (what ``OrbaxSync.latest`` restores into)."""
 
   @property
   def version(self) -> int:
@@ -251,6 +289,18 @@ class Learner:
   def save(self, step: int, data_state: dict) -> None:
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef})
+
+  def checkpoint_due(self, step: int, stopping: bool) -> bool:
+    every = self.config.checkpoint.every_steps
+    return stopping or bool(every and step % every == 0)
+
+  def publish(self) -> float:
+    """Hands the current params to the generator; returns the sync's seconds."""
+    return self.run.sync.publish(self.state.params, self.version)
+
+  def generation_params(self):
+    """The newest published params, in the generation layout."""
+    return self.run.sync.latest(like=self.abstract_params)[0]
 
   def _ppo_advantages(self, batch, rewards: np.ndarray):
     """GAE over the critic's values; the task reward sits on the last response token, and the

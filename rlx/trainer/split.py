@@ -37,7 +37,7 @@ import jax
 from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import Draw, Learner, Run, Say, collect, evaluate, prepare
+from rlx.trainer.common import Draw, Run, Say, begin, collect, evaluate, finish
 
 
 @dataclasses.dataclass
@@ -153,18 +153,10 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
     raise ConfigError(
         "config.mesh.mode=split runs generation in a thread of one controller and does not "
         "span processes yet (config.mesh.multihost=true)")
-  run = prepare(config, workdir, say)
-  learner = Learner(run)
-  start = learner.restore()
-  if start is not None:
-    say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), learner.state.params)
-  run.sync.publish(learner.state.params, learner.version)
-  accuracy_before = (evaluate(run, run.sync.latest(like=like)[0]) if start is None else None)
-  if accuracy_before is not None:
-    say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  run, learner, start, accuracy_before = begin(config, workdir, say)
   step = start or 0
-  generator = Generator(run, like=like, first_step=step, first_version=learner.version,
+  generator = Generator(run, like=learner.abstract_params, first_step=step,
+                        first_version=learner.version,
                         versions_per_step=config.trainer.ppo_epochs, delay_s=generator_delay_s)
   generator.published(learner.version)
   k = config.mesh.max_staleness
@@ -174,8 +166,8 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   data_state = run.stream.get_state()
   generator.start()
   loop_started = time.perf_counter()
-  try:
-    with StopSignal() as stop, sink:
+  with StopSignal() as stop, sink:
+    try:
       while step < config.trainer.steps and not stop.requested:
         started = time.perf_counter()
         produced = generator.next()
@@ -188,7 +180,7 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
         if learner_delay_s:
           time.sleep(learner_delay_s)
         learned = time.perf_counter()
-        sync_seconds = run.sync.publish(learner.state.params, learner.version)
+        sync_seconds = learner.publish()
         generator.published(learner.version)
         finished = time.perf_counter()
         step += 1
@@ -212,24 +204,13 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
                                                                          1e-9),
             "throughput/learning_tokens_per_s": learn_tokens / max(learn_seconds, 1e-9)})
         if config.trainer.eval_every and step % config.trainer.eval_every == 0:
-          metrics["eval/accuracy"] = evaluate(run, run.sync.latest(like=like)[0])
+          metrics["eval/accuracy"] = evaluate(run, learner.generation_params())
         sink.write(step, metrics)
-        if stop.requested or (config.checkpoint.every_steps
-                              and step % config.checkpoint.every_steps == 0):
+        if learner.checkpoint_due(step, stop.requested):
           learner.save(step, data_state)
-      if stop.requested:
-        say(f"rlx: {stop.received}: checkpoint saved at step {step}; rerun the same command to "
-            "resume")
-      elif start != step and (config.checkpoint.every_steps == 0
-                              or step % config.checkpoint.every_steps):
-        learner.save(step, data_state)
-  finally:
-    generator.stop()
-    generator.join(timeout=60)
-  learner.close()
-  accuracy_after = evaluate(run, run.sync.latest(like=like)[0])
-  run.close()
-  return {"steps": step, "eval_accuracy_before": accuracy_before,
-          "eval_accuracy_after": accuracy_after, "metrics": str(sink.jsonl_path),
-          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.requested,
-          "dropped_batches": dropped_batches}
+    finally:
+      generator.stop()
+      generator.join(timeout=60)
+    summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
+                     accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say)
+  return dict(summary, dropped_batches=dropped_batches)
