@@ -35,7 +35,7 @@ from rlx.models import (
   param_shardings,
   save_pretrained,
 )
-from rlx.rewards import VERIFIERS, RewardPool
+from rlx.rewards import VERIFIERS, RewardPool, Scored
 from rlx.rollout import Completion
 from rlx.sync import OrbaxSync, ReshardSync
 from rlx.trainer.experience import build_batch
@@ -169,25 +169,25 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
 
 
 def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
-                       seed: int, version: int) -> tuple[list[Completion], np.ndarray, dict]:
-  """``n`` samples of each row's prompt, and their rewards from the host pool."""
+                       seed: int, version: int) -> tuple[list[Completion], Scored]:
+  """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool."""
   r = run.config.rollout
   completions = rollout.generate(
       run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
       max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
       stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version)
   texts = [run.tokenizer.decode(c.response_tokens) for c in completions]
-  rewards, counts = run.pool.score(texts, [rows[c.prompt_index]["answer"] for c in completions])
-  return completions, rewards, counts
+  return completions, run.pool.score(texts, [rows[c.prompt_index]["answer"] for c in completions])
 
 
 def evaluate(run: Run, params) -> float | None:
-  """Held-out accuracy (greedy): the share of eval prompts whose answer the verifier accepts."""
+  """Held-out accuracy (greedy): the share of eval prompts whose answer the verifier accepts
+  (a format bonus never counts)."""
   if not run.eval_rows:
     return None
-  _, rewards, _ = generate_and_score(run, params, run.eval_rows, n=1, temperature=0.0, seed=0,
-                                     version=0)
-  return float(np.mean(rewards >= 1.0))
+  _, scored = generate_and_score(run, params, run.eval_rows, n=1, temperature=0.0, seed=0,
+                                 version=0)
+  return float(np.mean(scored.correct))
 
 
 @dataclasses.dataclass
@@ -196,6 +196,9 @@ class Draw:
 
   completions: list[Completion]
   rewards: np.ndarray
+  """float32 [N]: the reward of each kept completion."""
+  correct: np.ndarray
+  """bool [N]: the verifier's verdict on each kept completion."""
   counts: dict
   generate_seconds: float
   data_state: dict
@@ -212,7 +215,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
   config, group = run.config, run.config.rollout.group_size
   max_draws = config.algorithm.dynamic_sampling_max_draws
   wanted = config.data.prompts_per_step * group
-  completions, rewards, counts, draws, dropped = [], [], {}, 0, 0
+  completions, rewards, correct, counts, draws, dropped = [], [], [], {}, 0, 0
   started = time.perf_counter()
   while len(completions) < wanted:
     if draws == max_draws:
@@ -223,19 +226,22 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
           "config.algorithm.dynamic_sampling=false")
     rows = next(run.stream)
     params, version = params_fn()
-    drawn, scores, drawn_counts = generate_and_score(
+    drawn, scored = generate_and_score(
         run, params, rows, n=group, temperature=config.rollout.temperature,
         seed=seed * max_draws + draws, version=version)
-    for key, value in drawn_counts.items():
+    scores = scored.rewards
+    for key, value in scored.counts.items():
       counts[key] = counts.get(key, 0) + value
     keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
             if config.algorithm.dynamic_sampling else np.ones(len(scores), bool))
     dropped += int((~keep).sum()) // group
     completions += [drawn[i] for i in np.flatnonzero(keep)]
     rewards += [scores[i] for i in np.flatnonzero(keep)]
+    correct += [scored.correct[i] for i in np.flatnonzero(keep)]
     draws += 1
   counts.update({"rollout/dropped_groups": dropped, "rollout/draws": draws})
-  return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32), counts,
+  return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
+              np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state())
 
 
@@ -348,7 +354,7 @@ class Learner:
           steps=batch.batch_size))
     metrics.update(stats)
     metrics.update(draw.counts)
-    metrics.update({"reward/accuracy": float(np.mean(draw.rewards >= 1.0)),
+    metrics.update({"reward/accuracy": float(np.mean(draw.correct)),
                     "rollout/policy_lag_mean": float(lag.mean()),
                     "rollout/policy_lag_max": int(lag.max())})
     return metrics

@@ -51,37 +51,40 @@ class Generator(threading.Thread):
   """Produces scored batches on the generation sub-mesh, at most ``max_staleness`` policy
   versions ahead of the learner.
 
-  Batch i (counting from 0) is the one the learner trains on at version
-  ``first_version + i * versions_per_step``; the generator starts it once the
-  published version is at least that minus ``max_staleness``.
+  The gate follows the learner's actual progress, not a schedule: the learner reports every
+  batch it is done with (``finished``), trained or dropped. Batch i (counting from 0) is
+  started once the learner is done with batch ``i - max_staleness // versions_per_step``;
+  every batch between can raise the version by at most ``versions_per_step``, and the
+  generator samples with the newest version published when it starts, so batch i is at most
+  ``max_staleness`` versions old when the learner trains on it, whatever was dropped before it.
   """
 
-  def __init__(self, run: Run, *, like, first_step: int, first_version: int,
-               versions_per_step: int, delay_s: float = 0.0):
+  def __init__(self, run: Run, *, like, first_step: int, versions_per_step: int,
+               delay_s: float = 0.0, collect_fn=collect):
     super().__init__(name="rlx-generator", daemon=True)
-    self.job, self.like, self.delay_s = run, like, delay_s
+    self.job, self.like, self.delay_s, self.collect_fn = run, like, delay_s, collect_fn
     self.k = run.config.mesh.max_staleness
-    self.first_step, self.first_version, self.versions_per_step = (first_step, first_version,
-                                                                   versions_per_step)
-    self.queue: queue.Queue[_Produced | BaseException] = queue.Queue(maxsize=max(self.k, 1))
-    self._published = threading.Condition()
-    self._published_version = -1
+    self.ahead = self.k // versions_per_step  # batches it may start before the learner is done
+    self.first_step = first_step
+    self.queue: queue.Queue[_Produced | BaseException] = queue.Queue(maxsize=self.ahead + 1)
+    self._progress = threading.Condition()
+    self._finished = 0  # batches the learner is done with
     self._halt = threading.Event()
     self.busy_seconds = 0.0
     self.tokens = 0
     self._params = None
     self._version = -1
 
-  def published(self, version: int) -> None:
-    """The learner tells the generator a new version is out."""
-    with self._published:
-      self._published_version = max(self._published_version, version)
-      self._published.notify_all()
+  def finished(self) -> None:
+    """The learner is done with one more batch (trained and published, or dropped)."""
+    with self._progress:
+      self._finished += 1
+      self._progress.notify_all()
 
   def stop(self) -> None:
     self._halt.set()
-    with self._published:
-      self._published.notify_all()
+    with self._progress:
+      self._progress.notify_all()
 
   def _refresh(self) -> float:
     """Takes the newest published params, if newer than those held; returns the seconds."""
@@ -95,11 +98,10 @@ class Generator(threading.Thread):
     try:
       index = 0
       while not self._halt.is_set():
-        needed = self.first_version + index * self.versions_per_step - self.k
         wait_started = time.perf_counter()
-        with self._published:
-          while self._published_version < needed and not self._halt.is_set():
-            self._published.wait(timeout=0.5)
+        with self._progress:
+          while self._finished < index - self.ahead and not self._halt.is_set():
+            self._progress.wait(timeout=0.5)
         if self._halt.is_set():
           return
         waited = time.perf_counter() - wait_started
@@ -111,8 +113,8 @@ class Generator(threading.Thread):
           return self._params, self._version
 
         started = time.perf_counter()
-        draw = collect(self.job, params, seed=self.job.config.trainer.seed * 1_000_003
-                       + self.first_step + index)
+        draw = self.collect_fn(self.job, params, seed=self.job.config.trainer.seed * 1_000_003
+                               + self.first_step + index)
         if self.delay_s:
           time.sleep(self.delay_s)
         self.busy_seconds += time.perf_counter() - started
@@ -126,10 +128,16 @@ class Generator(threading.Thread):
             continue
         index += 1
     except BaseException as error:  # noqa: BLE001 - handed to the learner, which raises it
-      self.queue.put(error)
+      while not self._halt.is_set():
+        try:
+          self.queue.put(error, timeout=0.5)
+          return
+        except queue.Full:
+          continue
 
-  def next(self) -> _Produced:
-    item = self.queue.get()
+  def next(self, timeout: float | None = None) -> _Produced:
+    """The next batch; raises what the generator raised, ``queue.Empty`` after ``timeout``."""
+    item = self.queue.get(timeout=timeout)
     if isinstance(item, BaseException):
       raise item
     return item
@@ -156,9 +164,7 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   run, learner, start, accuracy_before = begin(config, workdir, say)
   step = start or 0
   generator = Generator(run, like=learner.abstract_params, first_step=step,
-                        first_version=learner.version,
                         versions_per_step=config.trainer.ppo_epochs, delay_s=generator_delay_s)
-  generator.published(learner.version)
   k = config.mesh.max_staleness
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
@@ -175,13 +181,14 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
         draw = produced.draw
         if expired(draw, learner.version, k):
           dropped_batches += 1
+          generator.finished()
           continue
         metrics = learner.learn(draw)
         if learner_delay_s:
           time.sleep(learner_delay_s)
         learned = time.perf_counter()
         sync_seconds = learner.publish()
-        generator.published(learner.version)
+        generator.finished()
         finished = time.perf_counter()
         step += 1
         data_state = draw.data_state

@@ -1,5 +1,8 @@
 """Answer extraction, the verifiers, and the worker pool's handling of errors and timeouts."""
 
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -78,19 +81,19 @@ def _sleepy(response, reference):
 def test_inline_pool_counts_exceptions(monkeypatch):
   monkeypatch.setitem(verifiers.VERIFIERS, "arithmetic", _boom)
   pool = rewards.RewardPool("arithmetic", num_workers=0)
-  scores, counts = pool.score(["<answer>1</answer>"] * 3, ["1"] * 3)
+  scores, _, counts = pool.score(["<answer>1</answer>"] * 3, ["1"] * 3)
   np.testing.assert_array_equal(scores, [0, 0, 0])
   assert counts["reward/errors"] == 3 and pool.totals["reward/errors"] == 3
 
 
 def test_worker_pool_scores_and_counts_errors():
   with rewards.RewardPool("countdown", num_workers=2, timeout_s=5) as pool:
-    scores, counts = pool.score(["<answer>6 * 4</answer>", "<answer>6 + 4</answer>", "nothing"],
+    scores, _, counts = pool.score(["<answer>6 * 4</answer>", "<answer>6 + 4</answer>", "nothing"],
                                 ["24|6,4", "24|6,4", "24|6,4"])
     np.testing.assert_array_equal(scores, [1, 0, 0])
     assert counts == {"reward/errors": 0, "reward/timeouts": 0}
     # A malformed reference makes the verifier raise: it scores 0, is counted, the run goes on.
-    scores, counts = pool.score(["<answer>6 * 4</answer>"] * 2, ["24", "24|6,4"])
+    scores, _, counts = pool.score(["<answer>6 * 4</answer>"] * 2, ["24", "24|6,4"])
     np.testing.assert_array_equal(scores, [0, 1])
     assert counts["reward/errors"] == 1 and pool.totals["reward/errors"] == 1
 
@@ -98,13 +101,86 @@ def test_worker_pool_scores_and_counts_errors():
 def test_worker_pool_replaces_a_stuck_worker():
   with rewards.RewardPool(_sleepy, num_workers=2, timeout_s=1) as pool:
     started = time.monotonic()
-    scores, counts = pool.score(["fast", "slow", "fast"], ["", "", ""])
+    scores, _, counts = pool.score(["fast", "slow", "fast"], ["", "", ""])
     assert time.monotonic() - started < 15
     np.testing.assert_array_equal(scores, [1, 0, 1])
     assert counts["reward/timeouts"] == 1
-    scores, counts = pool.score(["fast"] * 4, [""] * 4)  # fresh workers carry on
+    scores, _, counts = pool.score(["fast"] * 4, [""] * 4)  # fresh workers carry on
     np.testing.assert_array_equal(scores, [1] * 4)
     assert counts["reward/timeouts"] == 0
+
+
+def _chaos(response, reference):
+  """Behaves as the response says: scores, raises, hangs, or kills its own process."""
+  if response == "raise":
+    raise RuntimeError("a broken reward function")
+  if response == "hang":
+    time.sleep(3600)
+  if response == "die":
+    os._exit(3)
+  return 1.0
+
+
+def test_pool_shared_by_two_threads_survives_raises_hangs_and_deaths():
+  """Two threads score a few hundred batches at once through one pool while the reward
+  randomly raises, hangs or kills its worker: nothing crashes, every call gets its own answer,
+  every failure is counted exactly once."""
+  expected_totals = {"reward/errors": 0, "reward/timeouts": 0}
+  failures: list[BaseException] = []
+  lock = threading.Lock()
+
+  def client(pool, seed):
+    rng = np.random.default_rng(seed)
+    try:
+      for _ in range(120):
+        responses = list(rng.choice(["ok", "raise", "hang", "die"], size=6,
+                                    p=[0.93, 0.04, 0.015, 0.015]))
+        scores, correct, counts = pool.score(responses, [""] * len(responses))
+        ok = np.array([r == "ok" for r in responses])
+        np.testing.assert_array_equal(scores, ok.astype(np.float32))
+        np.testing.assert_array_equal(correct, ok)
+        errors = sum(r in ("raise", "die") for r in responses)
+        timeouts = responses.count("hang")
+        assert counts == {"reward/errors": errors, "reward/timeouts": timeouts}, (responses, counts)
+        with lock:
+          expected_totals["reward/errors"] += errors
+          expected_totals["reward/timeouts"] += timeouts
+    except BaseException as error:  # noqa: BLE001 - reported by the main thread
+      failures.append(error)
+
+  with rewards.RewardPool(_chaos, num_workers=2, timeout_s=0.5) as pool:
+    threads = [threading.Thread(target=client, args=(pool, seed)) for seed in (1, 2)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join(timeout=600)  # the watchdog: a hang fails the test instead of the suite
+      assert not thread.is_alive(), "a scoring thread hung"
+    assert not failures, failures
+    assert pool.totals == expected_totals
+    assert expected_totals["reward/timeouts"] > 0 and expected_totals["reward/errors"] > 0
+
+
+def test_workers_ignore_the_stop_signals_sent_to_the_process_group():
+  with rewards.RewardPool("arithmetic", num_workers=2, timeout_s=5) as pool:
+    pool.score(["<answer>1</answer>"] * 4, ["1"] * 4)  # the workers are up
+    workers = [worker.process for worker in list(pool._idle.queue)]
+    for worker in workers:
+      os.kill(worker.pid, signal.SIGINT)
+      os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(worker.is_alive() for worker in workers)
+    scores, correct, counts = pool.score(["<answer>2</answer>", "<answer>3</answer>"], ["2", "2"])
+    np.testing.assert_array_equal(scores, [1, 0])
+    assert counts == {"reward/errors": 0, "reward/timeouts": 0}
+  assert not any(worker.is_alive() for worker in workers)
+
+
+def test_accuracy_is_the_verdict_not_the_format_bonus():
+  pool = rewards.RewardPool("sort", format_weight=1.0, num_workers=0)
+  scores, correct, _ = pool.score(["<answer>1379</answer>", "<answer>9731</answer>"],
+                                  ["1379", "1379"])
+  np.testing.assert_array_equal(scores, [2.0, 1.0])  # the wrong answer still earns its format
+  np.testing.assert_array_equal(correct, [True, False])
 
 
 def test_unknown_verifier_is_refused():

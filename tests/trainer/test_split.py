@@ -2,14 +2,18 @@
 dropped, and the two weight syncs drive identical runs."""
 
 import dataclasses
+import threading
+import time
+import types
 
+import numpy as np
 import pytest
 
 from rlx.config import ConfigError
 from rlx.rollout import Completion
 from rlx.trainer import train_split
 from rlx.trainer.common import Draw
-from rlx.trainer.split import expired
+from rlx.trainer.split import Generator, expired
 from tests.trainer import tiny
 
 QUIET = {"say": lambda message: None}
@@ -40,13 +44,69 @@ def _draw(versions):
   completions = [Completion(prompt_tokens=[1], response_tokens=[2], logprobs=[0.0],
                             policy_logprobs=[0.0], finish_reason="stop", policy_version=v,
                             prompt_index=i, sample_index=0) for i, v in enumerate(versions)]
-  return Draw(completions, None, {}, 0.0, {})
+  return Draw(completions, None, None, {}, 0.0, {})
 
 
 def test_a_batch_with_a_rollout_past_the_bound_is_expired():
   assert not expired(_draw([3, 4]), version=4, max_staleness=1)
   assert expired(_draw([2, 4]), version=4, max_staleness=1)
   assert expired(_draw([3]), version=4, max_staleness=0)
+
+
+class _Versions:
+  """A stand-in for the weight sync: the newest published version."""
+
+  def __init__(self):
+    self.version, self.lock = 0, threading.Lock()
+
+  def publish(self, version):
+    with self.lock:
+      self.version = version
+
+  def latest(self, newer_than=-1, like=None):
+    with self.lock:
+      return (None, self.version) if self.version > newer_than else None
+
+
+@pytest.mark.parametrize("k, versions_per_step", [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2)])
+def test_no_deadlock_and_no_lag_past_k_under_random_delays_and_drops(k, versions_per_step):
+  """The real generator thread against a learner that drops batches at random (as an age
+  limit would): 1,000 batches, random delays on both sides, a watchdog on every wait."""
+  rng = np.random.default_rng(k * 10 + versions_per_step)
+  sync = _Versions()
+  job = types.SimpleNamespace(sync=sync, config=types.SimpleNamespace(
+      mesh=types.SimpleNamespace(max_staleness=k), trainer=types.SimpleNamespace(seed=0)))
+  generator_rng = np.random.default_rng(1000 + k)
+
+  def collect_stub(job, params_fn, seed):
+    _, version = params_fn()
+    time.sleep(generator_rng.uniform(0, 0.001))
+    return _draw([version] * 2)
+
+  generator = Generator(job, like=None, first_step=0, versions_per_step=versions_per_step,
+                        collect_fn=collect_stub)
+  generator.start()
+  version, trained, dropped, lags = 0, 0, 0, []
+  try:
+    while trained + dropped < 1000:
+      draw = generator.next(timeout=30).draw  # the watchdog: queue.Empty fails the test
+      if rng.random() < 0.15 or expired(draw, version, k):
+        dropped += 1
+        generator.finished()
+        continue
+      lags.append(version - min(c.policy_version for c in draw.completions))
+      time.sleep(rng.uniform(0, 0.001))
+      version += versions_per_step
+      sync.publish(version)
+      trained += 1
+      generator.finished()
+  finally:
+    generator.stop()
+    generator.join(timeout=10)
+  assert not generator.is_alive()
+  assert max(lags) <= k and dropped > 100
+  if k >= versions_per_step:  # the generator did work ahead
+    assert max(lags) > 0
 
 
 def test_orbax_and_reshard_syncs_drive_identical_runs(tmp_path):
