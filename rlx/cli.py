@@ -23,7 +23,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from rlx.config import ConfigError, RunConfig
+from rlx.config import ConfigError, RunConfig, check
 
 OVERRIDE_PREFIX = "--config."
 
@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> Invocation | None:
     raise ConfigError("--config is required, e.g. --config configs/dapo_split.py")
   if workdir is None:
     raise ConfigError("--workdir is required: the directory that receives config.json, checkpoints and metrics")
-  config = apply_overrides(load_config_file(config_path), overrides)
+  config = check(apply_overrides(load_config_file(config_path), overrides))
   return Invocation(config, config_path, pathlib.Path(workdir), tuple(overrides))
 
 

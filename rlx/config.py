@@ -103,6 +103,9 @@ class ModelConfig:
   logprob_chunk: int = 128
   """Tokens per chunk of the 'xla' fused log-prob path."""
 
+  def __post_init__(self):
+    _positive(self, "model", "logprob_chunk")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
@@ -184,6 +187,13 @@ class AlgorithmConfig:
            "gamma and lam must be in [0, 1]")
     _check(self.dynamic_sampling_max_draws >= 1, "algorithm.dynamic_sampling_max_draws",
            "must be >= 1")
+    for name in ("kl_coef", "entropy_coef", "overlong_buffer"):
+      _check(getattr(self, name) >= 0, f"algorithm.{name}", "must be >= 0")
+    _check(self.kl_target is None or self.kl_target > 0, "algorithm.kl_target",
+           "must be > 0 (or None for a fixed kl_coef)")
+    _check(self.value_clip is None or self.value_clip > 0, "algorithm.value_clip",
+           "must be > 0 (or None to disable it)")
+    _positive(self, "algorithm", "kl_horizon", "tis_cap")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,8 +222,11 @@ class OptimizerConfig:
   """Peak learning rate of the critic (PPO)."""
 
   def __post_init__(self):
-    _check(self.learning_rate > 0, "optimizer.learning_rate", "must be positive")
-    _check(self.micro_batches > 0, "optimizer.micro_batches", "must be positive")
+    _positive(self, "optimizer", "learning_rate", "micro_batches", "eps", "critic_learning_rate")
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+      _check(getattr(self, name) >= 0, f"optimizer.{name}", "must be >= 0")
+    for name in ("b1", "b2"):
+      _check(0 <= getattr(self, name) < 1, f"optimizer.{name}", "must be in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,6 +297,8 @@ class DataConfig:
   def __post_init__(self):
     _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
     _check(0 < self.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)")
+    _check(self.num_epochs is None or self.num_epochs >= 1, "data.num_epochs",
+           "must be >= 1 (or None to repeat forever)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,7 +312,12 @@ class RewardConfig:
   num_workers: int = 2
   """Host worker processes that score responses."""
   timeout_s: float = 5.0
-  """A reward call that runs longer scores 0 and is counted."""
+  """A reward call that runs longer scores 0 and is counted (its worker is replaced)."""
+
+  def __post_init__(self):
+    _check(self.num_workers >= 0, "reward.num_workers", "must be >= 0 (0 scores in the trainer)")
+    _check(self.format_weight >= 0, "reward.format_weight", "must be >= 0")
+    _positive(self, "reward", "timeout_s")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -307,11 +327,17 @@ class CheckpointConfig:
   every_steps: int = 50
   """Save every N steps (and on SIGTERM / SIGINT); 0 saves only at the end."""
   max_to_keep: int = 3
-  """Checkpoints kept on disk."""
+  """Checkpoints kept on disk (at least 1: a run always saves its last step)."""
   async_save: bool = True
   """Write checkpoints in the background while training goes on."""
   export_hf_every: int = 0
-  """Also write a Hugging Face directory every N steps; 0 never."""
+  """Also write the policy as a Hugging Face directory (WORKDIR/hf/step_N) every N steps; 0 never."""
+
+  def __post_init__(self):
+    _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 saves only at the end)")
+    _check(self.export_hf_every >= 0, "checkpoint.export_hf_every", "must be >= 0 (0 never)")
+    _check(self.max_to_keep >= 1, "checkpoint.max_to_keep",
+           "must be >= 1: with 0 no checkpoint is kept and a rerun starts over")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,6 +352,9 @@ class LoggingConfig:
   """Write TensorBoard event files under WORKDIR/tb."""
   progress_bar: bool = True
   """Show a console progress bar."""
+
+  def __post_init__(self):
+    _positive(self, "logging", "every_steps")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -348,6 +377,14 @@ class TrainerConfig:
   """Examples per supervised warm-up step."""
   eval_prompts: int = 64
   """Held-out prompts scored (greedy) at each evaluation, before and after training."""
+  max_skipped_steps: int = 5
+  """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
+
+  def __post_init__(self):
+    _positive(self, "trainer", "steps", "ppo_epochs", "warmup_sft_learning_rate",
+              "warmup_sft_batch", "max_skipped_steps")
+    for name in ("eval_every", "warmup_sft_steps", "eval_prompts"):
+      _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -383,6 +420,23 @@ class RunConfig:
     return self.data.prompts_per_step * self.rollout.group_size
 
 
+GROUP_RELATIVE = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo")
+"""Algorithms whose advantages compare the samples of one prompt's group."""
+
+
+def check(config: RunConfig) -> RunConfig:
+  """Checks what involves several fields (each field is checked when its section is built);
+  returns the config. The command line calls it after the last override."""
+  rollout, algorithm = config.rollout, config.algorithm
+  _check(algorithm.name not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",
+         f"must be >= 2 for algorithm.name={algorithm.name!r}: its advantages compare the samples "
+         "of a group, and a group of 1 has no baseline")
+  _check(config.samples_per_step % config.optimizer.micro_batches == 0,
+         "optimizer.micro_batches", f"must divide the {config.samples_per_step} samples of a step "
+         "(data.prompts_per_step x rollout.group_size)")
+  return config
+
+
 class ConfigError(ValueError):
   """A config value or override is invalid; the message names the key and the fix."""
 
@@ -390,3 +444,9 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, message: str) -> None:
   if not ok:
     raise ConfigError(f"config.{key}: {message}")
+
+
+def _positive(section, prefix: str, *names: str) -> None:
+  for name in names:
+    value = getattr(section, name)
+    _check(value > 0, f"{prefix}.{name}", f"must be > 0, got {value}")

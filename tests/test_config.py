@@ -168,3 +168,89 @@ def test_main_reports_a_broken_checkpoint_clearly(tmp_path):
                      f"--config.model.path={tmp_path}")
   assert result.returncode == 2
   assert "no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+# (override, the field the error must name); every one exits with 2 before anything runs.
+INVALID = [
+    ("trainer.ppo_epochs=0", "trainer.ppo_epochs"),
+    ("logging.every_steps=0", "logging.every_steps"),
+    ("trainer.warmup_sft_steps=-1", "trainer.warmup_sft_steps"),
+    ("model.logprob_chunk=0", "model.logprob_chunk"),
+    ("trainer.steps=-5", "trainer.steps"),
+    ("trainer.steps=0", "trainer.steps"),
+    ("reward.timeout_s=-1", "reward.timeout_s"),
+    ("reward.timeout_s=0", "reward.timeout_s"),
+    ("reward.num_workers=-1", "reward.num_workers"),
+    ("optimizer.b1=5", "optimizer.b1"),
+    ("optimizer.b2=1", "optimizer.b2"),
+    ("optimizer.eps=0", "optimizer.eps"),
+    ("optimizer.max_grad_norm=-1", "optimizer.max_grad_norm"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
+    ("optimizer.micro_batches=3", "optimizer.micro_batches"),  # 64 samples a step
+    ("trainer.eval_prompts=-1", "trainer.eval_prompts"),
+    ("trainer.eval_every=-1", "trainer.eval_every"),
+    ("trainer.warmup_sft_batch=0", "trainer.warmup_sft_batch"),
+    ("trainer.max_skipped_steps=0", "trainer.max_skipped_steps"),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep"),
+    ("checkpoint.every_steps=-1", "checkpoint.every_steps"),
+    ("checkpoint.export_hf_every=-2", "checkpoint.export_hf_every"),
+    ("rollout.group_size=1", "rollout.group_size"),  # GRPO's baseline needs a group
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.temperature=-1", "rollout.temperature"),
+    ("data.num_epochs=0", "data.num_epochs"),
+    ("data.eval_fraction=1", "data.eval_fraction"),
+    ("data.prompts_per_step=0", "data.prompts_per_step"),
+    ("algorithm.kl_coef=-1", "algorithm.kl_coef"),
+    ("algorithm.tis_cap=0", "algorithm.tis_cap"),
+    ("algorithm.kl_target=0", "algorithm.kl_target"),
+    ("algorithm.value_clip=0", "algorithm.value_clip"),
+    ("mesh.max_staleness=-1", "mesh.max_staleness"),
+]
+
+VALID = [
+    "trainer.ppo_epochs=2", "logging.every_steps=5", "trainer.warmup_sft_steps=0",
+    "model.logprob_chunk=64", "trainer.steps=1", "reward.timeout_s=0.5", "reward.num_workers=0",
+    "optimizer.b1=0", "optimizer.b2=0.95", "optimizer.eps=1e-6", "optimizer.max_grad_norm=0",
+    "optimizer.weight_decay=0.1", "optimizer.warmup_steps=10", "optimizer.micro_batches=4",
+    "trainer.eval_prompts=0", "trainer.eval_every=0", "trainer.warmup_sft_batch=1",
+    "trainer.max_skipped_steps=1", "checkpoint.max_to_keep=1", "checkpoint.every_steps=0",
+    "checkpoint.export_hf_every=10", "rollout.group_size=2", "rollout.top_p=1",
+    "rollout.temperature=0", "data.num_epochs=1", "data.eval_fraction=0.5",
+    "data.prompts_per_step=1", "algorithm.kl_coef=0.01", "algorithm.tis_cap=1",
+    "algorithm.kl_target=0.1", "algorithm.value_clip=None", "mesh.max_staleness=0",
+]
+
+
+@pytest.mark.parametrize("override, field", INVALID, ids=[o for o, _ in INVALID])
+def test_a_bad_value_is_refused_in_one_line_naming_the_field(override, field, capsys):
+  from rlx import main
+
+  status = main.main(["--config", str(ROOT / "configs/base.py"), "--workdir", "/nonexistent",
+                      f"--config.{override}"])
+  error = capsys.readouterr().err
+  assert status == 2, error
+  first = error.splitlines()[0]
+  assert first.startswith(f"rlx: error: config.{field}") and "must" in first, error
+  assert "Traceback" not in error
+
+
+@pytest.mark.parametrize("override", VALID)
+def test_a_good_value_of_each_checked_field_is_accepted(override):
+  invocation = cli.parse_args(["--config", str(ROOT / "configs/base.py"), "--workdir", "/tmp/x",
+                               f"--config.{override}"])
+  assert invocation is not None
+
+
+def test_group_size_one_is_fine_without_a_group_baseline():
+  cli.parse_args(["--config", str(ROOT / "configs/ppo_colocated.py"), "--workdir", "/tmp/x",
+                  "--config.rollout.group_size=1"])
+
+
+def test_a_refused_value_exits_2_without_a_traceback_from_the_command_line():
+  result = subprocess.run([sys.executable, "-m", "rlx.main", "--config", "configs/dapo_split.py",
+                           "--workdir", "/nonexistent", "--config.trainer.ppo_epochs=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2
+  assert "config.trainer.ppo_epochs: must be > 0" in result.stderr
+  assert "Traceback" not in result.stderr

@@ -4,7 +4,7 @@ scoring rollouts, turning them into the learner's batch, and the learner.
     summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
 """
 
-from rlx.config import ConfigError
+from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
 from rlx.trainer.common import DynamicSamplingError, Learner, collect, evaluate, prepare
 from rlx.trainer.experience import advantages, build_batch, layout, shaped_rewards
@@ -14,6 +14,7 @@ from rlx.trainer.warmup import warm_up
 
 def train(config, workdir, say=print) -> dict:
   """Runs (or resumes) the loop of ``config.mesh.mode``; returns its summary."""
+  check(config)
   if config.mesh.multihost:
     raise ConfigError(
         "config.mesh.multihost=true: the training loops drive one process for now (the rollout "
