@@ -6,16 +6,28 @@ version), the critic's state, the data stream's position and small metadata.
     restored = checkpointer.restore(like_state)          # newest step, in like_state's shardings
 
 Saves are asynchronous (training goes on while tensorstore writes) unless
-``async_save`` is off; ``wait()`` blocks until they are on disk. ``StopSignal``
-turns SIGTERM / SIGINT into a flag the trainer checks between steps, so it can
-save and exit cleanly instead of dying mid-write.
+``async_save`` is off; ``wait()`` blocks until they are on disk. Orbax writes a
+checkpoint under a temporary name and renames it when complete, so a kill at
+any moment leaves the previous checkpoints intact. ``restore`` takes the newest
+checkpoint that reads back whole: a newer one that does not (truncated or
+deleted files, an empty directory) is moved aside to ``DIR.unreadable/`` and
+named; when none reads back, ``CheckpointError`` names the directory.
+
+``StopSignal`` turns the first SIGTERM / SIGINT into a flag the trainer checks
+between steps, so it can save and exit cleanly instead of dying mid-write; a
+second one exits at once (what is complete on disk stays intact).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import pathlib
+import shutil
 import signal
+import sys
+import time
 from typing import Any
 
 import jax
@@ -23,6 +35,12 @@ import orbax.checkpoint as ocp
 
 from rlx.config import CheckpointConfig
 from rlx.types import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+  """No checkpoint of a run's directory can be restored; the message names it and the fix."""
 
 
 @dataclasses.dataclass
@@ -72,11 +90,45 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(self, like: TrainState, *, like_critic: TrainState | None = None,
-              step: int | None = None) -> Restored | None:
-    """The checkpoint ``step`` (default: newest) in the shardings of ``like``; None if there is none."""
-    step = self._manager.latest_step() if step is None else step
-    if step is None:
-      return None
+              step: int | None = None, say=print) -> Restored | None:
+    """The checkpoint ``step`` (default: the newest that reads back whole) in the shardings of
+    ``like``; None if there is none.
+
+    Newer checkpoints that do not read back are moved aside to ``DIR.unreadable/`` (and
+    ``say`` names them); if none reads back, raises ``CheckpointError``.
+    """
+    if step is not None:
+      return self._restore(step, like, like_critic)
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    failures = []
+    for candidate in steps:
+      try:
+        restored = self._restore(candidate, like, like_critic)
+      except Exception as error:  # noqa: BLE001 - any failure to read means "not this one"
+        failures.append((candidate, f"{type(error).__name__}: {str(error)[:300]}"))
+        continue
+      for bad, why in failures:
+        aside = self._set_aside(bad)
+        say(f"rlx: checkpoint step {bad} does not read back ({why}); moved it to {aside}")
+      return restored
+    if failures:
+      step, why = failures[0]
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} reads back (newest, step {step}: {why}). If the "
+          "config changed since they were written, restore it; otherwise move that directory "
+          "away to start the run over")
+    return None
+
+  def _set_aside(self, step: int) -> pathlib.Path:
+    """Moves checkpoint ``step`` out of the manager's sight (never deletes it)."""
+    aside = self.directory.with_name(self.directory.name + ".unreadable")
+    aside.mkdir(parents=True, exist_ok=True)
+    target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    shutil.move(str(self.directory / str(step)), str(target))
+    self._manager.reload()
+    return target
+
+  def _restore(self, step: int, like: TrainState, like_critic: TrainState | None) -> Restored:
     items = {"state": ocp.args.StandardRestore(_abstract(like)), "data": ocp.args.JsonRestore(),
              "meta": ocp.args.JsonRestore()}
     if like_critic is not None:
@@ -101,14 +153,20 @@ class StopSignal:
   A second SIGINT while a stop is pending raises ``KeyboardInterrupt`` as usual.
   """
 
-  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
-    self.signals, self.requested, self.received = signals, False, None
+  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), say=print):
+    self.signals, self.requested, self.received, self.say = signals, False, None, say
     self._previous: dict[int, Any] = {}
 
   def _handle(self, signum, frame):
-    if self.requested and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.requested, self.received = True, signal.Signals(signum).name
+    name = signal.Signals(signum).name
+    if self.requested:
+      print(f"rlx: second stop signal ({name}): exiting now; checkpoints complete on disk are "
+            "intact, rerun the same command to resume from the newest", file=sys.stderr,
+            flush=True)
+      os._exit(128 + signum)
+    self.requested, self.received = True, name
+    self.say(f"rlx: {name}: stopping after this step and saving a checkpoint (a second signal "
+             "exits at once)")
 
   def __enter__(self):
     for sig in self.signals:

@@ -85,13 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     return run(invocation.config, invocation.workdir)
   except ConfigError as error:
     return cli.main_error(error)
+  except KeyboardInterrupt:  # before the training loop took over the stop signals
+    print("rlx: interrupted before training started; nothing to save", file=sys.stderr)
+    return 130
   except ValueError as error:  # CheckpointError and other refusals with a message for the user
     print(f"rlx: error: {error}", file=sys.stderr)
     return 2
   except RuntimeError as error:  # the run failed (e.g. dynamic sampling ran dry); checkpoints stay
-    from rlx.trainer import DynamicSamplingError
+    from rlx.trainer import TrainingError
 
-    if not isinstance(error, DynamicSamplingError):
+    if not isinstance(error, TrainingError):
       raise
     print(f"rlx: error: {error}", file=sys.stderr)
     return 1

@@ -6,7 +6,8 @@
 Jitted code returns flat dicts of scalars; only the trainer writes them here.
 Values may be Python or NumPy / JAX scalars. On resume from step k, lines of
 ``metrics.jsonl`` past k (written after the checkpoint, before the stop) are
-dropped, so the file reads as one uninterrupted run.
+dropped, and a fresh start (no checkpoint) drops them all, so the file reads as
+one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -47,20 +48,32 @@ class MetricsSink:
       return
     workdir.mkdir(parents=True, exist_ok=True)
     if config.jsonl:
-      if resume_step is not None and self.jsonl_path.exists():
-        kept = [line for line in self.jsonl_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step]
-        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+      if self.jsonl_path.exists():
+        self._truncate(resume_step or 0)
       self._jsonl = open(self.jsonl_path, "a")
     if config.tensorboard:
       from tensorboardX import SummaryWriter
-      self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=resume_step)
+      self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=(resume_step or 0) + 1)
     if config.progress_bar:
       from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
       self._progress = Progress(TextColumn("[bold]rlx"), BarColumn(), MofNCompleteColumn(),
                                 TimeRemainingColumn(), TextColumn("{task.description}"))
       self._task = self._progress.add_task("", total=total_steps, completed=resume_step or 0)
       self._progress.start()
+
+  def _truncate(self, resume_step: int) -> None:
+    """Drops the lines past ``resume_step`` (steps the checkpoint does not hold: they will be
+    trained again), and a torn last line; written to a new file, then renamed."""
+    kept = []
+    for line in self.jsonl_path.read_text().splitlines():
+      try:
+        if json.loads(line)["step"] <= resume_step:
+          kept.append(line)
+      except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill
+        continue
+    partial = self.jsonl_path.with_name(self.jsonl_path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in kept))
+    partial.replace(self.jsonl_path)
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
     """Records one step; returns the metrics as Python scalars."""

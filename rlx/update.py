@@ -11,7 +11,9 @@ the per-token policy loss (PPO-clip / GSPO / CISPO by algorithm), the
 off-policy weight, the KL and entropy terms are aggregated as (numerator,
 denominator) with the denominator of the *whole* batch, so the accumulated
 gradient equals the full-batch gradient exactly. Gradients are clipped by
-global norm and applied by AdamW with a warm-up schedule.
+global norm and applied by AdamW with a warm-up schedule. A step whose loss or
+gradient norm is not finite is skipped inside the jitted step (the state comes
+back unchanged) and reported as ``train/skipped``.
 """
 
 from __future__ import annotations
@@ -197,6 +199,15 @@ def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array, *, c
   return loss, grads, sums
 
 
+def _finite_or_unchanged(ok: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+  """``new`` when ``ok``, else ``old`` (a skipped step: params, optimizer state, step and
+  policy version all unchanged). A select inside the jitted step, so it needs no host sync."""
+  pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)
+  return new.replace(step=pick(new.step, old.step), params=pick(new.params, old.params),
+                     opt_state=pick(new.opt_state, old.opt_state),
+                     policy_version=pick(new.policy_version, old.policy_version))
+
+
 def make_update_step(config: RunConfig, transformer: Transformer,
                      optimizer: optax.GradientTransformation, schedule=None, *,
                      state_shardings: Any = None, batch_shardings: Any = None):
@@ -211,6 +222,8 @@ def make_update_step(config: RunConfig, transformer: Transformer,
                                        transformer=transformer)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
     ratio_max = sums.pop("ratio_max")
     mask = batch.response_mask.astype(bool)
@@ -226,16 +239,17 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "policy/is_weight_mean": sums["is_weight"] / tokens,
         "advantage/mean": algorithms.masked_mean(batch.advantages, mask),
         "advantage/std": jnp.sqrt(algorithms.masked_var(batch.advantages, mask)),
-        "optim/grad_norm": optax.tree.norm(grads),
+        "optim/grad_norm": grad_norm,
+        "train/skipped": jnp.logical_not(finite).astype(jnp.int32),
         "optim/lr": jnp.asarray(schedule(state.step) if schedule else jnp.nan, jnp.float32),
         "response/tokens": tokens,
     }
     if "kl" in sums:
       metrics["policy/kl"] = sums["kl"] / tokens
       metrics["policy/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
-    state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                          policy_version=state.policy_version + 1)
-    return state, metrics
+    updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            policy_version=state.policy_version + 1)
+    return _finite_or_unchanged(finite, updated, state), metrics
 
   jitted = jax.jit(update_step, donate_argnums=0,
                    in_shardings=(state_shardings, batch_shardings, None)
@@ -300,10 +314,13 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
     (loss, grads, error), _ = jax.lax.scan(accumulate, init,
                                            _split(batch, config.optimizer.micro_batches))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                          opt_state=opt_state)
-    return state, {"critic/loss": loss, "critic/value_mse": error / denominator,
-                   "critic/grad_norm": optax.tree.norm(grads)}
+    updated = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                            opt_state=opt_state)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return _finite_or_unchanged(finite, updated, state), {
+        "critic/loss": loss, "critic/value_mse": error / denominator, "critic/grad_norm": grad_norm,
+        "critic/skipped": jnp.logical_not(finite).astype(jnp.int32)}
 
   if state_shardings is None:
     return jax.jit(critic_step, donate_argnums=0)

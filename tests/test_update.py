@@ -189,3 +189,25 @@ def test_micro_batches_must_divide_the_batch(model):
   with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
     update.loss_and_grads(model.params, _batch(model, config), jnp.float32(0), config=config,
                           transformer=model.transformer)
+
+
+@pytest.mark.parametrize("poison", ["advantages", "old_logprobs"])
+def test_a_non_finite_step_is_skipped_and_leaves_the_state_unchanged(model, poison):
+  config = _config(name="grpo")
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=10)
+  step = update.make_update_step(config, model.transformer, optimizer, schedule)
+  fresh = lambda: update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                          jax.random.key(0))
+  batch = _batch(model, config)
+  first_response_token = (batch.response_mask[0].argmax())
+  bad = batch.replace(**{poison: getattr(batch, poison).at[0, first_response_token].set(jnp.nan)})
+  before = jax.device_get(fresh())
+  after, metrics = step(fresh(), bad)
+  assert int(metrics["train/skipped"]) == 1
+  chex.assert_trees_all_equal(jax.device_get(after.params), before.params)
+  chex.assert_trees_all_equal(jax.device_get(after.opt_state), before.opt_state)
+  assert int(after.step) == 0 and int(after.policy_version) == 0
+  # the same state then takes a good step
+  after, metrics = step(after, batch)
+  assert int(metrics["train/skipped"]) == 0 and int(after.policy_version) == 1
+  assert np.isfinite(float(metrics["loss"]))

@@ -19,9 +19,11 @@ to the whole process group: the trainer decides when they stop (``close``).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
@@ -56,6 +58,7 @@ def _serve(connection) -> None:
   for sig in _STOP_SIGNALS:
     signal.signal(sig, signal.SIG_IGN)
   signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+  _die_with_parent()
   connection.send(("ready", None))  # a call's clock starts only once its worker is up
   while True:
     try:
@@ -72,6 +75,19 @@ def _serve(connection) -> None:
       connection.send(reply)
     except (OSError, ValueError):
       return
+
+
+def _die_with_parent() -> None:
+  """Exits this worker when the trainer is gone, even if it died by SIGKILL and the worker is
+  stuck in a reward function: a watchdog thread polls the parent's pid."""
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    os._exit(0)
+
+  threading.Thread(target=watch, name="rlx-reward-watchdog", daemon=True).start()
 
 
 class _Worker:
@@ -134,6 +150,10 @@ class RewardPool:
     self._idle: queue.Queue[_Worker] = queue.Queue()
     for _ in range(num_workers):
       self._idle.put(_Worker(self._context))
+    if num_workers:
+      # before multiprocessing's own exit handler, which would wait forever on workers that
+      # ignore the SIGTERM it sends them
+      atexit.register(self.close)
 
   def score(self, responses: Sequence[str], references: Sequence[str]) -> Scored:
     """Rewards, verdicts and this call's error and timeout counts."""
@@ -209,7 +229,9 @@ class RewardPool:
             self._failed(counts, "reward/errors", f"a reward function raised {value}")
           worker.index = -1
         now = time.monotonic()
-        for worker in list(waiting):
+        for worker in [w for w in waiting if w in workers]:  # not those just replaced
+          if worker.connection.poll():  # answered since the wait: read on the next round
+            continue
           if worker.ready and worker.index >= 0 and now - worker.started > self.timeout_s:
             self._failed(counts, "reward/timeouts",
                          f"a reward call ran past {self.timeout_s:.1f}s; its worker was replaced")
@@ -248,6 +270,7 @@ class RewardPool:
       if self._closed:
         return
       self._closed = True
+    atexit.unregister(self.close)
     while True:
       try:
         self._idle.get_nowait().stop(timeout=2)

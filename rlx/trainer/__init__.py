@@ -6,7 +6,8 @@ scoring rollouts, turning them into the learner's batch, and the learner.
 
 from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
-from rlx.trainer.common import DynamicSamplingError, Learner, collect, evaluate, prepare
+from rlx.trainer.common import (DynamicSamplingError, Learner, NonFiniteError, TrainingError,
+                                collect, evaluate, prepare)
 from rlx.trainer.experience import advantages, build_batch, layout, shaped_rewards
 from rlx.trainer.split import Generator, train_split
 from rlx.trainer.warmup import warm_up
@@ -25,6 +26,6 @@ def train(config, workdir, say=print) -> dict:
   return loop(config, workdir, say)
 
 
-__all__ = ["DynamicSamplingError", "Generator", "Learner", "advantages", "build_batch", "collect",
+__all__ = ["DynamicSamplingError", "Generator", "Learner", "NonFiniteError", "TrainingError", "advantages", "build_batch", "collect",
            "evaluate", "layout", "prepare", "shaped_rewards", "train", "train_colocated",
            "train_split", "warm_up"]

@@ -22,21 +22,32 @@ import jax
 
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import Say, begin, collect, evaluate, finish
+from rlx.trainer.common import Say, begin, collect, evaluate, evaluation_due, finish
 
 
 def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> dict:
   """Runs (or resumes) a colocated run; returns a summary with the eval accuracy before and after."""
   run, learner, start, accuracy_before = begin(config, workdir, say)
+  try:
+    return _loop(config, run, learner, start, accuracy_before, say)
+  finally:
+    run.close()
+
+
+def _loop(config, run, learner, start, accuracy_before, say) -> dict:
   params, version = run.sync.latest(like=learner.abstract_params)
   step = start or 0
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
-  with StopSignal() as stop, sink:
+  with StopSignal(say=say) as stop, sink:
     while step < config.trainer.steps and not stop.requested:
       started = time.perf_counter()
-      draw = collect(run, functools.partial(tuple, (params, version)),
-                     seed=config.trainer.seed * 1_000_003 + step)
+      try:
+        draw = collect(run, functools.partial(tuple, (params, version)),
+                       seed=config.trainer.seed * 1_000_003 + step)
+      except StopIteration:  # a finite data.num_epochs is used up
+        say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
+        break
       learn_started = time.perf_counter()
       metrics = learner.learn(draw)
       learned = time.perf_counter()
@@ -50,11 +61,12 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
           "time/learn_s": learned - learn_started, "time/sync_s": time.perf_counter() - learned,
           "throughput/tokens_per_s": tokens / elapsed,
           "throughput/samples_per_s": len(draw.completions) / elapsed})
-      if config.trainer.eval_every and step % config.trainer.eval_every == 0:
+      if evaluation_due(config, step, stop):
         metrics["eval/accuracy"] = evaluate(run, params)
       sink.write(step, metrics)
       if learner.checkpoint_due(step, stop.requested):
         learner.save(step, draw.data_state)
+      learner.export_due(step)
     return finish(run, learner, start=start, step=step, stop=stop,
                   data_state=run.stream.get_state(), accuracy_before=accuracy_before,
                   metrics_path=sink.jsonl_path, say=say)

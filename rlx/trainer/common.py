@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 import time
 from collections.abc import Callable
 
@@ -44,8 +45,16 @@ from rlx.trainer.warmup import warm_up
 Say = Callable[[str], None]
 
 
-class DynamicSamplingError(RuntimeError):
+class TrainingError(RuntimeError):
+  """The run cannot go on; the message says why, what to change and what is saved."""
+
+
+class DynamicSamplingError(TrainingError):
   """DAPO's dynamic sampling could not fill a batch with groups of varied rewards."""
+
+
+class NonFiniteError(TrainingError):
+  """Too many updates in a row had a non-finite loss or gradient norm."""
 
 
 def verifier_name(config: RunConfig) -> str:
@@ -125,12 +134,32 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   started = time.perf_counter()
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate)
-  save_pretrained(model, directory)
-  if jax.process_index() == 0:
-    tokenizer.save_pretrained(directory)
+  save_hf(model, tokenizer, directory)
   say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
       f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
   return model
+
+
+def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> pathlib.Path:
+  """Writes ``model`` and ``tokenizer`` in Hugging Face format under a temporary name and
+  renames it to ``directory`` when complete, so that a kill mid-write never leaves a
+  half-written model where a later start would load it."""
+  partial = directory.with_name(directory.name + ".partial")
+  if jax.process_index() == 0 and partial.exists():
+    shutil.rmtree(partial)
+  save_pretrained(model, partial)
+  if jax.process_index() == 0:
+    tokenizer.save_pretrained(partial)
+    if directory.exists():
+      shutil.rmtree(directory)
+    partial.rename(directory)
+  return directory
+
+
+def evaluation_due(config: RunConfig, step: int, stop) -> bool:
+  """Whether the loop evaluates after ``step`` (never once a stop is asked for)."""
+  every = config.trainer.eval_every
+  return bool(every and step % every == 0 and not stop.requested)
 
 
 def begin(config: RunConfig, workdir: str | pathlib.Path,
@@ -141,7 +170,7 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
   """
   run = prepare(config, workdir, say)
-  learner = Learner(run)
+  learner = Learner(run, say)
   start = learner.restore()
   if start is not None:
     say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
@@ -154,14 +183,21 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
            accuracy_before: float | None, metrics_path: pathlib.Path, say: Say) -> dict:
-  """Saves the last step (unless a save just happened), closes the run and returns its summary
-  with the held-out accuracy after RL."""
-  if stop.requested:
-    say(f"rlx: {stop.received}: checkpoint saved at step {step}; rerun the same command to resume")
-  elif step != (start or 0) and not learner.checkpoint_due(step, stopping=False):
+  """Saves the last step (unless that save is already started), waits until it is on disk,
+  and returns the run's summary with the held-out accuracy after RL (skipped after a stop
+  signal, so that a stop takes seconds)."""
+  if step != (start or 0) and learner.saved_step != step:
     learner.save(step, data_state)
-  learner.close()
-  accuracy_after = evaluate(run, learner.generation_params())
+  learner.close()  # waits for every started save
+  if stop.requested:
+    saved = learner.checkpointer.latest_step()
+    where = (f"checkpoint saved at step {saved} in {learner.checkpointer.directory}"
+             if saved is not None else "no checkpoint to save yet")
+    say(f"rlx: stopped by {stop.received} after step {step}: {where}; the final evaluation is "
+        "skipped; rerun the same command to resume")
+    accuracy_after = None
+  else:
+    accuracy_after = evaluate(run, learner.generation_params())
   run.close()
   return {"steps": step, "eval_accuracy_before": accuracy_before,
           "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),
@@ -249,8 +285,9 @@ class Learner:
   """The policy's train state (and the critic's, for PPO), the reference policy, the jitted
   steps and the checkpoints; ``learn`` turns a draw into one update."""
 
-  def __init__(self, run: Run):
+  def __init__(self, run: Run, say: Say = print):
     config = self.config = run.config
+    self.say = say
     self.run = run
     optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=config.trainer.steps)
     self.state = update.init_train_state(run.model.params, optimizer,
@@ -273,6 +310,11 @@ class Learner:
       self.values_fn = jax.jit(lambda p, tokens, attention: update.critic_values(
           run.model.transformer, p, tokens, attention))
     self.kl_coef = algo.kl_coef
+    self.skipped_steps = 0
+    """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
+    self.skipped_in_a_row = 0
+    self.saved_step = None
+    """The step of the newest save started by this learner (it may still be writing)."""
     self.checkpointer = Checkpointer(run.workdir / "checkpoints", config.checkpoint)
     self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                         self.state.params)
@@ -284,21 +326,32 @@ class Learner:
 
   def restore(self) -> int | None:
     """Resumes from the newest checkpoint, if any; returns its step."""
-    restored = self.checkpointer.restore(self.state, like_critic=self.critic)
+    restored = self.checkpointer.restore(self.state, like_critic=self.critic, say=self.say)
     if restored is None:
       return None
     self.state, self.critic = restored.state, restored.critic
     self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
     self.run.stream.set_state(restored.data_state)
+    self.saved_step = restored.step
     return restored.step
 
   def save(self, step: int, data_state: dict) -> None:
+    self.saved_step = step
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:
     every = self.config.checkpoint.every_steps
     return stopping or bool(every and step % every == 0)
+
+  def export_due(self, step: int) -> pathlib.Path | None:
+    """Writes the policy as a Hugging Face directory ``WORKDIR/hf/step_N`` every
+    ``checkpoint.export_hf_every`` steps; returns where, or None."""
+    every = self.config.checkpoint.export_hf_every
+    if not every or step % every:
+      return None
+    model = dataclasses.replace(self.run.model, params=self.state.params)
+    return save_hf(model, self.run.tokenizer, self.run.workdir / "hf" / f"step_{step}")
 
   def publish(self) -> float:
     """Hands the current params to the generator; returns the sync's seconds."""
@@ -341,8 +394,11 @@ class Learner:
       batch = self._ppo_advantages(batch, draw.rewards)
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
+    skipped = 0
     for _ in range(config.trainer.ppo_epochs):
       self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
+      skipped += int(step_metrics.pop("train/skipped"))
+    self._count_skipped(skipped)
     metrics.update(step_metrics)
     # without a reference policy, policy/kl is the KL to the policy that sampled (approx_kl)
     metrics.setdefault("policy/kl", metrics["policy/approx_kl"])
@@ -355,9 +411,26 @@ class Learner:
     metrics.update(stats)
     metrics.update(draw.counts)
     metrics.update({"reward/accuracy": float(np.mean(draw.correct)),
+                    "train/skipped_steps": self.skipped_steps,
                     "rollout/policy_lag_mean": float(lag.mean()),
                     "rollout/policy_lag_max": int(lag.max())})
     return metrics
+
+  def _count_skipped(self, skipped: int) -> None:
+    """Counts updates skipped for a non-finite loss or gradient; stops the run after
+    ``trainer.max_skipped_steps`` in a row."""
+    self.skipped_steps += skipped
+    self.skipped_in_a_row = self.skipped_in_a_row + skipped if skipped else 0
+    limit = self.config.trainer.max_skipped_steps
+    if self.skipped_in_a_row >= limit:
+      self.checkpointer.wait()
+      last = self.checkpointer.latest_step()
+      saved = (f"the last good checkpoint is step {last} in {self.checkpointer.directory}"
+               if last is not None else "no checkpoint was saved yet")
+      raise NonFiniteError(
+          f"{self.skipped_in_a_row} updates in a row had a non-finite loss or gradient norm and "
+          f"were skipped (config.trainer.max_skipped_steps={limit}); {saved}. Lower "
+          "config.optimizer.learning_rate or config.optimizer.max_grad_norm, or check the rewards")
 
   def close(self) -> None:
     self.checkpointer.close()

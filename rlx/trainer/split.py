@@ -37,7 +37,7 @@ import jax
 from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import Draw, Run, Say, begin, collect, evaluate, finish
+from rlx.trainer.common import Draw, Run, Say, begin, collect, evaluate, evaluation_due, finish
 
 
 @dataclasses.dataclass
@@ -162,6 +162,15 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
         "config.mesh.mode=split runs generation in a thread of one controller and does not "
         "span processes yet (config.mesh.multihost=true)")
   run, learner, start, accuracy_before = begin(config, workdir, say)
+  try:
+    return _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
+                 generator_delay_s)
+  finally:
+    run.close()
+
+
+def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
+          generator_delay_s) -> dict:
   step = start or 0
   generator = Generator(run, like=learner.abstract_params, first_step=step,
                         versions_per_step=config.trainer.ppo_epochs, delay_s=generator_delay_s)
@@ -172,11 +181,17 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   data_state = run.stream.get_state()
   generator.start()
   loop_started = time.perf_counter()
-  with StopSignal() as stop, sink:
+  with StopSignal(say=say) as stop, sink:
     try:
       while step < config.trainer.steps and not stop.requested:
         started = time.perf_counter()
-        produced = generator.next()
+        try:
+          produced = generator.next(timeout=0.5)
+        except queue.Empty:  # checks for a stop signal twice a second
+          continue
+        except StopIteration:  # a finite data.num_epochs is used up
+          say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
+          break
         received = time.perf_counter()
         draw = produced.draw
         if expired(draw, learner.version, k):
@@ -210,14 +225,15 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
             "throughput/generation_tokens_per_s": generator.tokens / max(generator.busy_seconds,
                                                                          1e-9),
             "throughput/learning_tokens_per_s": learn_tokens / max(learn_seconds, 1e-9)})
-        if config.trainer.eval_every and step % config.trainer.eval_every == 0:
+        if evaluation_due(config, step, stop):
           metrics["eval/accuracy"] = evaluate(run, learner.generation_params())
         sink.write(step, metrics)
         if learner.checkpoint_due(step, stop.requested):
           learner.save(step, data_state)
+        learner.export_due(step)
     finally:
       generator.stop()
-      generator.join(timeout=60)
+      generator.join(timeout=30)
     summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
                      accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say)
   return dict(summary, dropped_batches=dropped_batches)
