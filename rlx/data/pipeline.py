@@ -13,19 +13,50 @@ from collections.abc import Callable, Sequence
 
 import grain
 
+from rlx.data.sources import DataError
+
 
 class PromptStream:
-  """Batches of prompt rows. Each epoch is a fresh shuffle; ``num_epochs=None`` repeats forever."""
+  """Batches of prompt rows. Each epoch is a fresh shuffle; ``num_epochs=None`` repeats forever.
+
+  With ``max_prompt_tokens``, a prompt longer than that is a bad row, met when it is read:
+  ``on_bad_row="error"`` raises ``DataError`` naming it, ``"skip"`` drops it and counts it in
+  ``skipped`` (``first_skipped`` names the first).
+  """
 
   def __init__(self, source: Sequence[dict], *, batch_size: int, seed: int = 0,
-               num_epochs: int | None = None, encode: Callable[[str], list[int]] | None = None):
+               num_epochs: int | None = None, encode: Callable[[str], list[int]] | None = None,
+               max_prompt_tokens: int | None = None, on_bad_row: str = "error"):
     if batch_size < 1:
       raise ValueError("batch_size must be >= 1")
+    self.max_prompt_tokens, self.on_bad_row = max_prompt_tokens, on_bad_row
+    self.skipped, self.first_skipped = 0, None
     dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
     if encode is not None:
-      dataset = dataset.map(lambda row: {**row, "prompt_tokens": list(encode(row["prompt"]))})
-    dataset = dataset.batch(batch_size, drop_remainder=True, batch_fn=list)
-    self._iterator = iter(dataset.to_iter_dataset())
+      dataset = dataset.map(lambda row: self._encoded(row, encode))
+    dataset = dataset.to_iter_dataset()
+    if encode is not None and max_prompt_tokens is not None:
+      dataset = dataset.filter(lambda row: row is not None)
+    self._iterator = iter(dataset.batch(batch_size, drop_remainder=True, batch_fn=list))
+
+  def _encoded(self, row: dict, encode) -> dict | None:
+    """The row with its prompt tokens, or None for a prompt past ``max_prompt_tokens``."""
+    limit = self.max_prompt_tokens
+    # no tokenizer spends 64 characters per token: a huge line is refused before tokenizing it
+    too_long = limit is not None and len(row["prompt"]) > 64 * limit
+    tokens = None if too_long else list(encode(row["prompt"]))
+    if limit is not None and (too_long or len(tokens) > limit):
+      where = row.get("where", "a row")
+      size = f"{len(row['prompt'])} characters" if too_long else f"{len(tokens)} tokens"
+      if self.on_bad_row == "error":
+        raise DataError(f"{where}: the prompt has {size}, more than "
+                        f"config.rollout.max_prompt_len={limit}; raise it, shorten the prompt, "
+                        "or set config.data.on_bad_row=skip")
+      self.skipped += 1
+      if self.first_skipped is None:
+        self.first_skipped = f"{where}: prompt of {size} > max_prompt_len={limit}"
+      return None
+    return {**row, "prompt_tokens": tokens}
 
   def __iter__(self):
     return self

@@ -1,14 +1,19 @@
 """Random-access prompt sources: JSONL and Parquet files, and the built-in tasks.
 
-Every source yields ``{"prompt": str, "answer": str}`` rows (the field names
-in the file are configurable). File sources check every row once when they
+Every source yields ``{"prompt": str, "answer": str, "where": str}`` rows (the
+field names in the file are configurable; ``where`` names the file and line, or
+Parquet row, for error messages). File sources check every row once when they
 open: a malformed row either raises an error that names the file and line (or
-Parquet row), or is skipped and counted in ``skipped``.
+Parquet row), or is skipped and counted in ``skipped`` (``first_skipped`` names
+the first). ``fingerprint()`` identifies what a source holds, so that a resumed
+run can tell that its data file changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pathlib
 from typing import Literal
 
@@ -39,6 +44,13 @@ def _refuse_or_count(source, where: str, problem: str, on_bad_row: OnBadRow) -> 
   if on_bad_row == "error":
     raise DataError(f"{where}: {problem}; fix the row or set config.data.on_bad_row=skip")
   source.skipped += 1
+  if source.first_skipped is None:
+    source.first_skipped = f"{where}: {problem}"
+
+
+def _file_fingerprint(path: pathlib.Path, rows: int) -> dict:
+  stat = os.stat(path)
+  return {"path": str(path.absolute()), "bytes": stat.st_size, "rows": rows}
 
 
 class JsonlSource:
@@ -51,7 +63,8 @@ class JsonlSource:
       raise DataError(f"data file {self.path} does not exist")
     self.prompt_field, self.answer_field = prompt_field, answer_field
     self.offsets: list[int] = []
-    self.skipped = 0
+    self.lines: list[int] = []
+    self.skipped, self.first_skipped = 0, None
     with open(self.path, "rb") as f:
       offset = 0
       for number, line in enumerate(f, start=1):
@@ -66,6 +79,7 @@ class JsonlSource:
           _refuse_or_count(self, f"{self.path}:{number}", problem, on_bad_row)
           continue
         self.offsets.append(start)
+        self.lines.append(number)
     if not self.offsets:
       raise DataError(f"{self.path} has no usable rows")
 
@@ -75,7 +89,19 @@ class JsonlSource:
   def __getitem__(self, index: int) -> dict[str, str]:
     with open(self.path, "rb") as f:
       f.seek(self.offsets[index])
-      return _row(json.loads(f.readline()), self.prompt_field, self.answer_field)
+      line = f.readline()
+    where = f"{self.path}:{self.lines[index]}"
+    try:
+      row = _row(json.loads(line), self.prompt_field, self.answer_field)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+      row = f"not valid JSON ({error})"
+    if isinstance(row, str):  # the file changed since it was indexed
+      raise DataError(f"{where}: {row}; the file changed while the run was reading it")
+    return dict(row, where=where)
+
+  def fingerprint(self) -> dict:
+    digest = hashlib.sha1(json.dumps(self.offsets).encode()).hexdigest()
+    return dict(_file_fingerprint(self.path, len(self)), index_sha1=digest)
 
 
 class ParquetSource:
@@ -96,13 +122,13 @@ class ParquetSource:
       raise DataError(f"{self.path}: no column(s) {', '.join(map(repr, missing))} "
                       f"(columns: {', '.join(names)}); set config.data.prompt_field / answer_field")
     table = pq.read_table(self.path, columns=[prompt_field, answer_field]).to_pylist()
-    self.rows, self.skipped = [], 0
+    self.rows, self.skipped, self.first_skipped = [], 0, None
     for number, record in enumerate(table):
       row = _row(record, prompt_field, answer_field)
       if isinstance(row, str):
         _refuse_or_count(self, f"{self.path}: row {number}", row, on_bad_row)
         continue
-      self.rows.append(row)
+      self.rows.append(dict(row, where=f"{self.path}: row {number}"))
     if not self.rows:
       raise DataError(f"{self.path} has no usable rows")
 
@@ -112,6 +138,9 @@ class ParquetSource:
   def __getitem__(self, index: int) -> dict[str, str]:
     return self.rows[index]
 
+  def fingerprint(self) -> dict:
+    return _file_fingerprint(self.path, len(self))
+
 
 class TaskSource:
   """A built-in task as a random-access source of ``size`` rows."""
@@ -120,15 +149,20 @@ class TaskSource:
                eval_fraction: float = 0.1, size: int = 1_000_000):
     self.task, self.seed, self.split, self.eval_fraction, self.size = (
         task, seed, split, eval_fraction, size)
-    self.skipped = 0
+    self.skipped, self.first_skipped = 0, None
     task_row(task, 0, seed=seed, split=split, eval_fraction=eval_fraction)  # validates
 
   def __len__(self) -> int:
     return self.size
 
   def __getitem__(self, index: int) -> dict[str, str]:
-    return task_row(self.task, index, seed=self.seed, split=self.split,
-                    eval_fraction=self.eval_fraction)
+    row = task_row(self.task, index, seed=self.seed, split=self.split,
+                   eval_fraction=self.eval_fraction)
+    return dict(row, where=f"task {self.task}, {self.split} row {index}")
+
+  def fingerprint(self) -> dict:
+    return {"task": self.task, "seed": self.seed, "split": self.split,
+            "eval_fraction": self.eval_fraction}
 
 
 def open_source(source: str, *, prompt_field: str = "prompt", answer_field: str = "answer",

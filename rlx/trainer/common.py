@@ -74,6 +74,8 @@ class Run:
   engine: rollout.Engine
   sync: ReshardSync | OrbaxSync
   pool: RewardPool
+  source: object
+  """Where the prompts come from (a file or a built-in task)."""
   stream: PromptStream
   eval_rows: list[dict]
   workdir: pathlib.Path
@@ -97,8 +99,13 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   source = open_source(data.source, prompt_field=data.prompt_field, answer_field=data.answer_field,
                        on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
                        eval_fraction=data.eval_fraction)
+  if source.skipped:
+    say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
+        f"the first: {source.first_skipped}")
   stream = PromptStream(source, batch_size=data.prompts_per_step, seed=data.shuffle_seed,
-                        num_epochs=data.num_epochs, encode=tokenizer.encode_prompt)
+                        num_epochs=data.num_epochs, encode=tokenizer.encode_prompt,
+                        max_prompt_tokens=config.rollout.max_prompt_len,
+                        on_bad_row=data.on_bad_row)
   eval_rows = []
   if isinstance(source, TaskSource) and config.trainer.eval_prompts:
     eval_source = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
@@ -116,7 +123,8 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                     num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
   if config.trainer.warmup_sft_steps:
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
-  return Run(config, meshes, tokenizer, model, engine, sync, pool, stream, eval_rows, workdir)
+  return Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
+             workdir)
 
 
 def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
@@ -130,7 +138,8 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
                        config.mesh.logical_axis_rules)
   trainer = config.trainer
   stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
-                        seed=config.data.shuffle_seed + 1, encode=tokenizer.encode_prompt)
+                        seed=config.data.shuffle_seed + 1, encode=tokenizer.encode_prompt,
+                        max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
   started = time.perf_counter()
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate)
@@ -189,6 +198,10 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   if step != (start or 0) and learner.saved_step != step:
     learner.save(step, data_state)
   learner.close()  # waits for every started save
+  if run.stream.skipped:
+    say(f"rlx: data: skipped {run.stream.skipped} prompt(s) longer than "
+        f"config.rollout.max_prompt_len (config.data.on_bad_row=skip); the first: "
+        f"{run.stream.first_skipped}")
   if stop.requested:
     saved = learner.checkpointer.latest_step()
     where = (f"checkpoint saved at step {saved} in {learner.checkpointer.directory}"
@@ -332,13 +345,18 @@ class Learner:
     self.state, self.critic = restored.state, restored.critic
     self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
     self.run.stream.set_state(restored.data_state)
+    saved, now = restored.meta.get("data_fingerprint"), self.run.source.fingerprint()
+    if saved is not None and saved != now:
+      self.say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
+               f"{now} now); the run resumes at the saved position of the changed data")
     self.saved_step = restored.step
     return restored.step
 
   def save(self, step: int, data_state: dict) -> None:
     self.saved_step = step
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
-                           meta={"policy_version": self.version, "kl_coef": self.kl_coef})
+                           meta={"policy_version": self.version, "kl_coef": self.kl_coef,
+                                 "data_fingerprint": self.run.source.fingerprint()})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:
     every = self.config.checkpoint.every_steps
@@ -412,6 +430,7 @@ class Learner:
     metrics.update(draw.counts)
     metrics.update({"reward/accuracy": float(np.mean(draw.correct)),
                     "train/skipped_steps": self.skipped_steps,
+                    "data/skipped_rows": self.run.source.skipped + self.run.stream.skipped,
                     "rollout/policy_lag_mean": float(lag.mean()),
                     "rollout/policy_lag_max": int(lag.max())})
     return metrics

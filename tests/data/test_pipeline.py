@@ -16,7 +16,8 @@ def _jsonl(path, rows):
 def test_jsonl_fields_and_random_access(tmp_path):
   path = _jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "solution": i} for i in range(5)])
   source = JsonlSource(path, prompt_field="question", answer_field="solution")
-  assert len(source) == 5 and source[3] == {"prompt": "q3", "answer": "3"}
+  assert len(source) == 5 and source[3] == {"prompt": "q3", "answer": "3",
+                                              "where": f"{path}:4"}
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -32,7 +33,7 @@ def test_malformed_rows_are_named_or_skipped(tmp_path, bad, message):
     JsonlSource(path)
   assert message in str(error.value) and "on_bad_row=skip" in str(error.value)
   source = JsonlSource(path, on_bad_row="skip")
-  assert len(source) == 3 and source.skipped == 1
+  assert len(source) == 3 and source.skipped == 1 and message in source.first_skipped
 
 
 def test_parquet(tmp_path):
@@ -81,3 +82,31 @@ def test_stream_tokenizes_prompts():
   stream = PromptStream(TaskSource("arithmetic"), batch_size=2, encode=lambda text: [len(text)])
   batch = next(stream)
   assert all(row["prompt_tokens"] == [len(row["prompt"])] for row in batch)
+
+
+@pytest.mark.parametrize("long_prompt", ["x" * 40, "y" * 100_000])
+def test_an_over_long_prompt_is_a_bad_row_met_when_read(tmp_path, long_prompt):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(7)]
+  rows.insert(4, {"prompt": long_prompt, "answer": "0"})
+  path = _jsonl(tmp_path / "d.jsonl", rows)
+  encode = lambda text: [ord(c) for c in text]
+  stream = PromptStream(JsonlSource(path), batch_size=2, num_epochs=1, encode=encode,
+                        max_prompt_tokens=16)
+  with pytest.raises(DataError, match=r"d.jsonl:5: the prompt has \d+ (tokens|characters), more "
+                                      r"than config.rollout.max_prompt_len=16"):
+    list(stream)
+  stream = PromptStream(JsonlSource(path), batch_size=2, num_epochs=1, encode=encode,
+                        max_prompt_tokens=16, on_bad_row="skip")
+  batches = list(stream)
+  read = [row["prompt"] for batch in batches for row in batch]
+  assert len(read) == 6 and long_prompt not in read  # 7 good rows, batches of 2
+  assert stream.skipped == 1 and "d.jsonl:5" in stream.first_skipped
+
+
+def test_fingerprint_tells_a_changed_file(tmp_path):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(4)]
+  path = _jsonl(tmp_path / "d.jsonl", rows)
+  before = JsonlSource(path).fingerprint()
+  assert JsonlSource(path).fingerprint() == before
+  _jsonl(path, rows[:3])
+  assert JsonlSource(path).fingerprint() != before

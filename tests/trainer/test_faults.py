@@ -1,0 +1,132 @@
+"""Faults a real run meets: a stop signal sent to the whole process group, an unreadable newest
+checkpoint, a run killed before its first checkpoint, finite data, non-finite updates."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlx.checkpoint import CheckpointError
+from rlx.trainer import NonFiniteError, train
+from tests.trainer import tiny
+
+QUIET = {"say": lambda message: None}
+
+
+def _command(name, workdir, *overrides):
+  return [sys.executable, "-m", "rlx.main", "--config", f"configs/{name}.py",
+          "--workdir", str(workdir), *tiny.OVERRIDES,
+          "--config.algorithm.dynamic_sampling=false", *overrides]
+
+
+def _steps(workdir) -> list[int]:
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("name, sig", [("grpo_colocated", signal.SIGTERM),
+                                       ("dapo_split", signal.SIGINT)])
+def test_a_stop_signal_to_the_process_group_saves_exits_0_and_the_rerun_finishes(
+    tmp_path, name, sig):
+  steps = 8
+  command = _command(name, tmp_path, f"--config.trainer.steps={steps}",
+                     "--config.checkpoint.every_steps=0", "--config.reward.num_workers=2")
+  process = subprocess.Popen(command, cwd=tiny.ROOT, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while len(_steps(tmp_path)) < 2 and process.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert process.poll() is None, process.communicate()[0]
+    os.killpg(process.pid, sig)  # as a terminal's Ctrl-C or a scheduler does: every process
+    signalled = time.monotonic()
+    output, _ = process.communicate(timeout=120)
+  finally:
+    if process.poll() is None:
+      os.killpg(process.pid, signal.SIGKILL)
+  assert process.returncode == 0, output
+  assert time.monotonic() - signalled < 60, "a stop must take seconds, not minutes"
+  assert f"stopped by {sig.name}" in output and "Traceback" not in output, output
+  stopped_at = _steps(tmp_path)[-1]
+  assert stopped_at < steps, output
+  assert f"checkpoint saved at step {stopped_at}" in output, output
+  assert (tmp_path / "checkpoints" / str(stopped_at)).is_dir()
+  rerun = subprocess.run(command, cwd=tiny.ROOT, capture_output=True, text=True, timeout=600)
+  assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+  assert f"resumed from {tmp_path / 'checkpoints'} at step {stopped_at}" in rerun.stdout
+  assert _steps(tmp_path) == list(range(1, steps + 1))  # every step exactly once
+
+
+def test_the_newest_checkpoint_unreadable_resumes_from_the_previous_one(tmp_path):
+  config = tiny.config("grpo_colocated", "--config.trainer.steps=3",
+                       "--config.checkpoint.every_steps=1")
+  train(config, tmp_path, **QUIET)
+  checkpoints = tmp_path / "checkpoints"
+  assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [1, 2, 3]
+  # truncate every file of the newest checkpoint's state
+  for file in (checkpoints / "3" / "state").rglob("*"):
+    if file.is_file():
+      file.write_bytes(file.read_bytes()[: file.stat().st_size // 3])
+  (checkpoints / "2" / "data").mkdir(exist_ok=True)
+  shutil.rmtree(checkpoints / "2")
+  (checkpoints / "2").mkdir()  # an empty step directory
+  said = []
+  config = tiny.config("grpo_colocated", "--config.trainer.steps=4",
+                       "--config.checkpoint.every_steps=1")
+  summary = train(config, tmp_path, say=said.append)
+  assert summary["steps"] == 4
+  assert any("resumed from" in line and "at step 1" in line for line in said), said
+  moved = [line for line in said if "does not read back" in line]
+  assert len(moved) == 2, said
+  assert len(list((tmp_path / "checkpoints.unreadable").iterdir())) == 2  # kept, not deleted
+  assert _steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_no_readable_checkpoint_is_refused_naming_the_directory(tmp_path):
+  config = tiny.config("grpo_colocated", "--config.trainer.steps=1")
+  train(config, tmp_path, **QUIET)
+  for file in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
+    if file.is_file():
+      file.unlink()
+  with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path / 'checkpoints'}"):
+    train(tiny.config("grpo_colocated", "--config.trainer.steps=2"), tmp_path, **QUIET)
+
+
+def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
+  rows = [{"prompt": f"Sort the digits: {i}{i + 1}", "answer": f"{i}{i + 1}"} for i in range(6)]
+  data = tmp_path / "rows.jsonl"
+  data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  config = tiny.config("grpo_colocated", "--config.trainer.steps=50",
+                       f"--config.data.source={data}", "--config.data.num_epochs=1",
+                       "--config.reward.name=sort", "--config.trainer.warmup_sft_steps=0")
+  said = []
+  summary = train(config, tmp_path / "run", say=said.append)
+  assert summary["steps"] == 3  # 6 rows, 2 prompts a step
+  assert any("the data ran out after 1 epoch(s), at step 3" in line for line in said), said
+  assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+  from rlx.trainer import common
+
+  real = common.build_batch
+
+  def poisoned(*args, **kwargs):
+    batch, stats = real(*args, **kwargs)
+    return batch.replace(advantages=batch.advantages * float("nan")), stats
+
+  monkeypatch.setattr(common, "build_batch", poisoned)
+  config = tiny.config("grpo_colocated", "--config.trainer.steps=10",
+                       "--config.trainer.max_skipped_steps=3")
+  with pytest.raises(NonFiniteError, match="3 updates in a row had a non-finite loss"):
+    train(config, tmp_path, **QUIET)
+  rows = tiny.metrics(tmp_path)
+  assert [row["train/skipped_steps"] for row in rows] == [1, 2]
