@@ -87,7 +87,23 @@ class Checkpointer:
              "meta": ocp.args.JsonSave(meta or {})}
     if critic is not None:
       items["critic"] = ocp.args.StandardSave(_to_disk(critic))
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as error:  # noqa: BLE001 - a full disk, a lost mount: said plainly
+      raise self._write_failed(error) from error
+
+  def _write_failed(self, error: BaseException) -> CheckpointError:
+    try:
+      self._manager.reload()
+      newest = self._manager.latest_step()
+    except Exception:  # noqa: BLE001
+      newest = None
+    kept = (f"the newest complete checkpoint, step {newest}, is intact" if newest is not None
+            else "no complete checkpoint exists yet")
+    return CheckpointError(
+        f"writing a checkpoint to {self.directory} failed ({type(error).__name__}: "
+        f"{str(error)[:300]}); {kept}. Free space there (or point --workdir elsewhere) and rerun "
+        "the same command to resume")
 
   def restore(self, like: TrainState, *, like_critic: TrainState | None = None,
               step: int | None = None, say=print) -> Restored | None:
@@ -140,10 +156,13 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
-    self._manager.wait_until_finished()
+    try:
+      self._manager.wait_until_finished()
+    except Exception as error:  # noqa: BLE001
+      raise self._write_failed(error) from error
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
 
 

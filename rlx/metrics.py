@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -54,7 +55,7 @@ class MetricsSink:
     if config.tensorboard:
       from tensorboardX import SummaryWriter
       self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=(resume_step or 0) + 1)
-    if config.progress_bar:
+    if config.progress_bar and sys.stdout.isatty():  # else a plain line per written step
       from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
       self._progress = Progress(TextColumn("[bold]rlx"), BarColumn(), MofNCompleteColumn(),
                                 TimeRemainingColumn(), TextColumn("{task.description}"))
@@ -88,7 +89,7 @@ class MetricsSink:
     if self._tensorboard is not None:
       for key, value in values.items():
         self._tensorboard.add_scalar(key, value, step)
-    summary = "  ".join(f"{k.split('/')[-1]} {values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
+    summary = "  ".join(f"{k} {values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
     if self._progress is not None:
       self._progress.update(self._task, completed=step, description=summary)
     elif summary:

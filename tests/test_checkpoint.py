@@ -2,7 +2,15 @@
 retention; the stop signal."""
 
 import os
+import pathlib
+import random
 import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
 
 import chex
 import jax
@@ -57,3 +65,64 @@ def test_stop_signal_sets_a_flag():
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.requested and stop.received == "SIGTERM"
   assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+SAVE_LOOP = pathlib.Path(__file__).parent / "save_loop.py"
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _check_restorable(directory):
+  sys.path.insert(0, str(SAVE_LOOP.parent))
+  try:
+    from save_loop import state
+  finally:
+    sys.path.pop(0)
+  checkpointer = Checkpointer(directory, CheckpointConfig(max_to_keep=2))
+  try:
+    restored = checkpointer.restore(state(0), say=lambda message: None)
+    if restored is not None:  # what it holds is exactly what was saved at that step
+      step = restored.step
+      assert int(restored.state.step) == step and restored.meta == {"step": step}
+      np.testing.assert_array_equal(np.asarray(restored.state.params["w"]),
+                                    np.asarray(state(step).params["w"]))
+    return restored
+  finally:
+    checkpointer.close()
+
+
+def test_a_kill_at_any_moment_of_an_async_save_leaves_a_restorable_checkpoint(tmp_path):
+  rng = random.Random(0)
+  for attempt in range(8):
+    process = subprocess.Popen([sys.executable, str(SAVE_LOOP), str(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    process.stdout.readline()  # the first save of this attempt has started
+    time.sleep(rng.uniform(0.0, 1.5))
+    process.kill()
+    process.wait()
+    restored = _check_restorable(tmp_path)
+    assert attempt == 0 or restored is not None  # earlier attempts' complete saves survive
+
+
+def _mount_tmpfs(path, size):
+  path.mkdir()
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True)
+  if result.returncode:
+    pytest.skip("mounting a tmpfs needs privileges this machine does not give")
+
+
+def test_a_full_disk_never_loses_the_previous_checkpoint(tmp_path):
+  disk = tmp_path / "disk"
+  _mount_tmpfs(disk, "450k")  # room for one checkpoint of save_loop's state (~310 KB), not two
+  try:
+    result = subprocess.run([sys.executable, str(SAVE_LOOP), str(disk), "6"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode != 0  # the disk filled up
+    assert "CheckpointError: writing a checkpoint to" in result.stderr
+    assert "No space left on device" in result.stderr and "is intact" in result.stderr
+    restored = _check_restorable(disk)
+    assert restored is not None and restored.step >= 1
+  finally:
+    subprocess.run(["umount", str(disk)], check=False)

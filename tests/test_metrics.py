@@ -25,7 +25,7 @@ def test_jsonl_and_tensorboard(tmp_path, capsys):
   assert [line["step"] for line in lines] == [1, 2, 3]
   assert lines[0]["response/tokens"] == 7 and lines[0]["bad"] is None  # NaN is written as null
   assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
-  assert "rlx: step 3: mean 0.3  kl 0.5" in capsys.readouterr().out
+  assert "rlx: step 3: reward/mean 0.3  policy/kl 0.5" in capsys.readouterr().out
 
 
 def test_resume_drops_steps_after_the_checkpoint(tmp_path):
@@ -37,6 +37,21 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
     sink.write(4, {"loss": 40})
   assert [(line["step"], line["loss"]) for line in _lines(tmp_path / "metrics.jsonl")] == [
       (1, 1), (2, 2), (3, 3), (4, 40)]
+
+
+def test_a_fresh_start_drops_what_a_run_without_checkpoint_wrote(tmp_path):
+  config = LoggingConfig(progress_bar=False, tensorboard=False)
+  with MetricsSink(tmp_path, config) as sink:
+    for step in range(1, 5):
+      sink.write(step, {"loss": step})
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 5, "lo')  # torn by a kill mid-write
+  with MetricsSink(tmp_path, config, resume_step=3) as sink:
+    sink.write(4, {"loss": 40})
+  assert [line["step"] for line in _lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+  with MetricsSink(tmp_path, config) as sink:  # killed before its first checkpoint: start over
+    sink.write(1, {"loss": 10})
+  assert [(line["step"], line["loss"]) for line in _lines(tmp_path / "metrics.jsonl")] == [(1, 10)]
 
 
 def test_every_steps_and_quiet_processes(tmp_path):
