@@ -106,12 +106,18 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
   data.write_text("".join(json.dumps(row) + "\n" for row in rows))
   config = tiny.config("grpo_colocated", "--config.trainer.steps=50",
                        f"--config.data.source={data}", "--config.data.num_epochs=1",
-                       "--config.reward.name=sort", "--config.trainer.warmup_sft_steps=0")
+                       "--config.reward.name=sort", "--config.checkpoint.export_hf_every=2")
+  # a warm-up save that a kill cut short is never loaded: it is redone
+  (tmp_path / "run" / "warmup.partial").mkdir(parents=True)
+  (tmp_path / "run" / "warmup.partial" / "config.json").write_text("{")
   said = []
   summary = train(config, tmp_path / "run", say=said.append)
   assert summary["steps"] == 3  # 6 rows, 2 prompts a step
   assert any("the data ran out after 1 epoch(s), at step 3" in line for line in said), said
   assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+  assert (tmp_path / "run" / "hf" / "step_2" / "model.safetensors").is_file()
+  assert (tmp_path / "run" / "warmup" / "config.json").is_file()
+  assert not (tmp_path / "run" / "warmup.partial").exists()
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
