@@ -368,7 +368,9 @@ class TrainerConfig:
   eval_every: int = 0
   """Held-out evaluation every N steps; 0 never."""
   ppo_epochs: int = 1
-  """Optimizer passes over each rollout batch."""
+  """Passes over each rollout batch; each pass is a fresh permutation of its sequences."""
+  mini_batches: int = 1
+  """Optimizer steps per pass: the rollout batch is cut into this many mini-batches (the old log-probs are those of the policy before the first step), so the clipped objective acts from the second step on."""
   warmup_sft_steps: int = 0
   """Supervised steps on the task's reference answers before RL (teaches a fresh model the answer format)."""
   warmup_sft_learning_rate: float = 1e-3
@@ -381,7 +383,7 @@ class TrainerConfig:
   """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
 
   def __post_init__(self):
-    _positive(self, "trainer", "steps", "ppo_epochs", "warmup_sft_learning_rate",
+    _positive(self, "trainer", "steps", "ppo_epochs", "mini_batches", "warmup_sft_learning_rate",
               "warmup_sft_batch", "max_skipped_steps")
     for name in ("eval_every", "warmup_sft_steps", "eval_prompts"):
       _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
@@ -431,9 +433,14 @@ def check(config: RunConfig) -> RunConfig:
   _check(algorithm.name not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",
          f"must be >= 2 for algorithm.name={algorithm.name!r}: its advantages compare the samples "
          "of a group, and a group of 1 has no baseline")
-  _check(config.samples_per_step % config.optimizer.micro_batches == 0,
-         "optimizer.micro_batches", f"must divide the {config.samples_per_step} samples of a step "
+  mini_batches = config.trainer.mini_batches
+  _check(config.samples_per_step % mini_batches == 0, "trainer.mini_batches",
+         f"must divide the {config.samples_per_step} samples of a step "
          "(data.prompts_per_step x rollout.group_size)")
+  _check((config.samples_per_step // mini_batches) % config.optimizer.micro_batches == 0,
+         "optimizer.micro_batches", f"must divide the {config.samples_per_step // mini_batches} "
+         f"samples of a mini-batch (data.prompts_per_step x rollout.group_size / "
+         "trainer.mini_batches)")
   return config
 
 

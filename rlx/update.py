@@ -127,7 +127,8 @@ def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batc
                                             algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
   weights = algorithms.off_policy_weights(batch.old_logprobs, batch.behaviour_logprobs,
                                           algo.off_policy, algo.tis_cap)
-  diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights)
+  diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights,
+                     kl_behaviour=algorithms.kl_estimate(logprobs, batch.behaviour_logprobs, "k3"))
   loss = weights * loss
   if batch.ref_logprobs is not None:
     kl = algorithms.kl_estimate(logprobs, batch.ref_logprobs, algo.kl_estimator)
@@ -208,16 +209,59 @@ def _finite_or_unchanged(ok: jax.Array, new: TrainState, old: TrainState) -> Tra
                      policy_version=pick(new.policy_version, old.policy_version))
 
 
+def minibatch_order(batch_size: int, key: jax.Array, *, epochs: int,
+                    mini_batches: int) -> jax.Array:
+  """Row indices int [epochs * mini_batches, batch_size // mini_batches]: each pass over the
+  batch is a fresh permutation (``fold_in(key, pass)``) cut into ``mini_batches`` slices.
+  One mini-batch keeps the batch's own order (the order of a full batch changes nothing)."""
+  if batch_size % mini_batches:
+    raise ValueError(f"batch of {batch_size} sequences does not split into {mini_batches} "
+                     "mini-batches (config.trainer.mini_batches)")
+  if mini_batches == 1:
+    return jnp.tile(jnp.arange(batch_size), (epochs, 1))
+  passes = [jax.random.permutation(jax.random.fold_in(key, e), batch_size) for e in range(epochs)]
+  return jnp.stack(passes).reshape(epochs * mini_batches, batch_size // mini_batches)
+
+
+def schedule_batches(batch: RolloutBatch, order: jax.Array) -> RolloutBatch:
+  """The batch's rows gathered as ``order`` says: every leaf gets a leading [updates] axis."""
+  return jax.tree.map(lambda x: x[order], batch)
+
+
+def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str, jax.Array]:
+  """Per-update metrics [updates] -> one value each: maxima stay maxima, counts add up, the
+  tokens of one pass add up, the rest are means over the updates."""
+  reduced = {}
+  for name, values in metrics.items():
+    if name == "policy/ratio_max":
+      reduced[name] = values.max()
+    elif name == "train/skipped":
+      reduced[name] = values.sum()
+    elif name == "response/tokens":
+      reduced[name] = values.sum() / epochs
+    else:
+      reduced[name] = values.mean()
+  return reduced
+
+
 def make_update_step(config: RunConfig, transformer: Transformer,
                      optimizer: optax.GradientTransformation, schedule=None, *,
                      state_shardings: Any = None, batch_shardings: Any = None):
-  """The jitted ``update_step(state, batch, kl_coef=None) -> (state, metrics)``.
+  """The jitted ``update_step(state, batch, kl_coef=None) -> (state, metrics)``: the whole
+  ``trainer.ppo_epochs x trainer.mini_batches`` schedule on one rollout batch.
 
-  Jitted once with ``state_shardings`` / ``batch_shardings`` (when given) and the
-  state donated; ``kl_coef`` is a traced scalar, so an adaptive coefficient
-  never retraces.
+  Each pass draws a fresh permutation of the sequences from ``fold_in(state.key,
+  state.step)``; every mini-batch is one optimizer step (its micro-batches accumulated
+  exactly, normalised by the mini-batch's own denominator), run as a ``lax.scan``. The
+  policy version goes up by one per call (unless every update was skipped): the generator
+  sees one new policy per rollout batch. Jitted once with ``state_shardings`` / ``batch_shardings`` (when given) and the
+  state donated; ``kl_coef`` is a traced scalar, so an adaptive coefficient never retraces.
+  ``step.minibatch`` is one optimizer step on one mini-batch (the reference the schedule is
+  tested against).
   """
-  def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
+  epochs, mini_batches = config.trainer.ppo_epochs, config.trainer.mini_batches
+
+  def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
     loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, config=config,
                                        transformer=transformer)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -226,7 +270,6 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
     ratio_max = sums.pop("ratio_max")
-    mask = batch.response_mask.astype(bool)
     metrics = {
         "loss": loss,
         "policy/loss": sums["policy_loss"] / tokens,
@@ -234,11 +277,10 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "policy/clip_frac_low": sums["clip_low"] / tokens,
         "policy/clip_frac_high": sums["clip_high"] / tokens,
         "policy/approx_kl": sums["approx_kl"] / tokens,
+        "policy/kl_behaviour": sums["kl_behaviour"] / tokens,
         "policy/ratio_mean": sums["ratio"] / tokens,
         "policy/ratio_max": ratio_max,
         "policy/is_weight_mean": sums["is_weight"] / tokens,
-        "advantage/mean": algorithms.masked_mean(batch.advantages, mask),
-        "advantage/std": jnp.sqrt(algorithms.masked_var(batch.advantages, mask)),
         "optim/grad_norm": grad_norm,
         "train/skipped": jnp.logical_not(finite).astype(jnp.int32),
         "optim/lr": jnp.asarray(schedule(state.step) if schedule else jnp.nan, jnp.float32),
@@ -246,21 +288,38 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     }
     if "kl" in sums:
       metrics["policy/kl"] = sums["kl"] / tokens
-      metrics["policy/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
-    updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                            policy_version=state.policy_version + 1)
+    updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return _finite_or_unchanged(finite, updated, state), metrics
+
+  def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
+    order = minibatch_order(batch.batch_size, jax.random.fold_in(state.key, state.step),
+                            epochs=epochs, mini_batches=mini_batches)
+    version = state.policy_version
+    state, metrics = jax.lax.scan(lambda s, b: minibatch_update(s, b, kl_coef), state,
+                                  schedule_batches(batch, order))
+    metrics = _reduce_over_updates(metrics, epochs)
+    mask = batch.response_mask.astype(bool)
+    metrics["advantage/mean"] = algorithms.masked_mean(batch.advantages, mask)
+    metrics["advantage/std"] = jnp.sqrt(algorithms.masked_var(batch.advantages, mask))
+    metrics["train/updates"] = jnp.asarray(epochs * mini_batches, jnp.int32)
+    if "policy/kl" in metrics:
+      metrics["policy/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
+    changed = metrics["train/skipped"] < epochs * mini_batches  # not every update was skipped
+    return state.replace(policy_version=version + changed.astype(version.dtype)), metrics
 
   jitted = jax.jit(update_step, donate_argnums=0,
                    in_shardings=(state_shardings, batch_shardings, None)
                    if state_shardings is not None else None,
                    out_shardings=(state_shardings, None) if state_shardings is not None else None)
   default_coef = config.algorithm.kl_coef
+  coef = lambda kl_coef: jnp.asarray(default_coef if kl_coef is None else kl_coef, jnp.float32)
 
   def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None):
-    return jitted(state, batch, jnp.asarray(default_coef if kl_coef is None else kl_coef, jnp.float32))
+    return jitted(state, batch, coef(kl_coef))
 
   step.jitted = jitted
+  step.minibatch = jax.jit(lambda state, batch, kl_coef=None: minibatch_update(
+      state, batch, coef(kl_coef)))
   return step
 
 
@@ -288,8 +347,10 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
                      optimizer: optax.GradientTransformation, *, state_shardings: Any = None,
                      batch_shardings: Any = None):
   """The jitted PPO critic step ``(critic_state, batch) -> (critic_state, metrics)``: clipped
-  value loss, token-mean over response tokens, accumulated over micro-batches."""
+  value loss, token-mean over response tokens, accumulated over micro-batches, on the same
+  ``ppo_epochs x mini_batches`` schedule as the policy (permutations from the critic's key)."""
   clip = config.algorithm.value_clip
+  epochs, mini_batches = config.trainer.ppo_epochs, config.trainer.mini_batches
 
   def microbatch(params, micro: RolloutBatch, denominator):
     values = critic_values(transformer, params, micro.tokens, micro.attention_mask)
@@ -300,9 +361,7 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
 
   grad_fn = jax.value_and_grad(microbatch, has_aux=True)
 
-  def critic_step(state: TrainState, batch: RolloutBatch):
-    if batch.returns is None or batch.old_values is None:
-      raise ValueError("the critic step needs batch.returns and batch.old_values")
+  def minibatch_step(state: TrainState, batch: RolloutBatch):
     denominator = jnp.maximum(batch.response_mask.sum().astype(jnp.float32), 1.0)
 
     def accumulate(carry, micro):
@@ -321,6 +380,15 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
     return _finite_or_unchanged(finite, updated, state), {
         "critic/loss": loss, "critic/value_mse": error / denominator, "critic/grad_norm": grad_norm,
         "critic/skipped": jnp.logical_not(finite).astype(jnp.int32)}
+
+  def critic_step(state: TrainState, batch: RolloutBatch):
+    if batch.returns is None or batch.old_values is None:
+      raise ValueError("the critic step needs batch.returns and batch.old_values")
+    order = minibatch_order(batch.batch_size, jax.random.fold_in(state.key, state.step),
+                            epochs=epochs, mini_batches=mini_batches)
+    state, metrics = jax.lax.scan(minibatch_step, state, schedule_batches(batch, order))
+    return state, {name: values.sum() if name == "critic/skipped" else values.mean()
+                   for name, values in metrics.items()}
 
   if state_shardings is None:
     return jax.jit(critic_step, donate_argnums=0)

@@ -21,10 +21,11 @@ ARCH = ArchConfig(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size
 B, T = 8, 12
 
 
-def _config(**algorithm):
+def _config(trainer=None, **algorithm):
   config = RunConfig()
   return dataclasses.replace(
       config, algorithm=dataclasses.replace(config.algorithm, **algorithm),
+      trainer=dataclasses.replace(config.trainer, **(trainer or {})),
       optimizer=dataclasses.replace(config.optimizer, learning_rate=1e-3),
       rollout=dataclasses.replace(config.rollout, max_new_tokens=T))
 
@@ -211,3 +212,65 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_state_unchanged(model, pois
   after, metrics = step(after, batch)
   assert int(metrics["train/skipped"]) == 0 and int(after.policy_version) == 1
   assert np.isfinite(float(metrics["loss"]))
+
+
+SCHEDULE = {"ppo_epochs": 2, "mini_batches": 2}
+
+
+@pytest.mark.parametrize("name, clip_low, clip_high", [
+    ("dapo", 0.2, 0.28), ("gspo", 3e-4, 4e-4), ("cispo", 0.2, 0.28)])
+def test_minibatch_schedule_equals_the_step_by_step_reference(model, name, clip_low, clip_high):
+  """The scanned ppo_epochs x mini_batches schedule against one jitted optimizer step per
+  mini-batch, called from Python on the same permutation."""
+  config = _config(trainer=SCHEDULE, name=name, clip_eps_low=clip_low, clip_eps_high=clip_high,
+                   off_policy="tis")
+  config = dataclasses.replace(config, optimizer=dataclasses.replace(
+      config.optimizer, learning_rate=3e-2, micro_batches=2))
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=8)
+  fresh = lambda: update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                          jax.random.key(7))
+  step = update.make_update_step(config, model.transformer, optimizer, schedule)
+  batch = _batch(model, config)
+  state = fresh()
+  order = update.minibatch_order(B, jax.random.fold_in(state.key, state.step), epochs=2,
+                                 mini_batches=2)
+  assert sorted(np.asarray(order[:2]).ravel()) == list(range(B))  # a pass sees every row once
+  assert sorted(np.asarray(order[2:]).ravel()) == list(range(B))
+  assert not np.array_equal(order[:2], order[2:])  # each pass draws its own permutation
+  scheduled = update.schedule_batches(batch, order)
+  reference = fresh()
+  ratio_max = []
+  for i in range(4):
+    reference, metrics = step.minibatch(reference, jax.tree.map(lambda x: x[i], scheduled))
+    ratio_max.append(float(metrics["policy/ratio_max"]))
+  state, metrics = step(state, batch)
+  chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(reference.params),
+                              rtol=2e-5, atol=2e-6)
+  assert int(state.step) == 4 and int(state.policy_version) == 1
+  assert float(metrics["policy/ratio_max"]) == pytest.approx(max(ratio_max), rel=1e-5)
+  assert int(metrics["train/updates"]) == 4
+
+
+def test_later_mini_batches_move_the_ratio_and_clip(model):
+  """With several optimizer steps per rollout batch the ratio leaves 1 and clipping acts;
+  with one it cannot (the old log-probs are the current policy's)."""
+  def run(trainer):
+    config = _config(trainer=trainer, name="dapo", clip_eps_low=0.2, clip_eps_high=0.28,
+                     off_policy="none")
+    config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer,
+                                                                       learning_rate=3e-2))
+    batch = _batch(model, config)
+    old = update.make_logprobs_fn(config, model.transformer)(model.params, batch.tokens,
+                                                             batch.attention_mask)
+    batch = batch.replace(old_logprobs=old, behaviour_logprobs=old)
+    optimizer, _ = update.make_optimizer(config.optimizer, total_steps=8)
+    state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                    jax.random.key(0))
+    return update.make_update_step(config, model.transformer, optimizer)(state, batch)[1]
+
+  single = run({"ppo_epochs": 1, "mini_batches": 1})
+  assert float(single["policy/ratio_max"]) == pytest.approx(1.0, abs=1e-4)
+  assert float(single["policy/clip_frac_high"]) == 0.0
+  several = run({"ppo_epochs": 2, "mini_batches": 2})
+  assert float(several["policy/ratio_max"]) > 1.05
+  assert float(several["policy/clip_frac_high"]) + float(several["policy/clip_frac_low"]) > 0

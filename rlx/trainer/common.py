@@ -265,6 +265,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
   max_draws = config.algorithm.dynamic_sampling_max_draws
   wanted = config.data.prompts_per_step * group
   completions, rewards, correct, counts, draws, dropped = [], [], [], {}, 0, 0
+  sampled_rewards, sampled_correct = [], []  # every group drawn, kept or not
   started = time.perf_counter()
   while len(completions) < wanted:
     if draws == max_draws:
@@ -279,6 +280,8 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
         run, params, rows, n=group, temperature=config.rollout.temperature,
         seed=seed * max_draws + draws, version=version)
     scores = scored.rewards
+    sampled_rewards.append(scores)
+    sampled_correct.append(scored.correct)
     for key, value in scored.counts.items():
       counts[key] = counts.get(key, 0) + value
     keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
@@ -288,7 +291,10 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
     rewards += [scores[i] for i in np.flatnonzero(keep)]
     correct += [scored.correct[i] for i in np.flatnonzero(keep)]
     draws += 1
-  counts.update({"rollout/dropped_groups": dropped, "rollout/draws": draws})
+  counts.update({"rollout/dropped_groups": dropped, "rollout/draws": draws,
+                 # what the sampling policy produced, before dynamic sampling dropped any group
+                 "reward/mean": float(np.concatenate(sampled_rewards).mean()),
+                 "reward/accuracy": float(np.concatenate(sampled_correct).mean())})
   return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state())
@@ -302,7 +308,8 @@ class Learner:
     config = self.config = run.config
     self.say = say
     self.run = run
-    optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=config.trainer.steps)
+    updates = config.trainer.steps * config.trainer.ppo_epochs * config.trainer.mini_batches
+    optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=updates)
     self.state = update.init_train_state(run.model.params, optimizer,
                                          jax.random.key(config.trainer.seed))
     algo = config.algorithm
@@ -313,7 +320,7 @@ class Learner:
     self.critic = self.critic_step = self.values_fn = None
     if algo.name == "ppo":
       critic_optimizer, _ = update.make_optimizer(
-          config.optimizer, total_steps=config.trainer.steps,
+          config.optimizer, total_steps=updates,
           peak=config.optimizer.critic_learning_rate)
       critic_params = update.init_critic_params(jax.tree.map(jnp.copy, run.model.params),
                                                 jax.random.key(config.trainer.seed + 1))
@@ -397,7 +404,8 @@ class Learner:
                          old_values=values)
 
   def learn(self, draw: Draw) -> dict:
-    """One policy update on ``draw`` (``trainer.ppo_epochs`` passes), and the critic's."""
+    """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
+    ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's."""
     config = self.config
     batch, stats = build_batch(draw.completions, draw.rewards, config, pad_id=self.run.tokenizer.pad_id)
     batch = jax.tree.map(jnp.asarray, batch)
@@ -412,14 +420,9 @@ class Learner:
       batch = self._ppo_advantages(batch, draw.rewards)
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
-    skipped = 0
-    for _ in range(config.trainer.ppo_epochs):
-      self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
-      skipped += int(step_metrics.pop("train/skipped"))
-    self._count_skipped(skipped)
+    self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
+    self._count_skipped(int(step_metrics.pop("train/skipped")))
     metrics.update(step_metrics)
-    # without a reference policy, policy/kl is the KL to the policy that sampled (approx_kl)
-    metrics.setdefault("policy/kl", metrics["policy/approx_kl"])
     jax.block_until_ready(self.state)  # so that the time of a step is the learner's, not the sync's
     algo = config.algorithm
     if algo.kl_target is not None and "policy/kl" in metrics:
@@ -428,7 +431,7 @@ class Learner:
           steps=batch.batch_size))
     metrics.update(stats)
     metrics.update(draw.counts)
-    metrics.update({"reward/accuracy": float(np.mean(draw.correct)),
+    metrics.update({"reward/kept_accuracy": float(np.mean(draw.correct)),
                     "train/skipped_steps": self.skipped_steps,
                     "data/skipped_rows": self.run.source.skipped + self.run.stream.skipped,
                     "rollout/policy_lag_mean": float(lag.mean()),

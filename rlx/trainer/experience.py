@@ -122,7 +122,7 @@ def build_batch(completions: Sequence[Completion], rewards: np.ndarray, config: 
       old_logprobs=arrays["behaviour_logprobs"], behaviour_logprobs=arrays["behaviour_logprobs"],
       policy_version=np.array([c.policy_version for c in completions], np.int32))
   stats = {
-      "reward/mean": float(np.mean(rewards)),
+      "reward/kept_mean": float(np.mean(rewards)),
       "reward/shaped_mean": float(np.mean(shaped)),
       "response/length_mean": float(lengths.mean()),
       "response/length_max": int(lengths.max()),

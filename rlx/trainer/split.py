@@ -173,7 +173,7 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
           generator_delay_s) -> dict:
   step = start or 0
   generator = Generator(run, like=learner.abstract_params, first_step=step,
-                        versions_per_step=config.trainer.ppo_epochs, delay_s=generator_delay_s)
+                        versions_per_step=1, delay_s=generator_delay_s)
   k = config.mesh.max_staleness
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)

@@ -48,7 +48,7 @@ def test_sequence_advantages_follow_the_algorithm(name):
   for b in range(4):
     np.testing.assert_allclose(np.asarray(batch.advantages)[b][mask[b]], expected[b], rtol=1e-6)
     assert np.all(np.asarray(batch.advantages)[b][~mask[b]] == 0)
-  assert stats["reward/mean"] == 0.25 and stats["response/length_mean"] == 2.5
+  assert stats["reward/kept_mean"] == 0.25 and stats["response/length_mean"] == 2.5
   np.testing.assert_array_equal(batch.policy_version, [3, 3, 3, 3])
 
 

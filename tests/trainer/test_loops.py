@@ -6,7 +6,8 @@ import pytest
 from rlx.trainer import train
 from tests.trainer import tiny
 
-EXPECTED = ("reward/mean", "reward/accuracy", "response/length_mean", "policy/kl", "policy/entropy",
+EXPECTED = ("reward/mean", "reward/accuracy", "reward/kept_mean", "response/length_mean",
+            "policy/kl_behaviour", "policy/entropy", "advantage/std", "optim/grad_norm",
             "policy/clip_frac_high", "rollout/policy_lag_max", "time/step_s", "time/sync_s",
             "throughput/tokens_per_s")
 
@@ -27,3 +28,24 @@ def test_each_config_runs_a_few_steps(name, tmp_path):
   if name == "dapo_split":
     assert "time/generation_busy_frac" in rows[-1] and "time/learning_busy_frac" in rows[-1]
   assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "warmup" / "config.json").is_file()
+
+
+def _odd_length(response: str, reference: str) -> float:
+  del reference
+  return float(len(response) % 2)
+
+
+def test_mini_batches_make_the_clipped_objective_act(tmp_path, monkeypatch):
+  from rlx.trainer import common
+
+  monkeypatch.setattr(common, "verifier_name", lambda config: _odd_length)  # varied rewards
+  config = tiny.config("dapo_split", "--config.trainer.steps=3", "--config.trainer.mini_batches=2",
+                       "--config.rollout.group_size=4", "--config.trainer.ppo_epochs=2",
+                       "--config.algorithm.dynamic_sampling=false",
+                       "--config.optimizer.learning_rate=1e-2")
+  train(config, tmp_path, say=lambda message: None)
+  rows = tiny.metrics(tmp_path)
+  assert all(row["train/updates"] == 4 for row in rows)
+  assert any(row["policy/ratio_max"] > 1.0 + 1e-3 for row in rows), rows
+  assert any(row["policy/clip_frac_high"] > 0 for row in rows), rows
+  assert "policy/kl" not in rows[0]  # no reference policy: its KL is not made up
