@@ -22,4 +22,7 @@ def get_config():
           loss_agg="token-mean", dynamic_sampling=True, dynamic_sampling_max_draws=32,
           overlong_buffer=4, off_policy="tis"),
       mesh=dataclasses.replace(config.mesh, mode="split", max_staleness=1, weight_sync="reshard"),
+      # two optimizer steps per rollout batch (mini-batches of 4 prompts x 8 samples): from the
+      # second on, the ratio leaves 1 and clip-higher acts
+      trainer=dataclasses.replace(config.trainer, mini_batches=2),
   )

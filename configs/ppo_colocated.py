@@ -22,4 +22,6 @@ def get_config():
           kl_in_reward=True, loss_agg="token-mean", off_policy="none"),
       data=dataclasses.replace(config.data, prompts_per_step=32),
       mesh=dataclasses.replace(config.mesh, mode="colocated"),
+      # the classic PPO schedule: mini-batches of 8 prompts, 4 optimizer steps per rollout batch
+      trainer=dataclasses.replace(config.trainer, mini_batches=4),
   )

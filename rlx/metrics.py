@@ -22,7 +22,8 @@ from typing import Any
 from rlx.config import LoggingConfig
 
 # Shown on the console, in this order, when present.
-CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "eval/accuracy", "policy/kl", "policy/entropy",
+CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "eval/accuracy", "policy/kl",
+                "policy/kl_behaviour", "policy/clip_frac_high", "policy/entropy",
                 "rollout/policy_lag_max", "throughput/tokens_per_s", "time/step_s")
 
 
