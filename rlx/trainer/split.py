@@ -119,21 +119,19 @@ class Generator(threading.Thread):
           time.sleep(self.delay_s)
         self.busy_seconds += time.perf_counter() - started
         self.tokens += sum(len(c.response_tokens) for c in draw.completions)
-        item = _Produced(draw, sync_seconds, waited)
-        while not self._halt.is_set():
-          try:
-            self.queue.put(item, timeout=0.5)
-            break
-          except queue.Full:
-            continue
+        self._hand_over(_Produced(draw, sync_seconds, waited))
         index += 1
     except BaseException as error:  # noqa: BLE001 - handed to the learner, which raises it
-      while not self._halt.is_set():
-        try:
-          self.queue.put(error, timeout=0.5)
-          return
-        except queue.Full:
-          continue
+      self._hand_over(error)
+
+  def _hand_over(self, item) -> None:
+    """Puts ``item`` in the queue, waiting for room unless the generator is stopped."""
+    while not self._halt.is_set():
+      try:
+        self.queue.put(item, timeout=0.5)
+        return
+      except queue.Full:
+        continue
 
   def next(self, timeout: float | None = None) -> _Produced:
     """The next batch; raises what the generator raised, ``queue.Empty`` after ``timeout``."""

@@ -132,7 +132,7 @@ def test_pool_shared_by_two_threads_survives_raises_hangs_and_deaths():
   def client(pool, seed):
     rng = np.random.default_rng(seed)
     try:
-      for _ in range(120):
+      for _ in range(100):
         responses = list(rng.choice(["ok", "raise", "hang", "die"], size=6,
                                     p=[0.94, 0.04, 0.01, 0.01]))
         scores, correct, counts = pool.score(responses, [""] * len(responses))
