@@ -139,7 +139,11 @@ class AlgorithmConfig:
   """The RL objective: advantages, policy loss, KL, aggregation."""
 
   name: Literal["ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp"] = "grpo"
-  """Algorithm family; decides the advantage estimator and policy loss."""
+  """Preset: fills `advantage` and `policy_loss` where they are 'auto' (see PRESETS); the DAPO pieces (clip-higher, dynamic sampling, overlong shaping) are their own fields."""
+  advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "auto"
+  """Advantage estimator: GAE over a learned critic (PPO), group-normalised (GRPO), group mean only (Dr.GRPO), leave-one-out (RLOO), batch-normalised returns (REINFORCE++); 'auto' takes the preset's."""
+  policy_loss: Literal["auto", "ppo_clip", "gspo", "cispo"] = "auto"
+  """Policy loss: token-level clipped ratio (PPO/GRPO/DAPO), sequence-level clipped ratio (GSPO), clipped-IS-weight REINFORCE (CISPO); 'auto' takes the preset's."""
   clip_eps_low: float = 0.2
   """Lower clip range of the importance ratio (1 - eps_low); GSPO's sequence-level ratio wants ~3e-4."""
   clip_eps_high: float = 0.2
@@ -178,6 +182,21 @@ class AlgorithmConfig:
   """Correction of stale data: truncated importance sampling, or AReaL's decoupled objective."""
   tis_cap: float = 2.0
   """Truncation of the behaviour importance weight (tis)."""
+
+  @property
+  def advantage_estimator(self) -> str:
+    """The advantage estimator this config runs (``advantage``, or the preset's)."""
+    return PRESETS[self.name][0] if self.advantage == "auto" else self.advantage
+
+  @property
+  def loss(self) -> str:
+    """The policy loss this config runs (``policy_loss``, or the preset's)."""
+    return PRESETS[self.name][1] if self.policy_loss == "auto" else self.policy_loss
+
+  @property
+  def uses_critic(self) -> bool:
+    """GAE needs a learned value function."""
+    return self.advantage_estimator == "gae"
 
   def __post_init__(self):
     _check(self.clip_eps_low >= 0 and self.clip_eps_high >= 0, "algorithm.clip_eps_low",
@@ -422,17 +441,28 @@ class RunConfig:
     return self.data.prompts_per_step * self.rollout.group_size
 
 
-GROUP_RELATIVE = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo")
-"""Algorithms whose advantages compare the samples of one prompt's group."""
+PRESETS = {
+    "ppo": ("gae", "ppo_clip"), "grpo": ("grpo", "ppo_clip"), "dapo": ("grpo", "ppo_clip"),
+    "dr_grpo": ("dr_grpo", "ppo_clip"), "gspo": ("grpo", "gspo"), "cispo": ("grpo", "cispo"),
+    "rloo": ("rloo", "ppo_clip"), "reinforce_pp": ("reinforce_pp", "ppo_clip"),
+}
+"""algorithm.name -> (advantage estimator, policy loss)."""
+
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
+"""Advantage estimators that compare the samples of one prompt's group."""
 
 
 def check(config: RunConfig) -> RunConfig:
   """Checks what involves several fields (each field is checked when its section is built);
   returns the config. The command line calls it after the last override."""
   rollout, algorithm = config.rollout, config.algorithm
-  _check(algorithm.name not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",
-         f"must be >= 2 for algorithm.name={algorithm.name!r}: its advantages compare the samples "
-         "of a group, and a group of 1 has no baseline")
+  estimator = algorithm.advantage_estimator
+  _check(estimator not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",
+         f"must be >= 2 for the {estimator!r} advantage (algorithm.name={algorithm.name!r}): it "
+         "compares the samples of a group, and a group of 1 has no baseline")
+  _check(not algorithm.kl_in_reward or algorithm.uses_critic, "algorithm.kl_in_reward",
+         f"needs per-token returns, which only the 'gae' advantage has (this run's is "
+         f"{estimator!r}); use algorithm.kl_coef as a loss term instead")
   mini_batches = config.trainer.mini_batches
   _check(config.samples_per_step % mini_batches == 0, "trainer.mini_batches",
          f"must divide the {config.samples_per_step} samples of a step "

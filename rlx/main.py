@@ -61,13 +61,17 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   say = (lambda message: print(message, flush=True)) if lead else (lambda message: None)
   say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
   say(f"rlx: {jax.device_count()} {jax.default_backend()} devices in {jax.process_count()} "
-      f"process(es), mode={config.mesh.mode}, algorithm={config.algorithm.name}, "
+      f"process(es), mode={config.mesh.mode}, algorithm={config.algorithm.name} "
+      f"(advantage {config.algorithm.advantage_estimator}, loss {config.algorithm.loss}), "
       f"model={config.model.path or 'built-in ' + config.model.arch.family}")
   started = time.perf_counter()
   summary = trainer.train(config, workdir, say)
   minutes = (time.perf_counter() - started) / 60
   say(f"rlx: {summary['steps']} steps in {minutes:.1f} min"
       + (" (stopped early; rerun the same command to resume)" if summary["stopped"] else ""))
+  seconds = summary["seconds"]
+  say(f"rlx: time: start-up {seconds['start-up']:.0f}s, warm-up {seconds['warm-up']:.0f}s, "
+      f"RL loop {seconds['RL loop']:.0f}s, held-out evals {seconds['evals']:.0f}s")
   if summary["eval_accuracy_after"] is not None:
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     change = "" if before is None else f" ({100 * (after - before):+.1f} points)"

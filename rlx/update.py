@@ -116,15 +116,8 @@ def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batc
                 kl_coef: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Per-token loss [B, T] of the configured algorithm, and per-token diagnostics."""
   algo = config.algorithm
-  if algo.name == "gspo":
-    loss, diagnostics = algorithms.gspo(logprobs, batch.old_logprobs, batch.advantages,
-                                        batch.response_mask, algo.clip_eps_low, algo.clip_eps_high)
-  elif algo.name == "cispo":
-    loss, diagnostics = algorithms.cispo(logprobs, batch.old_logprobs, batch.advantages,
-                                         algo.clip_eps_low, algo.clip_eps_high)
-  else:  # ppo, grpo, dapo, dr_grpo, rloo, reinforce_pp: the clipped surrogate
-    loss, diagnostics = algorithms.ppo_clip(logprobs, batch.old_logprobs, batch.advantages,
-                                            algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip)
+  loss, diagnostics = algorithms.POLICY_LOSSES[algo.loss](
+      logprobs, batch.old_logprobs, batch.advantages, batch.response_mask, algo)
   weights = algorithms.off_policy_weights(batch.old_logprobs, batch.behaviour_logprobs,
                                           algo.off_policy, algo.tis_cap)
   diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights,

@@ -3,8 +3,10 @@
 import dataclasses
 import json
 import pathlib
+import re
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -138,6 +140,9 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   written = json.loads((workdir / "config.json").read_text())
   assert written["mesh"]["mode"] == "split" and written["model"]["arch"]["num_layers"] == 1
   assert "2 steps in" in result.stdout
+  assert re.search(r"rlx: time: start-up \d+s, warm-up \d+s, RL loop \d+s, held-out evals \d+s",
+                   result.stdout), result.stdout
+  assert "algorithm=dapo (advantage grpo, loss ppo_clip)" in result.stdout
   assert "held-out accuracy: before RL" in result.stdout
   assert f"metrics:     {workdir / 'metrics.jsonl'}" in result.stdout
   assert f"checkpoints: {workdir / 'checkpoints'}" in result.stdout
@@ -254,3 +259,40 @@ def test_a_refused_value_exits_2_without_a_traceback_from_the_command_line():
   assert result.returncode == 2
   assert "config.trainer.ppo_epochs: must be > 0" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_the_preset_fills_the_typed_choices_and_overrides_win():
+  parse = lambda *overrides: cli.parse_args(["--config", str(ROOT / "configs/base.py"),
+                                             "--workdir", "/tmp/x", *overrides]).config.algorithm
+  algo = parse("--config.algorithm.name=gspo")
+  assert (algo.advantage_estimator, algo.loss, algo.uses_critic) == ("grpo", "gspo", False)
+  algo = parse("--config.algorithm.name=ppo", "--config.rollout.group_size=1")
+  assert (algo.advantage_estimator, algo.loss, algo.uses_critic) == ("gae", "ppo_clip", True)
+  algo = parse("--config.algorithm.name=dapo", "--config.algorithm.policy_loss=cispo",
+               "--config.algorithm.advantage=dr_grpo")
+  assert (algo.advantage_estimator, algo.loss) == ("dr_grpo", "cispo")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("--config.algorithm.name=ppo", "--config.algorithm.advantage=rloo",
+      "--config.rollout.group_size=1"), "config.rollout.group_size: must be >= 2 for the 'rloo'"),
+    (("--config.algorithm.name=grpo", "--config.algorithm.kl_in_reward=true"),
+     "config.algorithm.kl_in_reward: needs per-token returns"),
+    (("--config.algorithm.policy_loss=gpo",), "must be one of"),
+])
+def test_incoherent_algorithm_choices_are_refused(overrides, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    cli.parse_args(["--config", str(ROOT / "configs/base.py"), "--workdir", "/tmp/x", *overrides])
+
+
+def test_each_choice_has_exactly_one_table_entry():
+  from rlx import algorithms
+  from rlx.config import PRESETS, AlgorithmConfig
+
+  hints = cli._type_hints(AlgorithmConfig)
+  advantages = set(typing.get_args(hints["advantage"])) - {"auto"}
+  losses = set(typing.get_args(hints["policy_loss"])) - {"auto"}
+  assert advantages == set(algorithms.ADVANTAGES) | {"gae"}  # gae needs the learner's critic
+  assert losses == set(algorithms.POLICY_LOSSES)
+  assert set(PRESETS) == set(typing.get_args(hints["name"]))
+  assert {a for a, _ in PRESETS.values()} <= advantages and {l for _, l in PRESETS.values()} <= losses

@@ -274,3 +274,14 @@ def test_later_mini_batches_move_the_ratio_and_clip(model):
   several = run({"ppo_epochs": 2, "mini_batches": 2})
   assert float(several["policy/ratio_max"]) > 1.05
   assert float(several["policy/clip_frac_high"]) + float(several["policy/clip_frac_low"]) > 0
+
+
+def test_a_typed_loss_choice_runs_what_its_preset_runs(model):
+  preset = _config(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4)
+  typed = _config(name="grpo", policy_loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4)
+  batch = _batch(model, preset)
+  run = lambda config: update.loss_and_grads(model.params, batch, jnp.float32(0), config=config,
+                                             transformer=model.transformer)
+  chex.assert_trees_all_close(run(typed), run(preset))
+  plain = run(_config(name="grpo", clip_eps_low=3e-4, clip_eps_high=4e-4))
+  assert float(plain[0]) != pytest.approx(float(run(preset)[0]))  # the choice matters

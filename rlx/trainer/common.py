@@ -79,6 +79,8 @@ class Run:
   stream: PromptStream
   eval_rows: list[dict]
   workdir: pathlib.Path
+  seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Where the run's time went: start-up, warm-up, RL loop, evals (the closing summary)."""
 
   def close(self) -> None:
     self.pool.close()
@@ -121,10 +123,13 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           else ReshardSync(shardings))
   pool = RewardPool(verifier_name(config), format_weight=config.reward.format_weight,
                     num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
+  warmup_started = time.perf_counter()
   if config.trainer.warmup_sft_steps:
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
-  return Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
-             workdir)
+  run = Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
+            workdir)
+  run.seconds["warm-up"] = time.perf_counter() - warmup_started
+  return run
 
 
 def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
@@ -178,6 +183,7 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
 
   Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
   """
+  started = time.perf_counter()
   run = prepare(config, workdir, say)
   learner = Learner(run, say)
   start = learner.restore()
@@ -187,6 +193,9 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   accuracy_before = evaluate(run, learner.generation_params()) if start is None else None
   if accuracy_before is not None:
     say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  evals = run.seconds.setdefault("evals", 0.0)
+  run.seconds["start-up"] = time.perf_counter() - started - run.seconds["warm-up"] - evals
+  run.seconds["loop started"], run.seconds["evals before loop"] = time.perf_counter(), evals
   return run, learner, start, accuracy_before
 
 
@@ -195,6 +204,9 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns the run's summary with the held-out accuracy after RL (skipped after a stop
   signal, so that a stop takes seconds)."""
+  seconds = run.seconds
+  seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
+                        - (seconds["evals"] - seconds.pop("evals before loop")))
   if step != (start or 0) and learner.saved_step != step:
     learner.save(step, data_state)
   learner.close()  # waits for every started save
@@ -212,7 +224,7 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   else:
     accuracy_after = evaluate(run, learner.generation_params())
   run.close()
-  return {"steps": step, "eval_accuracy_before": accuracy_before,
+  return {"steps": step, "seconds": dict(seconds), "eval_accuracy_before": accuracy_before,
           "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),
           "checkpoints": str(learner.checkpointer.directory), "stopped": stop.requested}
 
@@ -234,8 +246,10 @@ def evaluate(run: Run, params) -> float | None:
   (a format bonus never counts)."""
   if not run.eval_rows:
     return None
+  started = time.perf_counter()
   _, scored = generate_and_score(run, params, run.eval_rows, n=1, temperature=0.0, seed=0,
                                  version=0)
+  run.seconds["evals"] = run.seconds.get("evals", 0.0) + time.perf_counter() - started
   return float(np.mean(scored.correct))
 
 
@@ -318,7 +332,7 @@ class Learner:
     self.step_fn = update.make_update_step(config, run.model.transformer, optimizer, schedule)
     self.logprobs_fn = update.make_logprobs_fn(config, run.model.transformer)
     self.critic = self.critic_step = self.values_fn = None
-    if algo.name == "ppo":
+    if algo.uses_critic:
       critic_optimizer, _ = update.make_optimizer(
           config.optimizer, total_steps=updates,
           peak=config.optimizer.critic_learning_rate)

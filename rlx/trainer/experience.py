@@ -30,9 +30,6 @@ from rlx.config import RunConfig
 from rlx.rollout import Completion
 from rlx.types import RolloutBatch
 
-GROUP_RELATIVE = {"grpo", "dapo", "gspo", "cispo"}
-
-
 def _bucket(length: int, smallest: int = 8) -> int:
   size = smallest
   while size < length:
@@ -83,21 +80,14 @@ def shaped_rewards(completions: Sequence[Completion], rewards: np.ndarray,
 
 
 def advantages(config: RunConfig, rewards: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-  """Per-token advantages [B, T] for every algorithm but PPO."""
-  name, group = config.algorithm.name, config.rollout.group_size
-  mask = jnp.asarray(response_mask)
-  rewards = jnp.asarray(rewards, jnp.float32)
-  if name in GROUP_RELATIVE or name == "dr_grpo":
-    sequence = algorithms.group_relative(rewards, group, scale_by_std=name != "dr_grpo")
-  elif name == "rloo":
-    sequence = algorithms.rloo(rewards, group)
-  elif name == "reinforce_pp":
-    last = jnp.cumsum(mask, axis=1) == mask.sum(1, keepdims=True)  # the last response token
-    token_rewards = jnp.where(mask & last, rewards[:, None], 0.0)
-    return np.asarray(algorithms.reinforce_plus_plus(token_rewards, mask, config.algorithm.gamma))
-  else:
-    raise ValueError(f"{name}: advantages come from the critic (GAE), computed by the trainer")
-  return np.asarray(algorithms.per_token(sequence, mask))
+  """Per-token advantages [B, T] from the configured estimator (all but GAE, which needs the
+  critic and is computed by the learner)."""
+  estimator = config.algorithm.advantage_estimator
+  if estimator not in algorithms.ADVANTAGES:
+    raise ValueError(f"{estimator}: advantages come from the critic (GAE), computed by the trainer")
+  return np.asarray(algorithms.ADVANTAGES[estimator](
+      jnp.asarray(rewards, jnp.float32), jnp.asarray(response_mask), config.algorithm,
+      config.rollout.group_size))
 
 
 def build_batch(completions: Sequence[Completion], rewards: np.ndarray, config: RunConfig, *,
@@ -113,7 +103,7 @@ def build_batch(completions: Sequence[Completion], rewards: np.ndarray, config: 
   if config.algorithm.overlong_filter:
     response_mask = np.asarray(algorithms.overlong_filter(jnp.asarray(response_mask),
                                                           jnp.asarray(truncated)))
-  advantage = (np.zeros(response_mask.shape, np.float32) if config.algorithm.name == "ppo"
+  advantage = (np.zeros(response_mask.shape, np.float32) if config.algorithm.uses_critic
                else advantages(config, shaped, response_mask))
   lengths = np.array([len(c.response_tokens) for c in completions])
   batch = RolloutBatch(

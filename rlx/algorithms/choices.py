@@ -1,0 +1,69 @@
+"""The closed tables that turn the config's typed choices into functions: one advantage
+estimator table, one policy-loss table. Adding an algorithm is one function and one entry.
+
+    advantages = ADVANTAGES[config.algorithm.advantage_estimator](rewards, mask, algo, group)
+    loss, diagnostics = POLICY_LOSSES[config.algorithm.loss](logprobs, old, advantages, mask, algo)
+
+``gae`` is not in the advantage table: its advantages need the critic's values, which the
+learner computes (``rlx.algorithms.gae``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from rlx.algorithms.advantages import group_relative, per_token, reinforce_plus_plus, rloo
+from rlx.algorithms.policy_losses import cispo, gspo, ppo_clip
+from rlx.config import AlgorithmConfig
+
+AdvantageFn = Callable[[jax.Array, jax.Array, AlgorithmConfig, int], jax.Array]
+"""(rewards [B], response_mask bool [B, T], algorithm config, group size) -> advantages [B, T]."""
+
+PolicyLossFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AlgorithmConfig],
+                        tuple[jax.Array, dict[str, jax.Array]]]
+"""(logprobs, old_logprobs, advantages, response_mask [B, T], algorithm config)
+-> (per-token loss [B, T], per-token diagnostics)."""
+
+
+def _grpo(rewards, response_mask, algo, group):
+  return per_token(group_relative(rewards, group, scale_by_std=True), response_mask)
+
+
+def _dr_grpo(rewards, response_mask, algo, group):
+  return per_token(group_relative(rewards, group, scale_by_std=False), response_mask)
+
+
+def _rloo(rewards, response_mask, algo, group):
+  return per_token(rloo(rewards, group), response_mask)
+
+
+def _reinforce_pp(rewards, response_mask, algo, group):
+  del group
+  mask = response_mask.astype(bool)
+  last = jnp.cumsum(mask, axis=1) == mask.sum(1, keepdims=True)  # the last response token
+  token_rewards = jnp.where(mask & last, rewards[:, None], 0.0)
+  return reinforce_plus_plus(token_rewards, mask, algo.gamma)
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": _grpo, "dr_grpo": _dr_grpo, "rloo": _rloo, "reinforce_pp": _reinforce_pp}
+
+
+def _ppo_clip(logprobs, old_logprobs, advantages, response_mask, algo):
+  return ppo_clip(logprobs, old_logprobs, advantages, algo.clip_eps_low, algo.clip_eps_high,
+                  algo.dual_clip)
+
+
+def _gspo(logprobs, old_logprobs, advantages, response_mask, algo):
+  return gspo(logprobs, old_logprobs, advantages, response_mask, algo.clip_eps_low,
+              algo.clip_eps_high)
+
+
+def _cispo(logprobs, old_logprobs, advantages, response_mask, algo):
+  return cispo(logprobs, old_logprobs, advantages, algo.clip_eps_low, algo.clip_eps_high)
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo}
