@@ -19,6 +19,8 @@ OVERRIDES = (
     "--config.reward.format_weight=0.5", "--config.logging.progress_bar=false",
     "--config.logging.tensorboard=false", "--config.checkpoint.async_save=false",
     "--config.optimizer.learning_rate=1e-3",
+    # one optimizer step per batch keeps the loop tests cheap; test_loops covers mini-batches
+    "--config.trainer.mini_batches=1",
 )
 
 
