@@ -1,0 +1,143 @@
+"""DAPO vs GRPO vs Dr.GRPO on the built-in task, on the same budget: held-out accuracy
+(mean ± std over seeds) and time per step, as JSON.
+
+Every algorithm runs the same number of RL steps, prompts per step, samples per
+prompt and optimizer steps per rollout batch (``trainer.mini_batches``), colocated
+(always on-policy), as separate ``python -m rlx.main`` processes one after the
+other. For each seed, the three algorithms start from the same warmed-up model
+(the first run of the seed trains it, the others load it) and are evaluated on
+the same held-out prompts; the seed also sets the data order and sampling.
+
+    python benchmarks/algorithms.py --steps 200 --seeds 0 1 2 [--config.a.b=value ...]
+
+The algorithms:
+
+- ``dapo``: all five pieces of DAPO: clip-higher (0.2 / 0.28), dynamic sampling,
+  token-level loss, overlong filtering and soft overlong punishment; no KL.
+- ``grpo``: group-normalised advantages, symmetric clip 0.2, sequence-mean of
+  token-means, k3 KL to the reference (0.04).
+- ``dr_grpo``: group-mean-centred advantages without the std, a constant
+  normaliser (the generation budget) instead of each response's length, no KL.
+
+A DAPO step draws more prompts than the others when dynamic sampling drops
+groups: its time per step includes that extra generation (``draws_mean``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+ALGORITHMS = {
+    "dapo": ["--config.algorithm.name=dapo", "--config.algorithm.clip_eps_low=0.2",
+             "--config.algorithm.clip_eps_high=0.28", "--config.algorithm.loss_agg=token-mean",
+             "--config.algorithm.dynamic_sampling=true",
+             "--config.algorithm.dynamic_sampling_max_draws=32",
+             "--config.algorithm.overlong_filter=true", "--config.algorithm.overlong_buffer=4",
+             "--config.algorithm.kl_coef=0"],
+    "grpo": ["--config.algorithm.name=grpo", "--config.algorithm.clip_eps_low=0.2",
+             "--config.algorithm.clip_eps_high=0.2",
+             "--config.algorithm.loss_agg=seq-mean-token-mean", "--config.algorithm.kl_coef=0.04",
+             "--config.algorithm.kl_estimator=k3"],
+    "dr_grpo": ["--config.algorithm.name=dr_grpo", "--config.algorithm.clip_eps_low=0.2",
+                "--config.algorithm.clip_eps_high=0.2",
+                "--config.algorithm.loss_agg=seq-mean-token-sum-norm",
+                "--config.algorithm.kl_coef=0"],
+}
+
+_ACCURACY = re.compile(r"held-out accuracy: before RL ([\d.]+)%, after RL ([\d.]+)%")
+
+
+def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]) -> dict:
+  command = [sys.executable, "-m", "rlx.main", "--config", "configs/base.py",
+             "--workdir", str(workdir), "--config.mesh.mode=colocated",
+             "--config.algorithm.off_policy=none",
+             f"--config.mesh.cpu_devices={args.cpu_devices}", f"--config.trainer.steps={args.steps}",
+             f"--config.trainer.mini_batches={args.mini_batches}",
+             f"--config.trainer.eval_prompts={args.eval_prompts}",
+             f"--config.trainer.seed={seed}", f"--config.data.shuffle_seed={seed}",
+             f"--config.model.seed={seed}", "--config.trainer.eval_every=0",
+             "--config.logging.progress_bar=false", "--config.logging.tensorboard=false",
+             "--config.checkpoint.every_steps=0", *ALGORITHMS[algorithm], *args.overrides, *warm]
+  started = time.perf_counter()
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+  wall = time.perf_counter() - started
+  if result.returncode:
+    raise SystemExit(f"{algorithm} (seed {seed}) failed:\n{result.stdout[-2000:]}\n"
+                     f"{result.stderr[-4000:]}")
+  match = _ACCURACY.search(result.stdout)
+  if match is None:
+    raise SystemExit(f"{algorithm} (seed {seed}): no held-out accuracy in its output:\n"
+                     f"{result.stdout[-2000:]}")
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  steady = rows[args.skip:]  # the first steps compile
+  return {
+      "before": float(match.group(1)) / 100, "after": float(match.group(2)) / 100,
+      "step_s_median": statistics.median(r["time/step_s"] for r in steady),
+      "draws_mean": statistics.mean(r["rollout/draws"] for r in rows),
+      "clip_frac_high_mean": statistics.mean(r["policy/clip_frac_high"] for r in rows),
+      "train_accuracy_last": statistics.mean(r["reward/accuracy"] for r in rows[-args.tail:]),
+      "process_wall_s": wall,
+  }
+
+
+def _mean_std(values: list[float]) -> dict:
+  return {"mean": round(statistics.mean(values), 4),
+          "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+  parser.add_argument("--mini-batches", type=int, default=2)
+  parser.add_argument("--eval-prompts", type=int, default=500)
+  parser.add_argument("--cpu-devices", type=int, default=2)
+  parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
+  parser.add_argument("--tail", type=int, default=20, help="last steps the train accuracy averages")
+  parser.add_argument("--workdir", type=pathlib.Path, default=None)
+  args, args.overrides = parser.parse_known_args()
+  unknown = [a for a in args.overrides if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like "
+                 "--config.a.b=value)")
+  workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="rlx-algorithms-"))
+  runs: dict[str, list[dict]] = {name: [] for name in args.algorithms}
+  for seed in args.seeds:
+    warm: list[str] = []
+    for name in args.algorithms:
+      directory = workdir / f"seed{seed}" / name
+      runs[name].append(_run(name, seed, directory, args, warm))
+      print(f"{name} seed {seed}: {json.dumps(runs[name][-1])}", file=sys.stderr, flush=True)
+      if not warm:  # the seed's first run trained the warm-up: the others start from it
+        warm = [f"--config.model.path={directory / 'warmup'}", "--config.trainer.warmup_sft_steps=0"]
+  results = {}
+  for name, per_seed in runs.items():
+    results[name] = {
+        "eval_accuracy_after": _mean_std([r["after"] for r in per_seed]),
+        "eval_gain_points": _mean_std([100 * (r["after"] - r["before"]) for r in per_seed]),
+        "step_s_median": round(statistics.median(r["step_s_median"] for r in per_seed), 4),
+        "draws_per_step_mean": round(statistics.mean(r["draws_mean"] for r in per_seed), 3),
+        "clip_frac_high_mean": round(statistics.mean(r["clip_frac_high_mean"] for r in per_seed), 4),
+        "train_accuracy_last_steps": _mean_std([r["train_accuracy_last"] for r in per_seed]),
+        "per_seed_after": [round(r["after"], 4) for r in per_seed],
+    }
+  results["eval_accuracy_before"] = [round(r["before"], 4) for r in runs[args.algorithms[0]]]
+  results["config"] = {"steps": args.steps, "seeds": args.seeds, "mini_batches": args.mini_batches,
+                       "eval_prompts": args.eval_prompts, "cpu_devices": args.cpu_devices,
+                       "mode": "colocated", "overrides": args.overrides}
+  print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+  main()
