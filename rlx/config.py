@@ -198,6 +198,11 @@ class AlgorithmConfig:
     """GAE needs a learned value function."""
     return self.advantage_estimator == "gae"
 
+  @property
+  def uses_reference(self) -> bool:
+    """A KL term (in the loss or the reward) needs the reference policy's log-probs."""
+    return self.kl_coef > 0 or self.kl_in_reward
+
   def __post_init__(self):
     _check(self.clip_eps_low >= 0 and self.clip_eps_high >= 0, "algorithm.clip_eps_low",
            "clip ranges must be >= 0")

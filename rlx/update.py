@@ -24,11 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx import algorithms
 from rlx.config import OptimizerConfig, RunConfig
 from rlx.kernels import fused_logprobs
+from rlx.mesh import logical_to_spec
 from rlx.models.transformer import Params, Transformer
 from rlx.types import RolloutBatch, TrainState
 
@@ -57,23 +58,53 @@ def make_optimizer(config: OptimizerConfig, total_steps: int, peak: float | None
   return optax.chain(*parts), schedule
 
 
+def _replicated_like(params: Params) -> NamedSharding | None:
+  sharding = jax.tree.leaves(params)[0].sharding
+  return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
+
+
+def train_state_shardings(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+  """The shardings of a train state over ``params`` (a tree of ``NamedSharding``): the params'
+  own; the optimizer's copies of the params (Adam's moments) sharded exactly like them; the
+  optimizer's counters, the step, key and policy version replicated on the params' mesh."""
+  replicated = _replicated_like(params)
+  if replicated is None:
+    raise ValueError("train_state_shardings needs params placed with NamedSharding "
+                     "(see rlx.models.param_shardings)")
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  abstract = jax.eval_shape(optimizer.init, params)
+  opt_state = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract, shardings,
+                                    transform_non_params=lambda _: replicated)
+  return TrainState(step=replicated, params=shardings, opt_state=opt_state, key=replicated,
+                    policy_version=replicated)
+
+
 def init_train_state(params: Params, optimizer: optax.GradientTransformation,
                      key: jax.Array) -> TrainState:
-  """A fresh train state on the params' mesh.
+  """A fresh train state, created in its shardings by one jitted program
+  (``train_state_shardings``): the optimizer state is never materialised replicated, and the
+  state is laid out exactly as ``update_step`` returns it, so that the second step hits the
+  first step's compilation. (Params that are not placed with ``NamedSharding`` keep JAX's
+  default placement.)"""
+  def init(params, key):
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), key=key,
+                      policy_version=jnp.zeros((), jnp.int32))
 
-  The optimizer state inherits the params' shardings; scalars (step, counts,
-  key, version) are replicated on the same mesh, exactly as ``update_step``
-  returns them, so that the second step hits the first step's compilation.
-  """
-  opt_state = jax.jit(optimizer.init)(params)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, key=key,
-                     policy_version=jnp.zeros((), jnp.int32))
-  sharding = jax.tree.leaves(params)[0].sharding
-  if not isinstance(sharding, NamedSharding):
-    return state
-  replicated = NamedSharding(sharding.mesh, PartitionSpec())
-  return jax.tree.map(
-      lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state)
+  if _replicated_like(params) is None:
+    return jax.jit(init)(params, key)
+  return jax.jit(init, out_shardings=train_state_shardings(params, optimizer))(params, key)
+
+
+def batch_sharding(mesh: Mesh, rules, batch_size: int) -> NamedSharding:
+  """How the learner's batches lie on ``mesh``: rows split over the mesh axes the logical
+  ``batch`` axis maps to (``(data, fsdp)`` by default), every other dimension whole. A batch
+  that does not split evenly is replicated (``batch_is_split`` says which)."""
+  return NamedSharding(mesh, logical_to_spec(("batch",), (batch_size,), mesh, rules))
+
+
+def batch_is_split(sharding: NamedSharding) -> bool:
+  return any(axis is not None for axis in sharding.spec)
 
 
 def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
@@ -102,14 +133,19 @@ def _temperature(config: RunConfig) -> float:
   return config.rollout.temperature if config.rollout.temperature > 0 else 1.0
 
 
+def policy_logprobs(config: RunConfig, transformer: Transformer, params: Params,
+                    tokens: jax.Array, attention_mask: jax.Array,
+                    response_mask: jax.Array | None = None) -> jax.Array:
+  """Log-probs [B, T] of the target tokens under ``params`` at the sampling temperature, through
+  the same fused path as the loss (old and reference log-probs)."""
+  return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
+                           impl=config.model.logprob_impl, temperature=_temperature(config),
+                           chunk=config.model.logprob_chunk)[0]
+
+
 def make_logprobs_fn(config: RunConfig, transformer: Transformer):
-  """Jitted ``(params, tokens, attention_mask, response_mask=None) -> logprobs [B, T]``: old
-  and reference log-probs through the same fused path as the loss."""
-  def logprobs(params, tokens, attention_mask, response_mask=None):
-    return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
-                             impl=config.model.logprob_impl, temperature=_temperature(config),
-                             chunk=config.model.logprob_chunk)[0]
-  return jax.jit(logprobs)
+  """Jitted ``(params, tokens, attention_mask, response_mask=None) -> logprobs [B, T]``."""
+  return jax.jit(functools.partial(policy_logprobs, config, transformer))
 
 
 def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batch: RolloutBatch,
@@ -247,8 +283,9 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   state.step)``; every mini-batch is one optimizer step (its micro-batches accumulated
   exactly, normalised by the mini-batch's own denominator), run as a ``lax.scan``. The
   policy version goes up by one per call (unless every update was skipped): the generator
-  sees one new policy per rollout batch. Jitted once with ``state_shardings`` / ``batch_shardings`` (when given) and the
-  state donated; ``kl_coef`` is a traced scalar, so an adaptive coefficient never retraces.
+  sees one new policy per rollout batch. Jitted once, the state donated, with explicit
+  shardings when ``state_shardings`` (a ``TrainState`` of shardings) and ``batch_shardings`` (a
+  prefix of the batch) are given; ``kl_coef`` is a traced scalar, so an adaptive coefficient never retraces.
   ``step.minibatch`` is one optimizer step on one mini-batch (the reference the schedule is
   tested against).
   """
@@ -300,10 +337,13 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     changed = metrics["train/skipped"] < epochs * mini_batches  # not every update was skipped
     return state.replace(policy_version=version + changed.astype(version.dtype)), metrics
 
-  jitted = jax.jit(update_step, donate_argnums=0,
-                   in_shardings=(state_shardings, batch_shardings, None)
-                   if state_shardings is not None else None,
-                   out_shardings=(state_shardings, None) if state_shardings is not None else None)
+  if state_shardings is None:
+    jitted = jax.jit(update_step, donate_argnums=0)
+  else:  # metrics and the KL coefficient replicated, like the state's scalars
+    replicated = state_shardings.step
+    jitted = jax.jit(update_step, donate_argnums=0,
+                     in_shardings=(state_shardings, batch_shardings, replicated),
+                     out_shardings=(state_shardings, replicated))
   default_coef = config.algorithm.kl_coef
   coef = lambda kl_coef: jnp.asarray(default_coef if kl_coef is None else kl_coef, jnp.float32)
 
@@ -322,9 +362,11 @@ def init_critic_params(policy_params: Params, key: jax.Array) -> Params:
   """A critic initialised from the policy: the transformer's params plus a zero scalar head."""
   del key  # the head starts at zero, so the first values are 0 for every state
   hidden_size = policy_params["final_norm"].shape[0]
-  return {"model": policy_params,
-          "value_head": {"kernel": jnp.zeros((hidden_size,), jnp.float32),
-                         "bias": jnp.zeros((), jnp.float32)}}
+  head = lambda: {"kernel": jnp.zeros((hidden_size,), jnp.float32),
+                  "bias": jnp.zeros((), jnp.float32)}
+  # the head replicated on the policy's mesh, created there (never via a default device)
+  return {"model": policy_params, "value_head": jax.jit(
+      head, out_shardings=_replicated_like(policy_params))()}
 
 
 def critic_values(transformer: Transformer, critic_params: Params, tokens: jax.Array,
@@ -386,4 +428,4 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
   if state_shardings is None:
     return jax.jit(critic_step, donate_argnums=0)
   return jax.jit(critic_step, donate_argnums=0, in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=(state_shardings, None))
+                 out_shardings=(state_shardings, state_shardings.step))

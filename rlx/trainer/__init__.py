@@ -8,7 +8,8 @@ from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
 from rlx.trainer.common import (DynamicSamplingError, Learner, NonFiniteError, TrainingError,
                                 collect, evaluate, prepare)
-from rlx.trainer.experience import advantages, build_batch, layout, shaped_rewards
+from rlx.trainer.experience import (Sampled, layout, make_prepare, sample_arrays,
+                                    sequence_advantages, shaped_rewards)
 from rlx.trainer.split import Generator, train_split
 from rlx.trainer.warmup import warm_up
 
@@ -26,6 +27,7 @@ def train(config, workdir, say=print) -> dict:
   return loop(config, workdir, say)
 
 
-__all__ = ["DynamicSamplingError", "Generator", "Learner", "NonFiniteError", "TrainingError", "advantages", "build_batch", "collect",
-           "evaluate", "layout", "prepare", "shaped_rewards", "train", "train_colocated",
+__all__ = ["DynamicSamplingError", "Generator", "Learner", "NonFiniteError", "Sampled",
+           "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
+           "sample_arrays", "sequence_advantages", "shaped_rewards", "train", "train_colocated",
            "train_split", "warm_up"]

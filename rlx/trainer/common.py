@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx import algorithms, rollout, update
+from rlx import algorithms, distributed, rollout, update
 from rlx.checkpoint import Checkpointer
 from rlx.config import ConfigError, RunConfig
 from rlx.data import PromptStream, TaskSource, open_source
@@ -39,7 +39,7 @@ from rlx.models import (
 from rlx.rewards import VERIFIERS, RewardPool, Scored
 from rlx.rollout import Completion
 from rlx.sync import OrbaxSync, ReshardSync
-from rlx.trainer.experience import build_batch
+from rlx.trainer.experience import make_prepare, sample_arrays
 from rlx.trainer.warmup import warm_up
 
 Say = Callable[[str], None]
@@ -324,14 +324,26 @@ class Learner:
     self.run = run
     updates = config.trainer.steps * config.trainer.ppo_epochs * config.trainer.mini_batches
     optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=updates)
+    algo, transformer = config.algorithm, run.model.transformer
+    # One sharding plan: the params' logical axes and the batch's rows over (data, fsdp); every
+    # jitted program of the learner has explicit shardings, so none retraces as steps go by.
+    self.batch_sharding = update.batch_sharding(
+        run.meshes.learning, config.mesh.logical_axis_rules,
+        config.data.prompts_per_step * config.rollout.group_size)
+    if not update.batch_is_split(self.batch_sharding) and run.meshes.learning.size > 1:
+      say(f"rlx: warning: a batch of {config.data.prompts_per_step * config.rollout.group_size} "
+          f"sequences does not split over the learning mesh {dict(run.meshes.learning.shape)}: "
+          "every learning device computes the whole batch; make data.prompts_per_step x "
+          "rollout.group_size a multiple of mesh data x fsdp")
     self.state = update.init_train_state(run.model.params, optimizer,
                                          jax.random.key(config.trainer.seed))
-    algo = config.algorithm
-    self.ref_params = (jax.tree.map(jnp.copy, run.model.params)
-                       if algo.kl_coef > 0 or algo.kl_in_reward else None)
-    self.step_fn = update.make_update_step(config, run.model.transformer, optimizer, schedule)
-    self.logprobs_fn = update.make_logprobs_fn(config, run.model.transformer)
-    self.critic = self.critic_step = self.values_fn = None
+    self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    self.ref_params = jax.tree.map(jnp.copy, run.model.params) if algo.uses_reference else None
+    self.step_fn = update.make_update_step(config, transformer, optimizer, schedule,
+                                           state_shardings=self.state_shardings,
+                                           batch_shardings=self.batch_sharding)
+    self.critic = self.critic_step = None
+    critic_shardings = None
     if algo.uses_critic:
       critic_optimizer, _ = update.make_optimizer(
           config.optimizer, total_steps=updates,
@@ -340,9 +352,15 @@ class Learner:
                                                 jax.random.key(config.trainer.seed + 1))
       self.critic = update.init_train_state(critic_params, critic_optimizer,
                                             jax.random.key(config.trainer.seed + 1))
-      self.critic_step = update.make_critic_step(config, run.model.transformer, critic_optimizer)
-      self.values_fn = jax.jit(lambda p, tokens, attention: update.critic_values(
-          run.model.transformer, p, tokens, attention))
+      critic_state_shardings = jax.tree.map(lambda x: x.sharding, self.critic)
+      critic_shardings = critic_state_shardings.params
+      self.critic_step = update.make_critic_step(config, transformer, critic_optimizer,
+                                                 state_shardings=critic_state_shardings,
+                                                 batch_shardings=self.batch_sharding)
+    self.prepare_fn = make_prepare(config, transformer,
+                                   param_shardings=self.state_shardings.params,
+                                   critic_shardings=critic_shardings,
+                                   batch_sharding=self.batch_sharding)
     self.kl_coef = algo.kl_coef
     self.skipped_steps = 0
     """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
@@ -400,38 +418,19 @@ class Learner:
     """The newest published params, in the generation layout."""
     return self.run.sync.latest(like=self.abstract_params)[0]
 
-  def _ppo_advantages(self, batch, rewards: np.ndarray):
-    """GAE over the critic's values; the task reward sits on the last response token, and the
-    KL to the reference is a per-token penalty when ``kl_in_reward``."""
-    algo = self.config.algorithm
-    mask = batch.response_mask
-    last = (jnp.cumsum(mask, axis=1) == mask.sum(1, keepdims=True)) & mask
-    token_rewards = jnp.where(last, jnp.asarray(rewards)[:, None], 0.0)
-    if algo.kl_in_reward and batch.ref_logprobs is not None:
-      token_rewards = algorithms.kl_reward_penalty(token_rewards, batch.old_logprobs,
-                                                   batch.ref_logprobs, mask, self.kl_coef,
-                                                   algo.kl_estimator)
-    values = self.values_fn(self.critic.params, batch.tokens, batch.attention_mask)
-    advantages, returns = algorithms.gae(token_rewards, values, mask, algo.gamma, algo.lam)
-    advantages = algorithms.masked_whiten(advantages, mask)
-    return batch.replace(advantages=jnp.where(mask, advantages, 0.0), returns=returns,
-                         old_values=values)
-
   def learn(self, draw: Draw) -> dict:
     """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
     ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's."""
     config = self.config
-    batch, stats = build_batch(draw.completions, draw.rewards, config, pad_id=self.run.tokenizer.pad_id)
-    batch = jax.tree.map(jnp.asarray, batch)
-    batch = batch.replace(old_logprobs=self.logprobs_fn(
-        self.state.params, batch.tokens, batch.attention_mask, batch.response_mask))
-    if self.ref_params is not None:
-      batch = batch.replace(ref_logprobs=self.logprobs_fn(
-          self.ref_params, batch.tokens, batch.attention_mask, batch.response_mask))
-    lag = self.version - np.asarray(batch.policy_version)
+    sampled, stats = sample_arrays(draw.completions, draw.rewards, config,
+                                   pad_id=self.run.tokenizer.pad_id)
+    lag = self.version - sampled.policy_version
+    sampled = distributed.global_tree(self.batch_sharding, sampled)
+    batch = self.prepare_fn(self.state.params, self.ref_params,
+                            None if self.critic is None else self.critic.params, sampled,
+                            self.kl_coef)
     metrics = {}
     if self.critic is not None:
-      batch = self._ppo_advantages(batch, draw.rewards)
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
     self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)

@@ -123,13 +123,13 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
   from rlx.trainer import common
 
-  real = common.build_batch
+  real = common.sample_arrays
 
   def poisoned(*args, **kwargs):
-    batch, stats = real(*args, **kwargs)
-    return batch.replace(advantages=batch.advantages * float("nan")), stats
+    sampled, stats = real(*args, **kwargs)
+    return sampled.replace(rewards=sampled.rewards * float("nan")), stats
 
-  monkeypatch.setattr(common, "build_batch", poisoned)
+  monkeypatch.setattr(common, "sample_arrays", poisoned)
   config = tiny.config("grpo_colocated", "--config.trainer.steps=10",
                        "--config.trainer.max_skipped_steps=3")
   with pytest.raises(NonFiniteError, match="3 updates in a row had a non-finite loss"):
