@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # rlx on a Cloud TPU pod slice: the same command on every worker; jax.distributed
 # finds the other workers through the TPU metadata server. The workdir and the
-# model must be on storage every worker sees (GCS through gcsfuse, or NFS).
+# model must be on storage every worker sees (GCS through gcsfuse, or NFS). Colocated: every
+# worker samples its share of each prompt batch, then one SPMD update over the whole slice.
 #
-#   TPU_NAME=my-v5p-64 ZONE=us-east5-a launch/tpu_pod.sh --config configs/dapo_split.py \
-#       --workdir /mnt/shared/runs/dapo --config.model.path=/mnt/shared/models/Qwen3-8B
+#   TPU_NAME=my-v5p-64 ZONE=us-east5-a launch/tpu_pod.sh --config configs/grpo_colocated.py \
+#       --workdir /mnt/shared/runs/grpo --config.model.path=/mnt/shared/models/Qwen3-8B
 #
 # On GKE, run `python -m rlx.main ... --config.mesh.multihost=true` in each pod of a
 # JobSet; the GKE TPU environment is detected the same way.

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from rlx import distributed
 from rlx.config import CheckpointConfig
 from rlx.types import TrainState
 
@@ -174,7 +175,17 @@ class StopSignal:
 
   def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), say=print):
     self.signals, self.requested, self.received, self.say = signals, False, None, say
+    self.agreed = False
+    """Whether the job stops: set by ``agree``, the same on every process."""
     self._previous: dict[int, Any] = {}
+
+  def agree(self) -> bool:
+    """Whether any process of the job got a stop signal, the same answer on every process (a
+    collective: every process calls it at the same point of the loop). A signal that arrives
+    later counts at the next call."""
+    if distributed.any_process(self.requested) and not self.agreed:
+      self.agreed, self.received = True, self.received or "a stop signal to another process"
+    return self.agreed
 
   def _handle(self, signum, frame):
     name = signal.Signals(signum).name

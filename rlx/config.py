@@ -275,6 +275,8 @@ class MeshConfig:
   """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
   multihost: bool = False
   """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
+  check_agreement: bool = False
+  """Debug a multi-process run: every step, check that the processes agree on the loop's state (step, policy version, data position) and fail loudly where they diverge, instead of hanging."""
   cpu_devices: int = 8
   """On the CPU backend, the number of JAX devices the host CPU is split into, so sharding and split mode run on a laptop."""
   logical_axis_rules: tuple[tuple[str, str | None], ...] = (

@@ -1,25 +1,95 @@
-"""The multi-controller helpers: every process runs the same program on its own rows.
+"""The multi-controller helpers: every process of a job runs the same program on its own rows.
 
-    batch = global_array(sharding, local_rows)   # host rows -> one global jax.Array
+    initialize(config.mesh)                      # jax.distributed, when mesh.multihost
+    batch = global_array(sharding, local_rows)   # this process's rows -> one global jax.Array
+    stop = agree(stop_requested)                 # process 0 decides, every process follows
+    metrics = to_host(metrics)                   # device values -> NumPy, on every process
     if lead(): write_metrics(...)                # process 0 alone writes files
 
-Host data enters jitted programs only as global arrays built here, each process
-giving the rows its devices hold; NumPy that differs per process must never be
-passed as if it were replicated. In one process these are plain placements.
+The rule of a job: a host-side decision (refill a batch, stop, checkpoint, which
+policy version is newest, a reward timeout) is either computed from replicated
+device values or decided by process 0 and agreed by all; a decision that differs
+between processes hangs every one of them in the next collective. Host data
+enters jitted programs only as global arrays built here, each process giving the
+rows its devices hold. With one process every helper is a plain local operation.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+        "process_id": "JAX_PROCESS_ID"}
+
+
+def initialize(*, local_device_ids: list[int] | None = None, timeout_s: int = 300,
+               heartbeat_timeout_s: int = 100, shutdown_timeout_s: int = 60) -> None:
+  """Joins this process to its job (``jax.distributed.initialize``).
+
+  Coordinator, process count and id come from ``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` when set (the local launcher), else
+  from the cluster (SLURM, TPU pods). ``local_device_ids`` (or ``RLX_LOCAL_DEVICE_IDS``,
+  comma-separated) gives one process all of its node's GPUs: under SLURM, JAX would
+  otherwise bind each task to one GPU. CPU processes join over gloo.
+  """
+  options = {name: os.environ[env] for name, env in _ENV.items() if env in os.environ}
+  if local_device_ids is None and os.environ.get("RLX_LOCAL_DEVICE_IDS"):
+    local_device_ids = [int(i) for i in os.environ["RLX_LOCAL_DEVICE_IDS"].split(",")]
+  for name in ("num_processes", "process_id"):
+    if name in options:
+      options[name] = int(options[name])
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
+  jax.distributed.initialize(local_device_ids=local_device_ids, initialization_timeout=timeout_s,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s,
+                             shutdown_timeout_seconds=shutdown_timeout_s, **options)
 
 
 def lead() -> bool:
   """Whether this is process 0: the one that writes config, metrics and exports."""
   return jax.process_index() == 0
+
+
+def agree(value: Any) -> Any:
+  """Process 0's ``value`` on every process: a bool, int, float, string, or a pytree of
+  NumPy-compatible arrays (same structure and shapes on every process)."""
+  if jax.process_count() == 1:
+    return value
+  if isinstance(value, str):
+    data = np.frombuffer(value.encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    padded = np.zeros(size, np.uint8)
+    padded[:min(size, data.size)] = data[:size]
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode()
+  if isinstance(value, (bool, int, float)):
+    kind = type(value)
+    return kind(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value))).item())
+  return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(value))
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process when ``flag`` is True on any (e.g. a stop signal one host got)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  flags = multihost_utils.process_allgather(np.asarray(flag, np.int32))
+  return bool(np.asarray(flags).any())
+
+
+def to_host(tree: Any) -> Any:
+  """Every array of ``tree`` as NumPy on every process: a replicated array from a local copy,
+  a sharded one gathered whole (``process_allgather``, rows in global order)."""
+  def fetch(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(x)
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(fetch, tree)
 
 
 def global_array(sharding: NamedSharding, local_data: np.ndarray) -> jax.Array:
@@ -31,3 +101,55 @@ def global_array(sharding: NamedSharding, local_data: np.ndarray) -> jax.Array:
 def global_tree(sharding: NamedSharding, tree: Any) -> Any:
   """``global_array`` of every leaf of ``tree`` (``sharding`` shared by all leaves)."""
   return jax.tree.map(lambda x: global_array(sharding, x), tree)
+
+
+def check_same(tree: Any, what: str) -> None:
+  """Raises on every process when ``tree`` differs between processes (the guard against a
+  divergent host decision, on in ``mesh.check_agreement`` debug mode)."""
+  if jax.process_count() > 1:
+    multihost_utils.assert_equal(tree, f"{what} differs between processes: a host decision "
+                                 "diverged; this run would hang at the next collective")
+
+
+def local_share(rows: list, what: str = "rows") -> tuple[list, int]:
+  """This process's contiguous share of ``rows`` (the same list on every process) and the
+  index of its first row; the count must split evenly."""
+  count, index = jax.process_count(), jax.process_index()
+  if len(rows) % count:
+    raise ValueError(f"{len(rows)} {what} do not split over {count} processes")
+  size = len(rows) // count
+  return rows[index * size:(index + 1) * size], index * size
+
+
+def sum_over_processes(values: np.ndarray) -> np.ndarray:
+  """Element-wise sum of a float vector over processes."""
+  values = np.asarray(values, np.float64)
+  if jax.process_count() == 1:
+    return values
+  return np.asarray(multihost_utils.process_allgather(values)).sum(0)
+
+
+def max_over_processes(values: np.ndarray) -> np.ndarray:
+  """Element-wise maximum of an int vector over processes."""
+  values = np.asarray(values, np.int64)
+  if jax.process_count() == 1:
+    return values
+  return np.asarray(multihost_utils.process_allgather(values)).max(0)
+
+
+def local_replica(tree: Any) -> Any:
+  """A whole copy of every array of ``tree`` on this process's devices, as arrays of a mesh of
+  those devices alone: one jitted program gathers them replicated over the global mesh, and
+  this process's shards become its local arrays without a copy."""
+  leaves = jax.tree.leaves(tree)
+  replicated = NamedSharding(leaves[0].sharding.mesh, PartitionSpec())
+  gathered = jax.jit(lambda t: t, out_shardings=replicated)(tree)
+  local = jax.local_devices()
+  local_mesh = Mesh(np.array(local), ("local",))
+  local_sharding = NamedSharding(local_mesh, PartitionSpec())
+
+  def assemble(x):
+    shards = {shard.device: shard.data for shard in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(x.shape, local_sharding,
+                                                    [shards[d] for d in local])
+  return jax.tree.map(assemble, gathered)

@@ -9,7 +9,6 @@ where the metrics and checkpoints are.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 import time
@@ -41,10 +40,9 @@ def start_jax(config: RunConfig):
     print(f"rlx: JAX was already running; config.mesh.cpu_devices={config.mesh.cpu_devices} "
           "not applied")
   if config.mesh.multihost:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    env = lambda name: int(os.environ[name]) if name in os.environ else None
-    jax.distributed.initialize(num_processes=env("JAX_NUM_PROCESSES"),
-                               process_id=env("JAX_PROCESS_ID"))
+    from rlx import distributed
+
+    distributed.initialize()
   return jax
 
 
@@ -59,7 +57,8 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
 
   lead = jax.process_index() == 0
   say = (lambda message: print(message, flush=True)) if lead else (lambda message: None)
-  say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
+  if lead:
+    say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
   say(f"rlx: {jax.device_count()} {jax.default_backend()} devices in {jax.process_count()} "
       f"process(es), mode={config.mesh.mode}, algorithm={config.algorithm.name} "
       f"(advantage {config.algorithm.advantage_estimator}, loss {config.algorithm.loss}), "

@@ -53,19 +53,23 @@ class Meshes:
 
   @property
   def colocated(self) -> bool:
-    return set(self.generation.devices.flat) == set(self.learning.devices.flat)
+    """Generation runs on learning devices (all of them, or one process's share)."""
+    return set(self.generation.devices.flat) <= set(self.learning.devices.flat)
 
 
 def make_meshes(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Meshes:
   """The generation and learning meshes of a deployment.
 
-  Colocated: both span every device; learning as ``(data, fsdp, tensor)``,
-  generation as ``(rest, 1, generation_tensor)``. Split: the first
+  Colocated: learning spans every device as ``(data, fsdp, tensor)``, generation
+  as ``(rest, 1, generation_tensor)`` over every device of one process (with several
+  processes, each generates on its own devices). Split: the first
   ``generation_devices`` devices (default half) generate, the rest learn.
   """
   devices = list(jax.devices() if devices is None else devices)
   if config.mode == "colocated":
     generation_devices, learning_devices = devices, devices
+    if jax.process_count() > 1:  # each process generates on its own devices
+      generation_devices = [d for d in devices if d.process_index == jax.process_index()]
   else:
     if len(devices) < 2:
       raise ConfigError(

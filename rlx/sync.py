@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from rlx import distributed
+
 Params = Any
 
 
@@ -41,6 +43,8 @@ class ReshardSync:
     started = time.perf_counter()
     # may_alias=False: the learner donates its params to the next step, so the generator's
     # copy must not share buffers with them even when the layouts agree (one device).
+    if jax.process_count() > 1:  # the generator's mesh is this process's devices
+      params = distributed.local_replica(params)
     resharded = jax.block_until_ready(
         jax.device_put(params, self.generation_shardings, may_alias=False))
     with self._lock:

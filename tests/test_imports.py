@@ -19,19 +19,21 @@ ALLOWED = {
     "types": set(),
     "kernels": {"types"},
     "mesh": {"config"},
+    # the multi-process helpers: jax and numpy only, below everything that runs on several hosts
+    "distributed": set(),
     # models place each parameter into its sharding on load, so they use the mesh rules.
     "models": {"kernels", "config", "types", "mesh"},
     "algorithms": {"types", "config", "kernels"},
     "update": {"models", "algorithms", "kernels", "types", "config", "mesh"},
     "rollout": {"models", "mesh", "types", "config", "kernels"},
-    "sync": {"mesh", "types", "config"},
+    "sync": {"mesh", "types", "config", "distributed"},
     "rewards": {"config"},
     "data": {"config", "types"},
-    "checkpoint": {"config", "types"},
+    "checkpoint": {"config", "types", "distributed"},
     "metrics": {"config"},
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
-                "rollout", "sync", "rewards", "data", "checkpoint", "metrics"},
-    "main": {"trainer", "config", "cli", "mesh", "models"},
+                "rollout", "sync", "rewards", "data", "checkpoint", "metrics", "distributed"},
+    "main": {"trainer", "config", "cli", "mesh", "models", "distributed"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
 NO_JAX = {"config", "cli"}

@@ -65,7 +65,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
              max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] | None = None, seed: int = 0,
              params: Params | None = None, policy_version: int = 0, max_slots: int | None = None,
-             batching: Literal["continuous", "static"] = "continuous") -> list[Completion]:
+             batching: Literal["continuous", "static"] = "continuous",
+             first_prompt_index: int = 0) -> list[Completion]:
   """Samples ``n`` responses to each prompt.
 
   Args:
@@ -76,12 +77,15 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
     max_new_tokens: longest response.
     temperature: 0 is greedy. top_p: 1 disables it. top_k: 0 disables it.
     stop_token_ids: ids that end a response; None means the model's eos ids, [] none.
-    seed: fixes every draw (whatever the slot scheduling).
+    seed: fixes every draw (whatever the slot scheduling): sample j of prompt i draws from
+      ``fold_in(fold_in(key(seed), first_prompt_index + i), j)``.
     params: the weights to use (default: the model's); swapping them never recompiles.
     policy_version: stamped on every completion.
     max_slots: decode slots of the engine built for a Model (default min(64, requests)).
     batching: 'continuous' refills a slot as soon as it frees; 'static' waits for
       the whole batch of slots to finish first (for comparison only).
+    first_prompt_index: the index of ``prompts[0]`` in a larger batch that several processes
+      share, so that every prompt draws the same samples whichever process generates it.
   """
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts:
@@ -104,14 +108,14 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
   for p in prompts:
     engine.prompt_bucket(len(p))  # refuses prompts that are too long
   return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
-              policy_version, batching).run()
+              policy_version, batching, first_prompt_index).run()
 
 
 class _Run:
   """The host-side bookkeeping of one ``generate`` call."""
 
   def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
-               stop, seed, policy_version, batching):
+               stop, seed, policy_version, batching, first_prompt_index=0):
     self.engine, self.params, self.prompts, self.n = engine, params, prompts, n
     self.policy_version, self.batching = policy_version, batching
     self.max_new_tokens = max_new_tokens
@@ -120,7 +124,8 @@ class _Run:
     base = jax.random.key(seed)
     indices = np.arange(len(prompts) * n)
     self.request_keys = jax.vmap(
-        lambda i: jax.random.fold_in(jax.random.fold_in(base, i // n), i % n))(indices)
+        lambda i: jax.random.fold_in(jax.random.fold_in(base, first_prompt_index + i // n),
+                                     i % n))(indices)
     self.pending = collections.deque(range(len(prompts)))  # prompts not yet prefilled
     self.prefixes = collections.deque()  # [prefix, row, prompt_index, next sample index]
     self.owner: list[tuple[int, int] | None] = [None] * engine.max_slots

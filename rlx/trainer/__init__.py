@@ -17,12 +17,11 @@ from rlx.trainer.warmup import warm_up
 def train(config, workdir, say=print) -> dict:
   """Runs (or resumes) the loop of ``config.mesh.mode``; returns its summary."""
   check(config)
-  if config.mesh.multihost:
+  if config.mesh.multihost and config.mesh.mode == "split":
     raise ConfigError(
-        "config.mesh.multihost=true: the training loops drive one process for now (the rollout "
-        "engine and the learner's batches place host data on local devices); run one process "
-        "with all of this machine's devices, or split learner and generator into separate jobs "
-        "over config.mesh.weight_sync=orbax once that launcher lands")
+        "config.mesh.multihost=true with config.mesh.mode=split: a split run spans one process "
+        "for now; run colocated across processes (config.mesh.mode=colocated), or split in one "
+        "process with all of this machine's devices")
   loop = train_split if config.mesh.mode == "split" else train_colocated
   return loop(config, workdir, say)
 

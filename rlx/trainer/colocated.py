@@ -10,16 +10,24 @@ prompts drawn until the batch is full); the decode state is gone when
 generation returns, so learning has the memory back; then one update. Metrics go
 to the sink; checkpoints every ``checkpoint.every_steps`` and on SIGTERM /
 SIGINT before exiting. A workdir with a checkpoint resumes from it.
+
+Across processes (``mesh.multihost``): every process runs this loop on the same
+prompt batches, samples and scores its share of them on its own devices, and
+joins one SPMD update; stopping is agreed after every step, and only process 0
+writes metrics.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 import time
+import zlib
 
 import jax
 
+from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink
 from rlx.trainer.common import Say, begin, collect, evaluate, evaluation_due, finish
@@ -40,7 +48,7 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
   with StopSignal(say=say) as stop, sink:
-    while step < config.trainer.steps and not stop.requested:
+    while step < config.trainer.steps and not stop.agreed:
       started = time.perf_counter()
       try:
         draw = collect(run, functools.partial(tuple, (params, version)),
@@ -61,10 +69,16 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
           "time/learn_s": learned - learn_started, "time/sync_s": time.perf_counter() - learned,
           "throughput/tokens_per_s": tokens / elapsed,
           "throughput/samples_per_s": len(draw.completions) / elapsed})
-      if evaluation_due(config, step, stop):
+      stopping = stop.agree()  # every process stops after the same step
+      if config.mesh.check_agreement:
+        distributed.check_same(
+            {"step": step, "policy_version": learner.version,
+             "data_state": zlib.crc32(json.dumps(draw.data_state, sort_keys=True).encode())},
+            f"the loop's state after step {step}")
+      if evaluation_due(config, step, stopping):
         metrics["eval/accuracy"] = evaluate(run, params)
       sink.write(step, metrics)
-      if learner.checkpoint_due(step, stop.requested):
+      if learner.checkpoint_due(step, stopping):
         learner.save(step, draw.data_state)
       learner.export_due(step)
     return finish(run, learner, start=start, step=step, stop=stop,

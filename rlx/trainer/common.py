@@ -91,6 +91,11 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   """Meshes, tokenizer, model (warmed up when asked), prompt stream, eval rows, rollout engine,
   weight sync and reward pool."""
   workdir = pathlib.Path(workdir)
+  processes = jax.process_count()
+  if config.data.prompts_per_step % processes:
+    raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "
+                      f"split over {processes} processes (each samples its share of the "
+                      f"prompts); choose a multiple of {processes}")
   meshes = make_meshes(config.mesh)
   model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
   tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
@@ -170,10 +175,10 @@ def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> path
   return directory
 
 
-def evaluation_due(config: RunConfig, step: int, stop) -> bool:
-  """Whether the loop evaluates after ``step`` (never once a stop is asked for)."""
+def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
+  """Whether the loop evaluates after ``step`` (never once the run is stopping)."""
   every = config.trainer.eval_every
-  return bool(every and step % every == 0 and not stop.requested)
+  return bool(every and step % every == 0 and not stopping)
 
 
 def begin(config: RunConfig, workdir: str | pathlib.Path,
@@ -214,7 +219,7 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
     say(f"rlx: data: skipped {run.stream.skipped} prompt(s) longer than "
         f"config.rollout.max_prompt_len (config.data.on_bad_row=skip); the first: "
         f"{run.stream.first_skipped}")
-  if stop.requested:
+  if stop.agree():
     saved = learner.checkpointer.latest_step()
     where = (f"checkpoint saved at step {saved} in {learner.checkpointer.directory}"
              if saved is not None else "no checkpoint to save yet")
@@ -226,36 +231,45 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   run.close()
   return {"steps": step, "seconds": dict(seconds), "eval_accuracy_before": accuracy_before,
           "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),
-          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.requested}
+          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.agreed}
 
 
 def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
-                       seed: int, version: int) -> tuple[list[Completion], Scored]:
-  """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool."""
+                       seed: int, version: int,
+                       first_prompt_index: int = 0) -> tuple[list[Completion], Scored]:
+  """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
+  (``first_prompt_index``: where ``rows`` start in the batch the processes share)."""
   r = run.config.rollout
   completions = rollout.generate(
       run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
       max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-      stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version)
+      stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
+      first_prompt_index=first_prompt_index)
   texts = [run.tokenizer.decode(c.response_tokens) for c in completions]
   return completions, run.pool.score(texts, [rows[c.prompt_index]["answer"] for c in completions])
 
 
 def evaluate(run: Run, params) -> float | None:
   """Held-out accuracy (greedy): the share of eval prompts whose answer the verifier accepts
-  (a format bonus never counts)."""
+  (a format bonus never counts). With several processes, each answers its share of the
+  prompts and the accuracy is over all of them."""
   if not run.eval_rows:
     return None
   started = time.perf_counter()
-  _, scored = generate_and_score(run, params, run.eval_rows, n=1, temperature=0.0, seed=0,
-                                 version=0)
+  count, index = jax.process_count(), jax.process_index()
+  rows = run.eval_rows[index::count]
+  correct = 0.0
+  if rows:
+    _, scored = generate_and_score(run, params, rows, n=1, temperature=0.0, seed=0, version=0)
+    correct = float(np.sum(scored.correct))
+  total = distributed.sum_over_processes([correct])[0]
   run.seconds["evals"] = run.seconds.get("evals", 0.0) + time.perf_counter() - started
-  return float(np.mean(scored.correct))
+  return float(total / len(run.eval_rows))
 
 
 @dataclasses.dataclass
 class Draw:
-  """A full batch of scored groups, and what it cost."""
+  """A full batch of scored groups (this process's share of it), and what it cost."""
 
   completions: list[Completion]
   rewards: np.ndarray
@@ -274,28 +288,35 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
 
   ``params_fn()`` gives the (params, version) to sample with; it is asked before every
   draw, so a refill uses the newest policy the generator has.
+
+  With several processes, every process draws the same prompt batches and samples its own
+  contiguous share of them (groups never cross processes); they draw again as long as any
+  of them lacks groups, so that their data streams and control flow stay the same, and the
+  counts (``reward/mean`` ...) are over every process's samples.
   """
   config, group = run.config, run.config.rollout.group_size
   max_draws = config.algorithm.dynamic_sampling_max_draws
-  wanted = config.data.prompts_per_step * group
-  completions, rewards, correct, counts, draws, dropped = [], [], [], {}, 0, 0
-  sampled_rewards, sampled_correct = [], []  # every group drawn, kept or not
+  wanted = config.data.prompts_per_step * group // jax.process_count()
+  completions, rewards, correct, draws, dropped = [], [], [], 0, 0
+  counts: dict[str, int] = {}
+  sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
   started = time.perf_counter()
-  while len(completions) < wanted:
+  while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
       raise DynamicSamplingError(
           f"dynamic sampling kept {len(completions) // group} of {wanted // group} groups after "
           f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
           "raise config.rollout.group_size or config.algorithm.dynamic_sampling_max_draws, or set "
           "config.algorithm.dynamic_sampling=false")
-    rows = next(run.stream)
+    rows, first = distributed.local_share(next(run.stream), "prompts per step")
     params, version = params_fn()
     drawn, scored = generate_and_score(
         run, params, rows, n=group, temperature=config.rollout.temperature,
-        seed=seed * max_draws + draws, version=version)
+        seed=seed * max_draws + draws, version=version, first_prompt_index=first)
     scores = scored.rewards
-    sampled_rewards.append(scores)
-    sampled_correct.append(scored.correct)
+    sampled_reward += float(np.sum(scores))
+    sampled_correct += float(np.sum(scored.correct))
+    sampled += len(scores)
     for key, value in scored.counts.items():
       counts[key] = counts.get(key, 0) + value
     keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
@@ -305,10 +326,14 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
     rewards += [scores[i] for i in np.flatnonzero(keep)]
     correct += [scored.correct[i] for i in np.flatnonzero(keep)]
     draws += 1
-  counts.update({"rollout/dropped_groups": dropped, "rollout/draws": draws,
-                 # what the sampling policy produced, before dynamic sampling dropped any group
-                 "reward/mean": float(np.concatenate(sampled_rewards).mean()),
-                 "reward/accuracy": float(np.concatenate(sampled_correct).mean())})
+  keys = sorted(counts)  # the pool's counts (the same keys on every process)
+  totals = distributed.sum_over_processes(
+      [sampled_reward, sampled_correct, sampled, dropped, *(counts[key] for key in keys)])
+  counts = {key: int(total) for key, total in zip(keys, totals[4:])}
+  counts.update({"rollout/dropped_groups": int(totals[3]), "rollout/draws": draws,
+            # what the sampling policy produced, before dynamic sampling dropped any group
+            "reward/mean": float(totals[0] / totals[2]),
+            "reward/accuracy": float(totals[1] / totals[2])})
   return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state())
@@ -422,8 +447,12 @@ class Learner:
     """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
     ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's."""
     config = self.config
+    # every process lays its rows out at the same (bucketed) lengths: the batch is one array
+    lengths = distributed.max_over_processes(
+        [max(len(c.prompt_tokens) for c in draw.completions),
+         max(len(c.response_tokens) for c in draw.completions)])
     sampled, stats = sample_arrays(draw.completions, draw.rewards, config,
-                                   pad_id=self.run.tokenizer.pad_id)
+                                   pad_id=self.run.tokenizer.pad_id, lengths=tuple(lengths))
     lag = self.version - sampled.policy_version
     sampled = distributed.global_tree(self.batch_sharding, sampled)
     batch = self.prepare_fn(self.state.params, self.ref_params,
@@ -434,21 +463,26 @@ class Learner:
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
     self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
-    self._count_skipped(int(step_metrics.pop("train/skipped")))
     metrics.update(step_metrics)
-    jax.block_until_ready(self.state)  # so that the time of a step is the learner's, not the sync's
+    metrics = distributed.to_host(metrics)  # replicated: the same values on every process
+    self._count_skipped(int(metrics.pop("train/skipped")))
     algo = config.algorithm
     if algo.kl_target is not None and "policy/kl" in metrics:
       self.kl_coef = float(algorithms.adaptive_kl_coef(
           self.kl_coef, metrics["policy/kl"], algo.kl_target, algo.kl_horizon,
           steps=batch.batch_size))
-    metrics.update(stats)
+    # this process's rows: every process has as many, so means of means are exact
+    means = dict(stats, **{"reward/kept_accuracy": float(np.mean(draw.correct)),
+                           "rollout/policy_lag_mean": float(lag.mean())})
+    maxima = {"response/length_max": stats.pop("response/length_max"),
+              "rollout/policy_lag_max": int(lag.max())}
+    means.pop("response/length_max")
+    totals = distributed.sum_over_processes(list(means.values())) / jax.process_count()
+    metrics.update(zip(means, map(float, totals)))
+    metrics.update(zip(maxima, map(int, distributed.max_over_processes(list(maxima.values())))))
     metrics.update(draw.counts)
-    metrics.update({"reward/kept_accuracy": float(np.mean(draw.correct)),
-                    "train/skipped_steps": self.skipped_steps,
-                    "data/skipped_rows": self.run.source.skipped + self.run.stream.skipped,
-                    "rollout/policy_lag_mean": float(lag.mean()),
-                    "rollout/policy_lag_max": int(lag.max())})
+    metrics.update({"train/skipped_steps": self.skipped_steps,
+                    "data/skipped_rows": self.run.source.skipped + self.run.stream.skipped})
     return metrics
 
   def _count_skipped(self, skipped: int) -> None:

@@ -51,15 +51,17 @@ def _bucket(length: int, smallest: int = 8) -> int:
   return size
 
 
-def layout(completions: Sequence[Completion], pad_id: int,
-           bucket: bool = True) -> dict[str, np.ndarray]:
+def layout(completions: Sequence[Completion], pad_id: int, bucket: bool = True,
+           lengths: tuple[int, int] = (0, 0)) -> dict[str, np.ndarray]:
   """Token ids, attention and response masks, and behaviour log-probs [B, T] (NumPy).
 
   With ``bucket``, the prompt and response parts are padded to powers of two, so
   that the jitted learner step sees few distinct shapes (it compiles once per shape).
+  ``lengths`` are the least (prompt, response) lengths to lay out (the longest of every
+  process, so that their rows make one array).
   """
-  prompt_len = max(len(c.prompt_tokens) for c in completions)
-  response_len = max(len(c.response_tokens) for c in completions)
+  prompt_len = max(lengths[0], *(len(c.prompt_tokens) for c in completions))
+  response_len = max(lengths[1], *(len(c.response_tokens) for c in completions))
   if bucket:
     prompt_len, response_len = _bucket(prompt_len), _bucket(response_len)
   B, T = len(completions), prompt_len + response_len
@@ -112,11 +114,13 @@ class Sampled:
 
 
 def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config: RunConfig, *,
-                  pad_id: int, bucket: bool = True) -> tuple[Sampled, dict[str, float]]:
-  """The rollouts laid out in arrays, and statistics of the rewards and responses."""
+                  pad_id: int, bucket: bool = True,
+                  lengths: tuple[int, int] = (0, 0)) -> tuple[Sampled, dict[str, float]]:
+  """The rollouts laid out in arrays (see ``layout``), and statistics of the rewards and
+  responses."""
   if len(completions) != len(rewards):
     raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
-  arrays = layout(completions, pad_id, bucket)
+  arrays = layout(completions, pad_id, bucket, lengths)
   shaped = shaped_rewards(completions, rewards, config)
   response_mask = arrays["response_mask"]
   truncated = np.array([c.finish_reason == "length" for c in completions])
