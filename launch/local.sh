@@ -1,32 +1,71 @@
 #!/usr/bin/env bash
-# Runs rlx as N processes on this machine (CPU collectives over gloo), the way a
-# multi-host job runs: one JAX process per host, joined by jax.distributed, colocated.
+# Runs rlx as several processes on this machine (CPU collectives over gloo), the way a
+# multi-host job runs: one JAX process per host, joined by jax.distributed.
 #
+# Colocated across N processes:
 #   launch/local.sh --processes 2 --config configs/grpo_colocated.py --workdir /tmp/rlx-2proc \
 #       --config.mesh.cpu_devices=1
+#   starts N copies of `python -m rlx.main ARGS --config.mesh.multihost=true` with
+#   JAX_COORDINATOR_ADDRESS (a free local port), JAX_NUM_PROCESSES and JAX_PROCESS_ID set.
+#   Each process samples its share of every prompt batch on its own devices
+#   (config.mesh.cpu_devices each, 8 unless overridden); all join one SPMD update.
 #
-# What it starts: N copies of `python -m rlx.main ARGS --config.mesh.multihost=true`, with
-# JAX_COORDINATOR_ADDRESS (a free local port), JAX_NUM_PROCESSES and JAX_PROCESS_ID set.
-# Each process samples its share of every prompt batch on its own devices
-# (config.mesh.cpu_devices each, 8 unless overridden) and all of them join one SPMD
-# update over every device; process 0 prints and writes the metrics. Exits with the first
-# failing process's status; Ctrl-C reaches every process (each saves and stops).
+# Split as two jobs, a learner job of N processes and a generator job of 1:
+#   launch/local.sh --learner 1 --generator 1 --config configs/dapo_split.py \
+#       --workdir /tmp/rlx-jobs --config.mesh.cpu_devices=1
+#   starts `python -m rlx.main ARGS --config.mesh.role=learner --config.mesh.weight_sync=orbax`
+#   (N > 1: joined by their own coordinator) and the same with role=generator. The two jobs
+#   share only the workdir: weights as Orbax versions, rollouts as files.
+#
+# Process 0 of each job prints. Exits with a failing process's status; Ctrl-C reaches every
+# process (each saves and stops).
 set -euo pipefail
-usage="usage: launch/local.sh --processes N --config FILE --workdir DIR [--config.a.b=value ...]"
-if [ "${1:-}" = "--processes" ]; then
-  n=${2:?$usage}
-  shift 2
-else
-  n=${1:?$usage}
-  shift
-fi
-port=${RLX_COORDINATOR_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
-pids=()
-for ((i = 0; i < n; i++)); do
-  JAX_COORDINATOR_ADDRESS="localhost:${port}" JAX_NUM_PROCESSES="$n" JAX_PROCESS_ID="$i" \
-    python -m rlx.main "$@" --config.mesh.multihost=true &
-  pids+=($!)
+usage="usage: launch/local.sh (--processes N | --learner N --generator M) --config FILE --workdir DIR [--config.a.b=value ...]"
+processes=0 learner=0 generator=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --processes) processes=${2:?$usage}; shift 2 ;;
+    --learner) learner=${2:?$usage}; shift 2 ;;
+    --generator) generator=${2:?$usage}; shift 2 ;;
+    [0-9]*) processes=$1; shift ;;
+    *) break ;;
+  esac
 done
+free_port() { python -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+pids=()
+# start_job N ARGS...: N processes of one job (joined by jax.distributed when N > 1)
+start_job() {
+  local n=$1 port
+  shift
+  if [ "$n" -eq 1 ]; then
+    python -m rlx.main "$@" &
+    pids+=($!)
+    return
+  fi
+  port=$(free_port)
+  for ((i = 0; i < n; i++)); do
+    JAX_COORDINATOR_ADDRESS="localhost:${port}" JAX_NUM_PROCESSES="$n" JAX_PROCESS_ID="$i" \
+      python -m rlx.main "$@" --config.mesh.multihost=true &
+    pids+=($!)
+  done
+}
+if [ "$learner" -gt 0 ] || [ "$generator" -gt 0 ]; then
+  if [ "$learner" -lt 1 ] || [ "$generator" -lt 1 ]; then echo "$usage" >&2; exit 2; fi
+  start_job "$learner" "$@" --config.mesh.mode=split --config.mesh.role=learner \
+    --config.mesh.weight_sync=orbax
+  start_job "$generator" "$@" --config.mesh.mode=split --config.mesh.role=generator \
+    --config.mesh.weight_sync=orbax
+elif [ "$processes" -gt 0 ]; then
+  port=${RLX_COORDINATOR_PORT:-$(free_port)}
+  for ((i = 0; i < processes; i++)); do
+    JAX_COORDINATOR_ADDRESS="localhost:${port}" JAX_NUM_PROCESSES="$processes" JAX_PROCESS_ID="$i" \
+      python -m rlx.main "$@" --config.mesh.multihost=true &
+    pids+=($!)
+  done
+else
+  echo "$usage" >&2
+  exit 2
+fi
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit "$status"

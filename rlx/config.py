@@ -273,6 +273,8 @@ class MeshConfig:
   """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
   weight_sync: Literal["reshard", "orbax"] = "reshard"
   """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
+  role: Literal["both", "learner", "generator"] = "both"
+  """Split mode: 'both' runs generator and learner in this job (a thread each); 'learner' or 'generator' runs one side as its own job, the two exchanging weights (Orbax versions) and rollouts (files) through the shared workdir (see launch/local.sh --learner N --generator M)."""
   multihost: bool = False
   """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
   check_agreement: bool = False
@@ -478,6 +480,12 @@ def check(config: RunConfig) -> RunConfig:
          "optimizer.micro_batches", f"must divide the {config.samples_per_step // mini_batches} "
          f"samples of a mini-batch (data.prompts_per_step x rollout.group_size / "
          "trainer.mini_batches)")
+  mesh = config.mesh
+  if mesh.role != "both":
+    _check(mesh.mode == "split", "mesh.role", f"{mesh.role!r} is one side of a split run; "
+           "set config.mesh.mode=split (or role=both)")
+    _check(mesh.weight_sync == "orbax", "mesh.weight_sync", f"must be 'orbax' with "
+           f"mesh.role={mesh.role!r}: separate jobs exchange weights through the shared workdir")
   return config
 
 

@@ -57,15 +57,21 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
 
   lead = jax.process_index() == 0
   say = (lambda message: print(message, flush=True)) if lead else (lambda message: None)
-  if lead:
+  if lead and config.mesh.role != "generator":  # a generator job shares its learner's workdir
     say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
   say(f"rlx: {jax.device_count()} {jax.default_backend()} devices in {jax.process_count()} "
-      f"process(es), mode={config.mesh.mode}, algorithm={config.algorithm.name} "
+      f"process(es), mode={config.mesh.mode}"
+      + ("" if config.mesh.role == "both" else f" ({config.mesh.role} job)")
+      + f", algorithm={config.algorithm.name} "
       f"(advantage {config.algorithm.advantage_estimator}, loss {config.algorithm.loss}), "
       f"model={config.model.path or 'built-in ' + config.model.arch.family}")
   started = time.perf_counter()
   summary = trainer.train(config, workdir, say)
   minutes = (time.perf_counter() - started) / 60
+  if config.mesh.role == "generator":
+    say(f"rlx: generator job: {summary['written']} rollout file(s) in {minutes:.1f} min"
+        + (" (stopped; rerun the same command to resume)" if summary["stopped"] else ""))
+    return 0
   say(f"rlx: {summary['steps']} steps in {minutes:.1f} min"
       + (" (stopped early; rerun the same command to resume)" if summary["stopped"] else ""))
   seconds = summary["seconds"]

@@ -10,6 +10,7 @@ from rlx.trainer.common import (DynamicSamplingError, Learner, NonFiniteError, T
                                 collect, evaluate, prepare)
 from rlx.trainer.experience import (Sampled, layout, make_prepare, sample_arrays,
                                     sequence_advantages, shaped_rewards)
+from rlx.trainer.jobs import train_generator, train_learner
 from rlx.trainer.split import Generator, train_split
 from rlx.trainer.warmup import warm_up
 
@@ -17,11 +18,21 @@ from rlx.trainer.warmup import warm_up
 def train(config, workdir, say=print) -> dict:
   """Runs (or resumes) the loop of ``config.mesh.mode``; returns its summary."""
   check(config)
-  if config.mesh.multihost and config.mesh.mode == "split":
+  if config.mesh.multihost and config.mesh.mode == "split" and config.mesh.role == "both":
     raise ConfigError(
         "config.mesh.multihost=true with config.mesh.mode=split: a split run spans one process "
         "for now; run colocated across processes (config.mesh.mode=colocated), or split in one "
-        "process with all of this machine's devices")
+        "process with all of this machine's devices, or split as two jobs "
+        "(config.mesh.role=learner / generator, launch/local.sh --learner N --generator M)")
+  if config.mesh.multihost and config.mesh.role == "generator":
+    raise ConfigError(
+        "config.mesh.multihost=true with config.mesh.role=generator: a generator job runs as "
+        "one process for now (it writes whole rollout files); give it one process with all of "
+        "its machine's devices")
+  if config.mesh.role == "learner":
+    return train_learner(config, workdir, say)
+  if config.mesh.role == "generator":
+    return train_generator(config, workdir, say)
   loop = train_split if config.mesh.mode == "split" else train_colocated
   return loop(config, workdir, say)
 
@@ -29,4 +40,4 @@ def train(config, workdir, say=print) -> dict:
 __all__ = ["DynamicSamplingError", "Generator", "Learner", "NonFiniteError", "Sampled",
            "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
            "sample_arrays", "sequence_advantages", "shaped_rewards", "train", "train_colocated",
-           "train_split", "warm_up"]
+           "train_generator", "train_learner", "train_split", "warm_up"]

@@ -96,7 +96,9 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
     raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "
                       f"split over {processes} processes (each samples its share of the "
                       f"prompts); choose a multiple of {processes}")
-  meshes = make_meshes(config.mesh)
+  # one side of a split run as its own job: every device of the job is that side's
+  meshes = make_meshes(config.mesh if config.mesh.role == "both"
+                       else dataclasses.replace(config.mesh, mode="colocated"))
   model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
   tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
   if tokenizer.vocab_size > model.arch.vocab_size:
@@ -124,12 +126,14 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                           max_len=r.max_prompt_len + r.max_new_tokens,
                           max_prompt_len=r.max_prompt_len, mesh=meshes.generation)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
-  sync = (OrbaxSync(workdir / "policy_versions", shardings) if config.mesh.weight_sync == "orbax"
-          else ReshardSync(shardings))
+  # versions a reader may still be restoring stay on storage: k + 2 of them
+  sync = (OrbaxSync(workdir / "policy_versions", shardings,
+                    keep=max(config.mesh.max_staleness + 2, 2))
+          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(verifier_name(config), format_weight=config.reward.format_weight,
                     num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
   warmup_started = time.perf_counter()
-  if config.trainer.warmup_sft_steps:
+  if config.trainer.warmup_sft_steps and config.mesh.role != "generator":  # it gets the learner's
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
   run = Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
             workdir)
@@ -205,7 +209,8 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
 
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
-           accuracy_before: float | None, metrics_path: pathlib.Path, say: Say) -> dict:
+           accuracy_before: float | None, metrics_path: pathlib.Path, say: Say,
+           save_meta: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns the run's summary with the held-out accuracy after RL (skipped after a stop
   signal, so that a stop takes seconds)."""
@@ -213,7 +218,7 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
                         - (seconds["evals"] - seconds.pop("evals before loop")))
   if step != (start or 0) and learner.saved_step != step:
-    learner.save(step, data_state)
+    learner.save(step, data_state, **(save_meta or {}))
   learner.close()  # waits for every started save
   if run.stream.skipped:
     say(f"rlx: data: skipped {run.stream.skipped} prompt(s) longer than "
@@ -392,6 +397,8 @@ class Learner:
     self.skipped_in_a_row = 0
     self.saved_step = None
     """The step of the newest save started by this learner (it may still be writing)."""
+    self.restored_meta: dict = {}
+    """The metadata of the checkpoint the learner resumed from (empty on a fresh run)."""
     self.checkpointer = Checkpointer(run.workdir / "checkpoints", config.checkpoint)
     self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                         self.state.params)
@@ -414,13 +421,16 @@ class Learner:
       self.say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
                f"{now} now); the run resumes at the saved position of the changed data")
     self.saved_step = restored.step
+    self.restored_meta = restored.meta
     return restored.step
 
-  def save(self, step: int, data_state: dict) -> None:
+  def save(self, step: int, data_state: dict, **meta) -> None:
+    """Starts saving ``step`` (with ``meta`` beside the learner's own: version, KL
+    coefficient, data fingerprint)."""
     self.saved_step = step
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef,
-                                 "data_fingerprint": self.run.source.fingerprint()})
+                                 "data_fingerprint": self.run.source.fingerprint(), **meta})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:
     every = self.config.checkpoint.every_steps

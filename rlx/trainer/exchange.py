@@ -1,0 +1,157 @@
+"""Rollouts as files between a generator job and a learner job, in ``WORKDIR/rollouts/``.
+
+    files = RolloutFiles(workdir / "rollouts")
+    files.write(index, draw)          # generator: temporary name, fsync, rename
+    draw = files.read(index)          # learner: complete files only
+    files.finish(index, done=index + 1, data_state=draw.data_state)   # learner: trained or dropped
+
+Batch ``index`` is the file ``{index:08d}.rollout``: msgpack of the completions'
+tokens, behaviour log-probs and policy versions (flat arrays with offsets), the
+rewards and verdicts, the counts, the data-stream position after the batch, the
+seed and the generator's timings. A file is written under a name that starts
+with ``.`` and renamed when complete, so a reader never sees half a file; a
+writer killed mid-write leaves only a hidden name, removed at the next start.
+
+``progress.json`` is the learner's side: how many batches it has finished
+(trained or dropped), and the data position after the last one. The generator
+gates on it (staleness), and resumes from it, or from its newest file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+import numpy as np
+from flax import serialization
+
+from rlx.rollout import Completion
+from rlx.trainer.common import Draw
+
+SUFFIX = ".rollout"
+DONE = "DONE"
+
+
+def _flat(rows: list[list], dtype) -> tuple[np.ndarray, np.ndarray]:
+  offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+  values = np.concatenate([np.asarray(r, dtype) for r in rows]) if rows else np.zeros(0, dtype)
+  return values.astype(dtype), offsets
+
+
+def _rows(values: np.ndarray, offsets: np.ndarray) -> list[list]:
+  return [values[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+
+
+def encode(draw: Draw, extra: dict | None = None) -> bytes:
+  """The bytes of one rollout file."""
+  c = draw.completions
+  arrays = {}
+  for name, dtype in (("prompt_tokens", np.int32), ("response_tokens", np.int32),
+                      ("logprobs", np.float32), ("policy_logprobs", np.float32)):
+    arrays[name], arrays[name + "_offsets"] = _flat([getattr(x, name) for x in c], dtype)
+  arrays.update(
+      policy_version=np.array([x.policy_version for x in c], np.int32),
+      prompt_index=np.array([x.prompt_index for x in c], np.int32),
+      sample_index=np.array([x.sample_index for x in c], np.int32),
+      rewards=np.asarray(draw.rewards, np.float32), correct=np.asarray(draw.correct, bool))
+  meta = {"finish_reason": [x.finish_reason for x in c], "counts": draw.counts,
+          "generate_seconds": draw.generate_seconds, "data_state": draw.data_state,
+          **(extra or {})}
+  return serialization.msgpack_serialize({"arrays": arrays, "meta": json.dumps(meta)})
+
+
+def decode(data: bytes) -> tuple[Draw, dict]:
+  """(the draw, the extra fields) of one rollout file's bytes."""
+  content = serialization.msgpack_restore(data)
+  a, meta = content["arrays"], json.loads(content["meta"])
+  rows = {name: _rows(a[name], a[name + "_offsets"])
+          for name in ("prompt_tokens", "response_tokens", "logprobs", "policy_logprobs")}
+  completions = [
+      Completion(prompt_tokens=rows["prompt_tokens"][i], response_tokens=rows["response_tokens"][i],
+                 logprobs=rows["logprobs"][i], policy_logprobs=rows["policy_logprobs"][i],
+                 finish_reason=meta["finish_reason"][i], policy_version=int(a["policy_version"][i]),
+                 prompt_index=int(a["prompt_index"][i]), sample_index=int(a["sample_index"][i]))
+      for i in range(len(meta["finish_reason"]))]
+  draw = Draw(completions, np.asarray(a["rewards"], np.float32), np.asarray(a["correct"], bool),
+              meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"))
+  meta.pop("finish_reason")
+  return draw, meta
+
+
+class RolloutFiles:
+  """The rollout files of one run (see the module docstring)."""
+
+  def __init__(self, directory: str | pathlib.Path):
+    self.directory = pathlib.Path(directory)
+    self.directory.mkdir(parents=True, exist_ok=True)
+
+  def path(self, index: int) -> pathlib.Path:
+    return self.directory / f"{index:08d}{SUFFIX}"
+
+  def write(self, index: int, draw: Draw, extra: dict | None = None) -> pathlib.Path:
+    """Writes batch ``index`` under a hidden name, fsyncs it and renames it into place."""
+    final = self.path(index)
+    partial = self.directory / f".{final.name}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+      f.write(encode(draw, extra))
+      f.flush()
+      os.fsync(f.fileno())
+    os.rename(partial, final)
+    _fsync_directory(self.directory)
+    return final
+
+  def pending(self) -> list[int]:
+    """Indices of the complete files not yet finished by the learner, in order."""
+    return sorted(int(p.name.removesuffix(SUFFIX)) for p in self.directory.glob(f"*{SUFFIX}")
+                  if not p.name.startswith("."))
+
+  def read(self, index: int) -> tuple[Draw, dict]:
+    return decode(self.path(index).read_bytes())
+
+  def remove_partial(self) -> int:
+    """Deletes files a killed writer left under hidden names; returns how many."""
+    leftovers = list(self.directory.glob(f".*{SUFFIX}.*.partial"))
+    for p in leftovers:
+      p.unlink(missing_ok=True)
+    return len(leftovers)
+
+  # --- the learner's side ----------------------------------------------------------------------
+
+  def progress(self) -> dict:
+    """``{"done": batches finished, "data_state": position after the last}`` (0 / None at first)."""
+    path = self.directory / "progress.json"
+    return json.loads(path.read_text()) if path.is_file() else {"done": 0, "data_state": None}
+
+  def finish(self, index: int, data_state: dict | None) -> None:
+    """Marks batch ``index`` (and all before it) finished: records it, then deletes its file."""
+    record = {"done": index + 1, "data_state": data_state}
+    partial = self.directory / ".progress.json.partial"
+    partial.write_text(json.dumps(record))
+    os.replace(partial, self.directory / "progress.json")
+    self.path(index).unlink(missing_ok=True)
+
+  def expire_below(self, index: int) -> int:
+    """Deletes complete files below ``index`` (consumed before a restart); returns how many."""
+    stale = [i for i in self.pending() if i < index]
+    for i in stale:
+      self.path(i).unlink(missing_ok=True)
+    return len(stale)
+
+  def mark_done(self) -> None:
+    (self.directory / DONE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+  def done(self) -> bool:
+    return (self.directory / DONE).is_file()
+
+  def clear_done(self) -> None:
+    (self.directory / DONE).unlink(missing_ok=True)
+
+
+def _fsync_directory(directory: pathlib.Path) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

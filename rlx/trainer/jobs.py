@@ -1,0 +1,183 @@
+"""A split run as two jobs: a learner job and a generator job (``mesh.role``), each its own
+process (or ``jax.distributed`` cluster), sharing only the workdir.
+
+    python -m rlx.main --config configs/dapo_split.py --workdir W --config.mesh.role=learner \\
+        --config.mesh.weight_sync=orbax &
+    python -m rlx.main --config configs/dapo_split.py --workdir W --config.mesh.role=generator \\
+        --config.mesh.weight_sync=orbax
+
+(``launch/local.sh --learner 1 --generator 1 ...`` starts both.) Weights go as Orbax
+policy versions in ``W/policy_versions`` (the newest k + 2 kept); rollouts as files in
+``W/rollouts`` (``rlx.trainer.exchange``). Staleness is bounded by ``mesh.max_staleness``
+= k exactly as in one process: the generator starts batch i once the learner has
+finished (trained or dropped) batch i - k - 1, sampling with the newest version
+published; the learner drops a batch holding a rollout more than k versions old. So at
+most k + 1 batches wait unfinished: that is the back-pressure.
+
+Resuming: the learner's checkpoint records the next rollout index; files below it are
+deleted (counted as ``rollout/expired_files``). A restarted generator continues after its
+newest complete file (or after the learner's last finished batch), from that file's data
+position, so no batch is generated twice or lost. The learner writes ``rollouts/DONE``
+when it stops for good; the generator exits when it sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+
+import jax
+
+from rlx import distributed
+from rlx.checkpoint import StopSignal
+from rlx.config import RunConfig
+from rlx.metrics import MetricsSink
+from rlx.trainer.common import (Draw, Say, begin, collect, evaluate, evaluation_due, finish,
+                                prepare)
+from rlx.trainer.exchange import RolloutFiles
+from rlx.trainer.split import expired
+
+POLL_S = 0.1
+NOTICE_S = 60.0
+
+
+def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
+  """The learner job: trains on rollout files as they come, publishes every version."""
+  run, learner, start, accuracy_before = begin(config, workdir, say)
+  files = RolloutFiles(run.workdir / "rollouts")
+  files.clear_done()
+  index = max(int(learner.restored_meta.get("rollout_index", 0)), files.progress()["done"])
+  expired_files = files.expire_below(index)
+  if expired_files:
+    say(f"rlx: learner: deleted {expired_files} rollout file(s) consumed before the restart")
+  k = config.mesh.max_staleness
+  step, dropped = start or 0, 0
+  data_state = run.stream.get_state()
+  sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
+                     resume_step=start, write=jax.process_index() == 0)
+  try:
+    with StopSignal(say=say) as stop, sink:
+      waited_since = time.perf_counter()
+      while step < config.trainer.steps and not stop.requested:
+        if not files.path(index).is_file():
+          if time.perf_counter() - waited_since > NOTICE_S:
+            say(f"rlx: learner: waiting for rollout file {files.path(index)} from the generator job")
+            waited_since = time.perf_counter()
+          time.sleep(POLL_S)
+          continue
+        draw, extra = files.read(index)
+        draw = _local_share(draw)
+        received = time.perf_counter()
+        if expired(draw, learner.version, k):
+          dropped += 1
+          files.finish(index, draw.data_state)
+          index += 1
+          continue
+        metrics = learner.learn(draw)
+        learned = time.perf_counter()
+        sync_seconds = learner.publish()
+        files.finish(index, draw.data_state)  # after the publish: the generator's gate opens
+        index += 1
+        step += 1
+        data_state = draw.data_state
+        finished = time.perf_counter()
+        elapsed = finished - waited_since
+        tokens = sum(len(c.response_tokens) for c in draw.completions)
+        metrics.update({
+            "rollout/index": index - 1, "rollout/dropped_batches": dropped,
+            # prompts the generator had drawn after this batch: consecutive batches never
+            # repeat or skip prompts, across generator restarts too
+            "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
+            "rollout/expired_files": expired_files,
+            "time/step_s": elapsed, "time/wait_for_data_s": received - waited_since,
+            "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
+            "time/sync_s": sync_seconds, "time/generator_sync_s": extra["generator_sync_s"],
+            "throughput/tokens_per_s": tokens / elapsed,
+            "throughput/samples_per_s": len(draw.completions) / elapsed})
+        waited_since = finished
+        if evaluation_due(config, step, stop.requested):
+          metrics["eval/accuracy"] = evaluate(run, learner.generation_params())
+        sink.write(step, metrics)
+        if learner.checkpoint_due(step, stop.requested):
+          learner.save(step, data_state, rollout_index=index)
+        learner.export_due(step)
+      summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
+                       accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say,
+                       save_meta={"rollout_index": index})
+  finally:
+    run.close()
+  if not summary["stopped"]:
+    files.mark_done()  # the generator job exits; a stopped learner's generator waits for it
+  return dict(summary, dropped_batches=dropped)
+
+
+def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
+  """The generator job: samples and scores batches with the newest published policy and
+  writes them as rollout files, within the staleness bound; returns a summary."""
+  run = prepare(config, workdir, say)
+  files = RolloutFiles(run.workdir / "rollouts")
+  if files.remove_partial():
+    say("rlx: generator: removed a rollout file a killed writer left half-written")
+  pending, progress = files.pending(), files.progress()
+  index = pending[-1] + 1 if pending else progress["done"]
+  data_state = files.read(pending[-1])[0].data_state if pending else progress["data_state"]
+  if data_state is not None:
+    run.stream.set_state(data_state)
+  if index:
+    say(f"rlx: generator: resuming at rollout {index}")
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.model.params)
+  k = config.mesh.max_staleness
+  params, version, written, sync_seconds = None, -1, 0, 0.0
+  waited_since = time.perf_counter()
+  try:
+    with StopSignal(say=say) as stop:
+      while not files.done() and not stop.requested:
+        gate_open = files.progress()["done"] >= index - k
+        newest = _latest(run, version, like) if gate_open else None
+        if newest is not None:
+          (params, version), sync_seconds = newest, run.sync.last_seconds
+        if not gate_open or params is None:  # the learner is k batches behind, or not started
+          if time.perf_counter() - waited_since > NOTICE_S:
+            say(f"rlx: generator: waiting for the learner job (rollout {index}, policy version "
+                f"{version})")
+            waited_since = time.perf_counter()
+          time.sleep(POLL_S)
+          continue
+        try:
+          draw = collect(run, lambda: (params, version),
+                         seed=config.trainer.seed * 1_000_003 + index)
+        except StopIteration:
+          say(f"rlx: generator: the data ran out after {config.data.num_epochs} epoch(s)")
+          break
+        files.write(index, draw, extra={"index": index, "generator_sync_s": sync_seconds})
+        index, written = index + 1, written + 1
+        waited_since = time.perf_counter()
+  finally:
+    run.close()
+  say(f"rlx: generator: wrote {written} rollout file(s); the next is {index}")
+  return {"written": written, "next_index": index, "stopped": stop.requested}
+
+
+def _local_share(draw: Draw) -> Draw:
+  """This process's contiguous share of a batch's rows (whole groups: ``prompts_per_step``
+  splits over the processes); the whole batch in one process."""
+  if jax.process_count() == 1:
+    return draw
+  rows, first = distributed.local_share(list(range(len(draw.completions))), "rollouts")
+  part = slice(first, first + len(rows))
+  return dataclasses.replace(draw, completions=draw.completions[part],
+                             rewards=draw.rewards[part], correct=draw.correct[part])
+
+
+def _latest(run, version: int, like) -> tuple | None:
+  """The newest policy version above ``version``, retrying when the learner deletes the one
+  being read (it keeps k + 2)."""
+  for attempt in range(5):
+    try:
+      return run.sync.latest(newer_than=version, like=like)
+    except (FileNotFoundError, ValueError, OSError):
+      if attempt == 4:
+        raise
+      time.sleep(POLL_S)
+  return None
