@@ -1,24 +1,32 @@
-"""Colocated vs split deployment on the same work: samples/s, policy lag, busy fractions, sync
-time and the reward reached, as JSON.
+"""Colocated vs split (one process) vs split as two jobs, on the same work: samples/s, policy
+lag, busy fraction of each side, sync seconds and the held-out accuracy reached, as JSON.
 
-Both runs start from the same warmed-up model (the warm-up runs once, in the
-first run's workdir, and the second loads it with ``--config.model.path``), use
-the same algorithm (DAPO with truncated importance sampling), the same data, seed
-and number of steps, and run as separate ``python -m rlx.main`` processes, one
-after the other, on the same devices (fake CPU devices on a CPU machine).
+Every arm runs DAPO (with truncated importance sampling) from the same warmed-up model
+(the warm-up runs once, in the first arm's workdir; the others load it with
+``--config.model.path``), with the same data, seed, number of steps and staleness bound,
+on the same two CPU cores, one arm after the other:
 
-    python benchmarks/deployment.py --steps 150 --cpu-devices 2
+- ``colocated``: one process, 2 devices, both cores; generate then learn, in turn.
+- ``split``: one process, 2 devices (one generates, one learns), both cores, a thread each.
+- ``jobs``: a learner process and a generator process (``mesh.role``), 1 device each,
+  each pinned to its own core with ``taskset`` when it exists; they share the workdir.
 
-Busy fractions: split reports each sub-mesh's share of the loop's wall time spent
-working; colocated reports the share of wall time each phase holds the (shared)
-devices, so there the two add up to at most 1.
+    python benchmarks/deployment.py --steps 150 [--arms colocated split jobs] [--config.a.b=v ...]
+
+Busy fractions: each side's share of the loop's wall time spent working (generating, or
+learning); colocated reports the share of wall time each phase holds the shared devices,
+so there the two add up to at most 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,28 +34,59 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+_ACCURACY = re.compile(r"held-out accuracy: before RL ([\d.]+)%, after RL ([\d.]+)%")
 
 
-def _run(mode: str, workdir: pathlib.Path, args, extra: list[str]) -> dict:
-  command = [sys.executable, "-m", "rlx.main", "--config", "configs/dapo_split.py",
-             "--workdir", str(workdir), f"--config.mesh.mode={mode}",
-             f"--config.mesh.cpu_devices={args.cpu_devices}", f"--config.trainer.steps={args.steps}",
-             f"--config.mesh.max_staleness={args.max_staleness}",
-             "--config.trainer.eval_every=0", "--config.logging.progress_bar=false",
-             "--config.logging.tensorboard=false", "--config.checkpoint.every_steps=0", *extra]
+def _pinned(cores: str) -> list[str]:
+  return ["taskset", "-c", cores] if shutil.which("taskset") else []
+
+
+def _command(workdir: pathlib.Path, args, *extra: str) -> list[str]:
+  return [sys.executable, "-m", "rlx.main", "--config", "configs/dapo_split.py",
+          "--workdir", str(workdir), f"--config.trainer.steps={args.steps}",
+          f"--config.mesh.max_staleness={args.max_staleness}",
+          f"--config.trainer.eval_every=0", "--config.logging.progress_bar=false",
+          "--config.logging.tensorboard=false", "--config.checkpoint.every_steps=0",
+          *args.overrides, *extra]
+
+
+def _processes(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> list[list[str]]:
+  if arm == "colocated":
+    return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=colocated",
+                                      "--config.mesh.cpu_devices=2", *warm)]
+  if arm == "split":
+    return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=split",
+                                      "--config.mesh.cpu_devices=2", *warm)]
+  jobs = ["--config.mesh.mode=split", "--config.mesh.cpu_devices=1",
+          "--config.mesh.weight_sync=orbax", *warm]
+  return [_pinned("0") + _command(workdir, args, *jobs, "--config.mesh.role=learner"),
+          _pinned("1") + _command(workdir, args, *jobs, "--config.mesh.role=generator")]
+
+
+def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
   started = time.perf_counter()
-  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+  processes = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+               for command in _processes(arm, workdir, args, warm)]
+  try:
+    outputs = [p.communicate(timeout=args.timeout_s) for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
   wall = time.perf_counter() - started
-  if result.returncode:
-    raise SystemExit(f"{mode} run failed:\n{result.stderr[-4000:]}")
+  for p, (out, err) in zip(processes, outputs):
+    if p.returncode:
+      raise SystemExit(f"{arm} run failed:\n{out[-2000:]}\n{err[-4000:]}")
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   steady = rows[args.skip:]  # the first steps compile
   step_s = [r["time/step_s"] for r in steady]
+  total = sum(step_s)
   samples = sum(r["throughput/samples_per_s"] * r["time/step_s"] for r in steady)
   tail = rows[-args.tail:]
   report = {
       "steps": len(rows), "process_wall_s": round(wall, 1),
-      "samples_per_s": round(samples / sum(step_s), 2),
+      "samples_per_s": round(samples / total, 2),
       "step_s_median": round(statistics.median(step_s), 4),
       "policy_lag_mean": round(statistics.mean(r["rollout/policy_lag_mean"] for r in steady), 3),
       "policy_lag_max": max(r["rollout/policy_lag_max"] for r in rows),
@@ -55,39 +94,54 @@ def _run(mode: str, workdir: pathlib.Path, args, extra: list[str]) -> dict:
       "final_reward_mean": round(statistics.mean(r["reward/mean"] for r in tail), 4),
       "final_train_accuracy": round(statistics.mean(r["reward/accuracy"] for r in tail), 4),
   }
-  if mode == "split":
+  if arm == "split":
     report["generation_busy_frac"] = round(rows[-1]["time/generation_busy_frac"], 3)
     report["learning_busy_frac"] = round(rows[-1]["time/learning_busy_frac"], 3)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
-  else:
-    total = sum(step_s)
+  else:  # from each step's own timings
     report["generation_busy_frac"] = round(sum(r["time/generate_s"] for r in steady) / total, 3)
     report["learning_busy_frac"] = round(sum(r["time/learn_s"] for r in steady) / total, 3)
-  for line in result.stdout.splitlines():
-    if "held-out accuracy:" in line:
-      report["eval"] = line.split("held-out accuracy:")[1].strip()
+  if arm == "jobs":
+    report["generator_sync_s_median"] = round(
+        statistics.median(r["time/generator_sync_s"] for r in steady), 5)
+    report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
+  match = _ACCURACY.search(outputs[0][0])
+  if match:
+    report["eval_accuracy_before"] = float(match.group(1)) / 100
+    report["eval_accuracy_after"] = float(match.group(2)) / 100
   return report
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--cpu-devices", type=int, default=2)
+  parser.add_argument("--arms", nargs="+", default=["colocated", "split", "jobs"],
+                      choices=["colocated", "split", "jobs"])
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the final reward averages")
+  parser.add_argument("--timeout-s", type=int, default=3600, help="per arm")
   parser.add_argument("--workdir", type=pathlib.Path, default=None)
-  parser.add_argument("overrides", nargs="*", help="more --config.a.b=value overrides")
-  args = parser.parse_args()
+  args, args.overrides = parser.parse_known_args()
+  unknown = [a for a in args.overrides if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like "
+                 "--config.a.b=value)")
   workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="rlx-deployment-"))
-  first = workdir / "split"
-  results = {"split": _run("split", first, args, args.overrides)}
-  warm = [f"--config.model.path={first / 'warmup'}", "--config.trainer.warmup_sft_steps=0"]
-  results["colocated"] = _run("colocated", workdir / "colocated", args, args.overrides + warm)
-  results["split_over_colocated_samples_per_s"] = round(
-      results["split"]["samples_per_s"] / results["colocated"]["samples_per_s"], 3)
-  results["config"] = {"steps": args.steps, "cpu_devices": args.cpu_devices,
-                       "max_staleness": args.max_staleness, "overrides": args.overrides}
+  results, warm = {}, []
+  for arm in args.arms:
+    results[arm] = _run(arm, workdir / arm, args, warm)
+    print(f"{arm}: {json.dumps(results[arm])}", file=sys.stderr, flush=True)
+    if not warm:  # the first arm trained the warm-up: the others start from it
+      warm = [f"--config.model.path={workdir / arm / 'warmup'}",
+              "--config.trainer.warmup_sft_steps=0"]
+  if "colocated" in results:
+    for arm in list(results):
+      if arm != "colocated":
+        results[f"{arm}_over_colocated_samples_per_s"] = round(
+            results[arm]["samples_per_s"] / results["colocated"]["samples_per_s"], 3)
+  results["config"] = {"steps": args.steps, "max_staleness": args.max_staleness,
+                       "taskset": bool(shutil.which("taskset")), "overrides": args.overrides}
   print(json.dumps(results, indent=2))
 
 
