@@ -46,9 +46,12 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
   """The learner job: trains on rollout files as they come, publishes every version."""
   run, learner, start, accuracy_before = begin(config, workdir, say)
   files = RolloutFiles(run.workdir / "rollouts")
-  files.clear_done()
-  index = max(int(learner.restored_meta.get("rollout_index", 0)), files.progress()["done"])
-  expired_files = files.expire_below(index)
+  index = distributed.agree(max(int(learner.restored_meta.get("rollout_index", 0)),
+                                files.progress()["done"]))
+  expired_files = 0
+  if distributed.lead():
+    files.clear_done()
+    expired_files = files.expire_below(index)
   if expired_files:
     say(f"rlx: learner: deleted {expired_files} rollout file(s) consumed before the restart")
   k = config.mesh.max_staleness
@@ -59,25 +62,28 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
   try:
     with StopSignal(say=say) as stop, sink:
       waited_since = time.perf_counter()
-      while step < config.trainer.steps and not stop.requested:
-        if not files.path(index).is_file():
+      while step < config.trainer.steps and not stop.agree():
+        # process 0 looks for the file, and every process of the job follows its answer
+        if not distributed.agree(files.path(index).is_file()):
           if time.perf_counter() - waited_since > NOTICE_S:
             say(f"rlx: learner: waiting for rollout file {files.path(index)} from the generator job")
             waited_since = time.perf_counter()
           time.sleep(POLL_S)
           continue
-        draw, extra = files.read(index)
+        draw, extra = _read(files, index)
         draw = _local_share(draw)
         received = time.perf_counter()
         if expired(draw, learner.version, k):
           dropped += 1
-          files.finish(index, draw.data_state)
+          if distributed.lead():
+            files.finish(index, draw.data_state)
           index += 1
           continue
         metrics = learner.learn(draw)
         learned = time.perf_counter()
         sync_seconds = learner.publish()
-        files.finish(index, draw.data_state)  # after the publish: the generator's gate opens
+        if distributed.lead():  # after the publish: the generator's gate opens
+          files.finish(index, draw.data_state)
         index += 1
         step += 1
         data_state = draw.data_state
@@ -96,10 +102,10 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
             "throughput/tokens_per_s": tokens / elapsed,
             "throughput/samples_per_s": len(draw.completions) / elapsed})
         waited_since = finished
-        if evaluation_due(config, step, stop.requested):
+        if evaluation_due(config, step, stop.agreed):
           metrics["eval/accuracy"] = evaluate(run, learner.generation_params())
         sink.write(step, metrics)
-        if learner.checkpoint_due(step, stop.requested):
+        if learner.checkpoint_due(step, stop.agreed):
           learner.save(step, data_state, rollout_index=index)
         learner.export_due(step)
       summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
@@ -107,7 +113,7 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
                        save_meta={"rollout_index": index})
   finally:
     run.close()
-  if not summary["stopped"]:
+  if not summary["stopped"] and distributed.lead():
     files.mark_done()  # the generator job exits; a stopped learner's generator waits for it
   return dict(summary, dropped_batches=dropped)
 
@@ -168,6 +174,17 @@ def _local_share(draw: Draw) -> Draw:
   part = slice(first, first + len(rows))
   return dataclasses.replace(draw, completions=draw.completions[part],
                              rewards=draw.rewards[part], correct=draw.correct[part])
+
+
+def _read(files: RolloutFiles, index: int):
+  """Rollout file ``index``, retried while shared storage has not shown it to this process."""
+  for attempt in range(50):
+    try:
+      return files.read(index)
+    except FileNotFoundError:
+      if attempt == 49:
+        raise
+      time.sleep(POLL_S)
 
 
 def _latest(run, version: int, like) -> tuple | None:
