@@ -19,6 +19,7 @@ back unchanged) and reported as ``train/skipped``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -109,8 +110,8 @@ def batch_is_split(sharding: NamedSharding) -> bool:
 
 def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
                       attention_mask: jax.Array, response_mask: jax.Array | None = None, *,
-                      impl: str = "auto", temperature: float = 1.0,
-                      chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+                      impl: str = "auto", temperature: float = 1.0, chunk: int = 128,
+                      rows: NamedSharding | None = None) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy [B, T] of every target token (position 0 gets 0), via the fused path.
 
   Args:
@@ -118,15 +119,28 @@ def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Arra
     response_mask: bool [B, T] the targets that are needed (others get 0, and
       the Pallas kernels skip whole blocks of them); None computes all.
     temperature: the sampling temperature, so that these match the behaviour log-probs.
+    rows: how the sequences are split over the mesh (the learner's batch sharding): the
+      Pallas kernels then run per device on its own rows (``fused_logprobs``), when the
+      sequences split evenly.
   """
   hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
   B, T, D = hidden.shape
+  if rows is not None and B % _ways(rows):
+    rows = None
   mask = None if response_mask is None else response_mask[:, 1:].reshape(-1)
   logprobs, entropy = fused_logprobs(
       hidden[:, :-1].reshape(B * (T - 1), D), transformer.unembedding(params),
-      tokens[:, 1:].reshape(-1), mask, impl=impl, temperature=temperature, chunk=chunk)
+      tokens[:, 1:].reshape(-1), mask, impl=impl, temperature=temperature, chunk=chunk,
+      rows=rows)
   pad = lambda x: jnp.pad(x.reshape(B, T - 1), ((0, 0), (1, 0)))
   return pad(logprobs), pad(entropy)
+
+
+def _ways(sharding: NamedSharding) -> int:
+  """Into how many parts ``sharding`` splits dimension 0."""
+  axes = sharding.spec[0] if sharding.spec else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return int(math.prod(sharding.mesh.shape[a] for a in axes))
 
 
 def _temperature(config: RunConfig) -> float:
@@ -135,12 +149,13 @@ def _temperature(config: RunConfig) -> float:
 
 def policy_logprobs(config: RunConfig, transformer: Transformer, params: Params,
                     tokens: jax.Array, attention_mask: jax.Array,
-                    response_mask: jax.Array | None = None) -> jax.Array:
+                    response_mask: jax.Array | None = None, *,
+                    rows: NamedSharding | None = None) -> jax.Array:
   """Log-probs [B, T] of the target tokens under ``params`` at the sampling temperature, through
   the same fused path as the loss (old and reference log-probs)."""
   return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
                            impl=config.model.logprob_impl, temperature=_temperature(config),
-                           chunk=config.model.logprob_chunk)[0]
+                           chunk=config.model.logprob_chunk, rows=rows)[0]
 
 
 def make_logprobs_fn(config: RunConfig, transformer: Transformer):
@@ -181,12 +196,13 @@ def loss_denominator(config: RunConfig, response_mask: jax.Array) -> jax.Array:
 
 
 def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array, kl_coef: jax.Array,
-                    *, config: RunConfig, transformer: Transformer):
+                    *, config: RunConfig, transformer: Transformer,
+                    rows: NamedSharding | None = None):
   """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch."""
   logprobs, entropy = sequence_logprobs(
       transformer, params, batch.tokens, batch.attention_mask, batch.response_mask,
-      impl=config.model.logprob_impl,
-      temperature=_temperature(config), chunk=config.model.logprob_chunk)
+      impl=config.model.logprob_impl, temperature=_temperature(config),
+      chunk=config.model.logprob_chunk, rows=rows)
   loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef)
   numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.loss_agg,
                                       _loss_norm(config))
@@ -205,11 +221,13 @@ def _split(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
 
 
 def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array, *, config: RunConfig,
-                   transformer: Transformer) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
+                   transformer: Transformer, rows: NamedSharding | None = None
+                   ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
   """Full-batch loss and gradient, accumulated over ``config.optimizer.micro_batches``."""
   denominator = loss_denominator(config, batch.response_mask)
   grad_fn = jax.value_and_grad(
-      functools.partial(microbatch_loss, config=config, transformer=transformer), has_aux=True)
+      functools.partial(microbatch_loss, config=config, transformer=transformer, rows=rows),
+      has_aux=True)
 
   def accumulate(carry, micro):
     loss_sum, grad_sum, sums = carry
@@ -290,10 +308,12 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   tested against).
   """
   epochs, mini_batches = config.trainer.ppo_epochs, config.trainer.mini_batches
+  # the Pallas kernels run per device on its rows when the batch is split over the mesh
+  rows = batch_shardings if isinstance(batch_shardings, NamedSharding) else None
 
   def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
     loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, config=config,
-                                       transformer=transformer)
+                                       transformer=transformer, rows=rows)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)

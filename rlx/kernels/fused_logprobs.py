@@ -32,6 +32,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx.kernels.pallas_logprobs import pallas_logprobs
 
@@ -138,6 +139,17 @@ def xla_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
   return logprobs[:T], entropy[:T]
 
 
+def _over_rows(kernel, rows: NamedSharding, hidden, unembed, targets, mask):
+  """``kernel`` under ``shard_map``: tokens split as ``rows`` says, the unembedding whole."""
+  split = PartitionSpec(rows.spec[0])
+  if mask is None:
+    mask = jnp.ones(targets.shape, bool)
+  mapped = jax.shard_map(kernel, mesh=rows.mesh,
+                         in_specs=(PartitionSpec(rows.spec[0], None), PartitionSpec(), split, split),
+                         out_specs=(split, split), check_vma=False)
+  return mapped(hidden, unembed, targets, mask)
+
+
 def choose_impl(impl: Impl, backend: str) -> str:
   """The implementation ``impl`` means on ``backend`` ('cpu', 'gpu' / 'cuda' / 'rocm', 'tpu')."""
   if impl == "auto":
@@ -148,6 +160,7 @@ def choose_impl(impl: Impl, backend: str) -> str:
 def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
                    mask: jax.Array | None = None, *, impl: Impl = "auto", temperature: float = 1.0,
                    chunk: int = DEFAULT_CHUNK, interpret: bool = False,
+                   rows: NamedSharding | None = None,
                    **block_sizes) -> tuple[jax.Array, jax.Array]:
   """Target log-probs [T] and entropy [T] (float32) of ``softmax(hidden @ unembed / temperature)``.
 
@@ -161,6 +174,10 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
       learner log-probs match the behaviour log-probs of the sampler).
     chunk: tokens per chunk of the 'xla' implementation.
     interpret: run the Pallas kernels in the interpreter (tests on CPU).
+    rows: how the tokens are split over a mesh (a ``NamedSharding`` of dimension 0, e.g.
+      the learner's batch rows over ``(data, fsdp)``). The Pallas kernels cannot be
+      partitioned by XLA, so with ``rows`` they run under ``shard_map``: each device on
+      its own tokens, with the whole unembedding (gathered once).
     **block_sizes: ``block_t`` / ``block_v`` of the Pallas kernels.
   """
   if hidden.ndim != 2 or unembed.ndim != 2 or targets.ndim != 1:
@@ -180,8 +197,11 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
     if backend == "cpu" and not interpret:
       raise ValueError("impl='pallas' runs on GPU or TPU; on CPU use impl='xla' (or interpret=True "
                        "to run the kernels in Pallas' interpreter)")
-    return pallas_logprobs(hidden, unembed, targets, mask, variant=variant, temperature=temperature,
-                           interpret=interpret, **block_sizes)
+    kernel = functools.partial(pallas_logprobs, variant=variant, temperature=temperature,
+                               interpret=interpret, **block_sizes)
+    if rows is None or all(axis is None for axis in rows.spec):
+      return kernel(hidden, unembed, targets, mask)
+    return _over_rows(kernel, rows, hidden, unembed, targets, mask)
   else:
     raise ValueError(f"unknown impl {impl!r}; choose auto, reference, xla or pallas")
   if mask is None:

@@ -195,7 +195,7 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
   algo = config.algorithm
   # chunks of the update's micro-batch size: B / (mini-batches x micro-batches) rows
   chunks = config.trainer.mini_batches * config.optimizer.micro_batches
-  logprobs = functools.partial(update.policy_logprobs, config, transformer)
+  logprobs = functools.partial(update.policy_logprobs, config, transformer, rows=batch_sharding)
 
   def prepare(params: Params, ref_params: Params | None, critic_params: Params | None,
               sampled: Sampled, kl_coef: jax.Array) -> RolloutBatch:
