@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 import pathlib
 from typing import Any
@@ -69,9 +71,15 @@ def init_model(arch: ArchConfig, key: jax.Array, *, dtype: Any = "float32", para
                remat: str = "none") -> Model:
   """A model with random weights, created directly in its sharding on ``mesh``."""
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
-  shardings = param_shardings(arch, mesh, rules)
-  params = jax.jit(lambda k: Transformer(arch).init(k, param_dtype), out_shardings=shardings)(key)
+  params = _initializer(arch, param_dtype, mesh, tuple(map(tuple, rules)))(key)
   return Model(params, _transformer(arch, dtype, attention, remat))
+
+
+@functools.lru_cache(maxsize=32)
+def _initializer(arch: ArchConfig, param_dtype, mesh: Mesh | None, rules):
+  """The jitted initializer of one architecture and layout (compiled once, not per model)."""
+  shardings = param_shardings(arch, mesh, rules)
+  return jax.jit(lambda k: Transformer(arch).init(k, param_dtype), out_shardings=shardings)
 
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_dtype: Any = None,

@@ -32,10 +32,20 @@ def model():
 PROMPTS = [[5, 6, 7], list(range(10, 21)), [9], [30, 31, 32, 33, 34], [40, 41], list(range(1, 15))]
 
 
+REFERENCE_LEN = 32  # the references right-pad to one length: causal, so earlier logits are
+# unchanged, and the model compiles once instead of once per length
+
+
+def _logits(model, tokens):
+  """Logits [len(tokens), V] of the full (no-cache) forward pass."""
+  padded = list(tokens) + [0] * (REFERENCE_LEN - len(tokens))
+  return model(jnp.array([padded]))[0, :len(tokens)]
+
+
 def greedy_reference(model, prompt, max_new, stop=()):
   tokens, logprobs = list(prompt), []
   for _ in range(max_new):
-    log_softmax = jax.nn.log_softmax(model(jnp.array([tokens]))[0, -1])
+    log_softmax = jax.nn.log_softmax(_logits(model, tokens)[-1])
     token = int(jnp.argmax(log_softmax))
     tokens.append(token)
     logprobs.append(float(log_softmax[token]))
@@ -45,7 +55,7 @@ def greedy_reference(model, prompt, max_new, stop=()):
 
 
 def full_recompute_logprobs(model, prompt, response, temperature=1.0):
-  logits = model(jnp.array([list(prompt) + list(response)]))[0] / temperature
+  logits = _logits(model, list(prompt) + list(response)) / temperature
   log_softmax = jax.nn.log_softmax(logits[len(prompt) - 1:-1])
   return np.asarray(log_softmax[np.arange(len(response)), np.array(response)])
 
@@ -81,7 +91,7 @@ def test_behaviour_logprobs_equal_full_recompute(temperature, top_k):
                                  top_k=top_k, stop_token_ids=[], seed=1, max_slots=4)
   for c in completions:
     prompt, response = c.prompt_tokens, c.response_tokens
-    logits = model(jnp.array([prompt + response]))[0][len(prompt) - 1:-1]
+    logits = _logits(model, prompt + response)[len(prompt) - 1:-1]
     n = len(response)
     truncated = rollout.truncate_logits(logits, jnp.full((n,), temperature), jnp.full((n,), top_k),
                                         jnp.ones((n,)))
