@@ -6,8 +6,9 @@ scoring rollouts, turning them into the learner's batch, and the learner.
 
 from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
-from rlx.trainer.common import (DynamicSamplingError, Learner, NonFiniteError, TrainingError,
-                                collect, evaluate, prepare)
+from rlx.trainer.common import (DynamicSamplingError, NonFiniteError, TrainingError, collect,
+                                evaluate, prepare)
+from rlx.trainer.learner import Learner
 from rlx.trainer.experience import (Sampled, layout, make_prepare, sample_arrays,
                                     sequence_advantages, shaped_rewards)
 from rlx.trainer.jobs import train_generator, train_learner

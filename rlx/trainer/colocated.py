@@ -30,7 +30,8 @@ import jax
 from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import Say, begin, collect, evaluate, evaluation_due, finish
+from rlx.trainer.common import Say, collect, evaluate, evaluation_due
+from rlx.trainer.learner import begin, finish
 
 
 def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> dict:

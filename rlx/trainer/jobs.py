@@ -33,8 +33,8 @@ from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import (Draw, Say, begin, collect, evaluate, evaluation_due, finish,
-                                prepare)
+from rlx.trainer.common import Draw, Say, collect, evaluate, evaluation_due, prepare
+from rlx.trainer.learner import begin, finish
 from rlx.trainer.exchange import RolloutFiles
 from rlx.trainer.split import expired
 

@@ -37,7 +37,8 @@ import jax
 from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import MetricsSink
-from rlx.trainer.common import Draw, Run, Say, begin, collect, evaluate, evaluation_due, finish
+from rlx.trainer.common import Draw, Run, Say, collect, evaluate, evaluation_due
+from rlx.trainer.learner import begin, finish
 
 
 @dataclasses.dataclass

@@ -153,14 +153,14 @@ def test_prepare_gives_a_complete_batch_equal_to_its_parts(name, chunks):
 def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
   """The learner's real path (layout, prepare, critic step, update step; PPO has them all):
   responses and prompts of any length within a bucket reuse the bucket's compilation."""
-  from rlx.trainer import common
+  from rlx.trainer import Learner, common
   from tests.trainer import tiny
 
   config = tiny.config("ppo_colocated", "--config.trainer.warmup_sft_steps=0",
                        "--config.trainer.mini_batches=2")
   run = common.prepare(config, tmp_path, say=lambda line: None)
   try:
-    learner = common.Learner(run, say=lambda line: None)
+    learner = Learner(run, say=lambda line: None)
     rng = np.random.default_rng(0)
 
     def draw(prompt_len):

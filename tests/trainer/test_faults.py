@@ -121,15 +121,15 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
-  from rlx.trainer import common
+  from rlx.trainer import learner
 
-  real = common.sample_arrays
+  real = learner.sample_arrays
 
   def poisoned(*args, **kwargs):
     sampled, stats = real(*args, **kwargs)
     return sampled.replace(rewards=sampled.rewards * float("nan")), stats
 
-  monkeypatch.setattr(common, "sample_arrays", poisoned)
+  monkeypatch.setattr(learner, "sample_arrays", poisoned)
   config = tiny.config("grpo_colocated", "--config.trainer.steps=10",
                        "--config.trainer.max_skipped_steps=3")
   with pytest.raises(NonFiniteError, match="3 updates in a row had a non-finite loss"):

@@ -1,0 +1,252 @@
+"""The learner and a run's start and end, shared by every loop: the policy's train state (and
+the critic's, for PPO), the reference policy, the jitted programs (prepare, update, critic) with
+their shardings, and the checkpoints.
+
+    run, learner, start, accuracy_before = begin(config, workdir, say)
+    metrics = learner.learn(draw)                   # one rollout batch's updates
+    summary = finish(run, learner, start=start, step=step, stop=stop, ...)
+
+The same ``Learner.learn`` runs in every deployment: the loss code never knows how fresh its
+data is beyond what each rollout's policy version says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlx import algorithms, distributed, update
+from rlx.checkpoint import Checkpointer
+from rlx.config import RunConfig
+from rlx.trainer.common import Draw, NonFiniteError, Run, Say, evaluate, prepare, save_hf
+from rlx.trainer.experience import make_prepare, sample_arrays
+
+
+def begin(config: RunConfig, workdir: str | pathlib.Path,
+          say: Say) -> tuple[Run, Learner, int | None, float | None]:
+  """Builds a run and its learner, resumes from the newest checkpoint if there is one, publishes
+  the first weights and (on a fresh run) measures the held-out accuracy before RL.
+
+  Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
+  """
+  started = time.perf_counter()
+  run = prepare(config, workdir, say)
+  learner = Learner(run, say)
+  start = learner.restore()
+  if start is not None:
+    say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
+  learner.publish()
+  accuracy_before = evaluate(run, learner.generation_params()) if start is None else None
+  if accuracy_before is not None:
+    say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  evals = run.seconds.setdefault("evals", 0.0)
+  run.seconds["start-up"] = time.perf_counter() - started - run.seconds["warm-up"] - evals
+  run.seconds["loop started"], run.seconds["evals before loop"] = time.perf_counter(), evals
+  return run, learner, start, accuracy_before
+
+
+def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
+           accuracy_before: float | None, metrics_path: pathlib.Path, say: Say,
+           save_meta: dict | None = None) -> dict:
+  """Saves the last step (unless that save is already started), waits until it is on disk,
+  and returns the run's summary with the held-out accuracy after RL (skipped after a stop
+  signal, so that a stop takes seconds)."""
+  seconds = run.seconds
+  seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
+                        - (seconds["evals"] - seconds.pop("evals before loop")))
+  if step != (start or 0) and learner.saved_step != step:
+    learner.save(step, data_state, **(save_meta or {}))
+  learner.close()  # waits for every started save
+  if run.stream.skipped:
+    say(f"rlx: data: skipped {run.stream.skipped} prompt(s) longer than "
+        f"config.rollout.max_prompt_len (config.data.on_bad_row=skip); the first: "
+        f"{run.stream.first_skipped}")
+  if stop.agree():
+    saved = learner.checkpointer.latest_step()
+    where = (f"checkpoint saved at step {saved} in {learner.checkpointer.directory}"
+             if saved is not None else "no checkpoint to save yet")
+    say(f"rlx: stopped by {stop.received} after step {step}: {where}; the final evaluation is "
+        "skipped; rerun the same command to resume")
+    accuracy_after = None
+  else:
+    accuracy_after = evaluate(run, learner.generation_params())
+  run.close()
+  return {"steps": step, "seconds": dict(seconds), "eval_accuracy_before": accuracy_before,
+          "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),
+          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.agreed}
+
+
+class Learner:
+  """The policy's train state (and the critic's, for PPO), the reference policy, the jitted
+  steps and the checkpoints; ``learn`` turns a draw into one update."""
+
+  def __init__(self, run: Run, say: Say = print):
+    config = self.config = run.config
+    self.say = say
+    self.run = run
+    updates = config.trainer.steps * config.trainer.ppo_epochs * config.trainer.mini_batches
+    optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=updates)
+    algo, transformer = config.algorithm, run.model.transformer
+    # One sharding plan: the params' logical axes and the batch's rows over (data, fsdp); every
+    # jitted program of the learner has explicit shardings, so none retraces as steps go by.
+    self.batch_sharding = update.batch_sharding(
+        run.meshes.learning, config.mesh.logical_axis_rules,
+        config.data.prompts_per_step * config.rollout.group_size)
+    if not update.batch_is_split(self.batch_sharding) and run.meshes.learning.size > 1:
+      say(f"rlx: warning: a batch of {config.data.prompts_per_step * config.rollout.group_size} "
+          f"sequences does not split over the learning mesh {dict(run.meshes.learning.shape)}: "
+          "every learning device computes the whole batch; make data.prompts_per_step x "
+          "rollout.group_size a multiple of mesh data x fsdp")
+    self.state = update.init_train_state(run.model.params, optimizer,
+                                         jax.random.key(config.trainer.seed))
+    self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    self.ref_params = jax.tree.map(jnp.copy, run.model.params) if algo.uses_reference else None
+    self.step_fn = update.make_update_step(config, transformer, optimizer, schedule,
+                                           state_shardings=self.state_shardings,
+                                           batch_shardings=self.batch_sharding)
+    self.critic = self.critic_step = None
+    critic_shardings = None
+    if algo.uses_critic:
+      critic_optimizer, _ = update.make_optimizer(
+          config.optimizer, total_steps=updates,
+          peak=config.optimizer.critic_learning_rate)
+      critic_params = update.init_critic_params(jax.tree.map(jnp.copy, run.model.params),
+                                                jax.random.key(config.trainer.seed + 1))
+      self.critic = update.init_train_state(critic_params, critic_optimizer,
+                                            jax.random.key(config.trainer.seed + 1))
+      critic_state_shardings = jax.tree.map(lambda x: x.sharding, self.critic)
+      critic_shardings = critic_state_shardings.params
+      self.critic_step = update.make_critic_step(config, transformer, critic_optimizer,
+                                                 state_shardings=critic_state_shardings,
+                                                 batch_shardings=self.batch_sharding)
+    self.prepare_fn = make_prepare(config, transformer,
+                                   param_shardings=self.state_shardings.params,
+                                   critic_shardings=critic_shardings,
+                                   batch_sharding=self.batch_sharding)
+    self.kl_coef = algo.kl_coef
+    self.skipped_steps = 0
+    """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
+    self.skipped_in_a_row = 0
+    self.saved_step = None
+    """The step of the newest save started by this learner (it may still be writing)."""
+    self.restored_meta: dict = {}
+    """The metadata of the checkpoint the learner resumed from (empty on a fresh run)."""
+    self.checkpointer = Checkpointer(run.workdir / "checkpoints", config.checkpoint)
+    self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                        self.state.params)
+    """The params' shapes and dtypes (what ``OrbaxSync.latest`` restores into)."""
+
+  @property
+  def version(self) -> int:
+    return int(self.state.policy_version)
+
+  def restore(self) -> int | None:
+    """Resumes from the newest checkpoint, if any; returns its step."""
+    restored = self.checkpointer.restore(self.state, like_critic=self.critic, say=self.say)
+    if restored is None:
+      return None
+    self.state, self.critic = restored.state, restored.critic
+    self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
+    self.run.stream.set_state(restored.data_state)
+    saved, now = restored.meta.get("data_fingerprint"), self.run.source.fingerprint()
+    if saved is not None and saved != now:
+      self.say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
+               f"{now} now); the run resumes at the saved position of the changed data")
+    self.saved_step = restored.step
+    self.restored_meta = restored.meta
+    return restored.step
+
+  def save(self, step: int, data_state: dict, **meta) -> None:
+    """Starts saving ``step`` (with ``meta`` beside the learner's own: version, KL
+    coefficient, data fingerprint)."""
+    self.saved_step = step
+    self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
+                           meta={"policy_version": self.version, "kl_coef": self.kl_coef,
+                                 "data_fingerprint": self.run.source.fingerprint(), **meta})
+
+  def checkpoint_due(self, step: int, stopping: bool) -> bool:
+    every = self.config.checkpoint.every_steps
+    return stopping or bool(every and step % every == 0)
+
+  def export_due(self, step: int) -> pathlib.Path | None:
+    """Writes the policy as a Hugging Face directory ``WORKDIR/hf/step_N`` every
+    ``checkpoint.export_hf_every`` steps; returns where, or None."""
+    every = self.config.checkpoint.export_hf_every
+    if not every or step % every:
+      return None
+    model = dataclasses.replace(self.run.model, params=self.state.params)
+    return save_hf(model, self.run.tokenizer, self.run.workdir / "hf" / f"step_{step}")
+
+  def publish(self) -> float:
+    """Hands the current params to the generator; returns the sync's seconds."""
+    return self.run.sync.publish(self.state.params, self.version)
+
+  def generation_params(self):
+    """The newest published params, in the generation layout."""
+    return self.run.sync.latest(like=self.abstract_params)[0]
+
+  def learn(self, draw: Draw) -> dict:
+    """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
+    ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's."""
+    config = self.config
+    # every process lays its rows out at the same (bucketed) lengths: the batch is one array
+    lengths = distributed.max_over_processes(
+        [max(len(c.prompt_tokens) for c in draw.completions),
+         max(len(c.response_tokens) for c in draw.completions)])
+    sampled, stats = sample_arrays(draw.completions, draw.rewards, config,
+                                   pad_id=self.run.tokenizer.pad_id, lengths=tuple(lengths))
+    lag = self.version - sampled.policy_version
+    sampled = distributed.global_tree(self.batch_sharding, sampled)
+    batch = self.prepare_fn(self.state.params, self.ref_params,
+                            None if self.critic is None else self.critic.params, sampled,
+                            self.kl_coef)
+    metrics = {}
+    if self.critic is not None:
+      self.critic, critic_metrics = self.critic_step(self.critic, batch)
+      metrics.update(critic_metrics)
+    self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef)
+    metrics.update(step_metrics)
+    metrics = distributed.to_host(metrics)  # replicated: the same values on every process
+    self._count_skipped(int(metrics.pop("train/skipped")))
+    algo = config.algorithm
+    if algo.kl_target is not None and "policy/kl" in metrics:
+      self.kl_coef = float(algorithms.adaptive_kl_coef(
+          self.kl_coef, metrics["policy/kl"], algo.kl_target, algo.kl_horizon,
+          steps=batch.batch_size))
+    # this process's rows: every process has as many, so means of means are exact
+    means = dict(stats, **{"reward/kept_accuracy": float(np.mean(draw.correct)),
+                           "rollout/policy_lag_mean": float(lag.mean())})
+    maxima = {"response/length_max": stats.pop("response/length_max"),
+              "rollout/policy_lag_max": int(lag.max())}
+    means.pop("response/length_max")
+    totals = distributed.sum_over_processes(list(means.values())) / jax.process_count()
+    metrics.update(zip(means, map(float, totals)))
+    metrics.update(zip(maxima, map(int, distributed.max_over_processes(list(maxima.values())))))
+    metrics.update(draw.counts)
+    metrics.update({"train/skipped_steps": self.skipped_steps,
+                    "data/skipped_rows": self.run.source.skipped + self.run.stream.skipped})
+    return metrics
+
+  def _count_skipped(self, skipped: int) -> None:
+    """Counts updates skipped for a non-finite loss or gradient; stops the run after
+    ``trainer.max_skipped_steps`` in a row."""
+    self.skipped_steps += skipped
+    self.skipped_in_a_row = self.skipped_in_a_row + skipped if skipped else 0
+    limit = self.config.trainer.max_skipped_steps
+    if self.skipped_in_a_row >= limit:
+      self.checkpointer.wait()
+      last = self.checkpointer.latest_step()
+      saved = (f"the last good checkpoint is step {last} in {self.checkpointer.directory}"
+               if last is not None else "no checkpoint was saved yet")
+      raise NonFiniteError(
+          f"{self.skipped_in_a_row} updates in a row had a non-finite loss or gradient norm and "
+          f"were skipped (config.trainer.max_skipped_steps={limit}); {saved}. Lower "
+          "config.optimizer.learning_rate or config.optimizer.max_grad_norm, or check the rewards")
+
+  def close(self) -> None:
+    self.checkpointer.close()
