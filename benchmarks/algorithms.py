@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import runs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -54,8 +55,6 @@ ALGORITHMS = {
                 "--config.algorithm.kl_coef=0"],
 }
 
-_ACCURACY = re.compile(r"held-out accuracy: before RL ([\d.]+)%, after RL ([\d.]+)%")
-
 
 def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]) -> dict:
   command = [sys.executable, "-m", "rlx.main", "--config", "configs/base.py",
@@ -74,14 +73,14 @@ def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]
   if result.returncode:
     raise SystemExit(f"{algorithm} (seed {seed}) failed:\n{result.stdout[-2000:]}\n"
                      f"{result.stderr[-4000:]}")
-  match = _ACCURACY.search(result.stdout)
-  if match is None:
+  measured = runs.accuracy(result.stdout)
+  if measured is None:
     raise SystemExit(f"{algorithm} (seed {seed}): no held-out accuracy in its output:\n"
                      f"{result.stdout[-2000:]}")
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   steady = rows[args.skip:]  # the first steps compile
   return {
-      "before": float(match.group(1)) / 100, "after": float(match.group(2)) / 100,
+      "before": measured[0], "after": measured[1],
       "step_s_median": statistics.median(r["time/step_s"] for r in steady),
       "draws_mean": statistics.mean(r["rollout/draws"] for r in rows),
       "clip_frac_high_mean": statistics.mean(r["policy/clip_frac_high"] for r in rows),
@@ -106,23 +105,20 @@ def main() -> None:
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the train accuracy averages")
   parser.add_argument("--workdir", type=pathlib.Path, default=None)
-  args, args.overrides = parser.parse_known_args()
-  unknown = [a for a in args.overrides if not a.startswith("--config.")]
-  if unknown:
-    parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like "
-                 "--config.a.b=value)")
+  args = runs.parse_args(parser)
   workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="rlx-algorithms-"))
-  runs: dict[str, list[dict]] = {name: [] for name in args.algorithms}
+  results_by: dict[str, list[dict]] = {name: [] for name in args.algorithms}
   for seed in args.seeds:
     warm: list[str] = []
     for name in args.algorithms:
       directory = workdir / f"seed{seed}" / name
-      runs[name].append(_run(name, seed, directory, args, warm))
-      print(f"{name} seed {seed}: {json.dumps(runs[name][-1])}", file=sys.stderr, flush=True)
+      results_by[name].append(_run(name, seed, directory, args, warm))
+      print(f"{name} seed {seed}: {json.dumps(results_by[name][-1])}", file=sys.stderr,
+            flush=True)
       if not warm:  # the seed's first run trained the warm-up: the others start from it
-        warm = [f"--config.model.path={directory / 'warmup'}", "--config.trainer.warmup_sft_steps=0"]
+        warm = runs.warm_start(directory)
   results = {}
-  for name, per_seed in runs.items():
+  for name, per_seed in results_by.items():
     results[name] = {
         "eval_accuracy_after": _mean_std([r["after"] for r in per_seed]),
         "eval_gain_points": _mean_std([100 * (r["after"] - r["before"]) for r in per_seed]),
@@ -132,7 +128,8 @@ def main() -> None:
         "train_accuracy_last_steps": _mean_std([r["train_accuracy_last"] for r in per_seed]),
         "per_seed_after": [round(r["after"], 4) for r in per_seed],
     }
-  results["eval_accuracy_before"] = [round(r["before"], 4) for r in runs[args.algorithms[0]]]
+  results["eval_accuracy_before"] = [round(r["before"], 4)
+                                     for r in results_by[args.algorithms[0]]]
   results["config"] = {"steps": args.steps, "seeds": args.seeds, "mini_batches": args.mini_batches,
                        "eval_prompts": args.eval_prompts, "cpu_devices": args.cpu_devices,
                        "mode": "colocated", "overrides": args.overrides}

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import statistics
@@ -33,8 +32,9 @@ import sys
 import tempfile
 import time
 
+import runs
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_ACCURACY = re.compile(r"held-out accuracy: before RL ([\d.]+)%, after RL ([\d.]+)%")
 
 
 def _pinned(cores: str) -> list[str]:
@@ -45,7 +45,7 @@ def _command(workdir: pathlib.Path, args, *extra: str) -> list[str]:
   return [sys.executable, "-m", "rlx.main", "--config", "configs/dapo_split.py",
           "--workdir", str(workdir), f"--config.trainer.steps={args.steps}",
           f"--config.mesh.max_staleness={args.max_staleness}",
-          f"--config.trainer.eval_every=0", "--config.logging.progress_bar=false",
+          "--config.trainer.eval_every=0", "--config.logging.progress_bar=false",
           "--config.logging.tensorboard=false", "--config.checkpoint.every_steps=0",
           *args.overrides, *extra]
 
@@ -105,10 +105,9 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
     report["generator_sync_s_median"] = round(
         statistics.median(r["time/generator_sync_s"] for r in steady), 5)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
-  match = _ACCURACY.search(outputs[0][0])
-  if match:
-    report["eval_accuracy_before"] = float(match.group(1)) / 100
-    report["eval_accuracy_after"] = float(match.group(2)) / 100
+  measured = runs.accuracy(outputs[0][0])
+  if measured:
+    report["eval_accuracy_before"], report["eval_accuracy_after"] = measured
   return report
 
 
@@ -122,19 +121,14 @@ def main() -> None:
   parser.add_argument("--tail", type=int, default=20, help="last steps the final reward averages")
   parser.add_argument("--timeout-s", type=int, default=3600, help="per arm")
   parser.add_argument("--workdir", type=pathlib.Path, default=None)
-  args, args.overrides = parser.parse_known_args()
-  unknown = [a for a in args.overrides if not a.startswith("--config.")]
-  if unknown:
-    parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like "
-                 "--config.a.b=value)")
+  args = runs.parse_args(parser)
   workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="rlx-deployment-"))
   results, warm = {}, []
   for arm in args.arms:
     results[arm] = _run(arm, workdir / arm, args, warm)
     print(f"{arm}: {json.dumps(results[arm])}", file=sys.stderr, flush=True)
     if not warm:  # the first arm trained the warm-up: the others start from it
-      warm = [f"--config.model.path={workdir / arm / 'warmup'}",
-              "--config.trainer.warmup_sft_steps=0"]
+      warm = runs.warm_start(workdir / arm)
   if "colocated" in results:
     for arm in list(results):
       if arm != "colocated":
