@@ -320,7 +320,9 @@ class DataConfig:
   on_bad_row: Literal["error", "skip"] = "error"
   """A malformed row either stops the run (naming file and line) or is skipped and counted."""
   eval_fraction: float = 0.1
-  """Fraction of a built-in task's problems held out for evaluation (never trained on)."""
+  """Fraction of problems held out for evaluation (never trained on): of a built-in task, or of a data file when there is no eval_source (rows are assigned by a hash of their prompt)."""
+  eval_source: str | None = None
+  """A .jsonl / .parquet file of held-out rows (same fields as source) for eval/accuracy; None holds out eval_fraction of the source instead."""
 
   def __post_init__(self):
     _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
@@ -333,19 +335,35 @@ class DataConfig:
 class RewardConfig:
   """How responses are scored (on the host, off the device path)."""
 
-  name: Literal["auto", "math", "arithmetic", "countdown", "sort"] = "auto"
-  """Verifier; 'auto' takes the one that matches data.source ('math' for files)."""
+  name: str = "auto"
+  """'math', 'arithmetic', 'countdown', 'sort', 'code' (programs run against the row's tests in a sandbox), your own function as 'package.module:function' or 'path/to/file.py:function' ((response, row) -> float or dict), or 'auto': the one that matches data.source ('math' for files)."""
+  batched: bool = False
+  """Your function takes lists (responses, rows) and returns a list; it may be async (a reward served over HTTP)."""
+  batch_size: int = 64
+  """Responses per call of a batched function (each call has its own timeout)."""
   format_weight: float = 0.0
   """Weight of the format reward added to the verifier's reward."""
   num_workers: int = 2
-  """Host worker processes that score responses."""
+  """Host worker processes that score responses; 0 scores in the trainer (no timeouts, prints shown: for debugging a reward)."""
   timeout_s: float = 5.0
   """A reward call that runs longer scores 0 and is counted (its worker is replaced)."""
+  memory_mb: int = 4096
+  """Address space of a reward worker: a call that needs more scores 0, and a worker grown past half of it is replaced; 0 leaves it unlimited."""
+  code_tests_field: str = "tests"
+  """'code' reward: the row field with the tests: assert statements, or stdin/stdout pairs ([{"input", "output"}] or {"inputs": [...], "outputs": [...]})."""
+  code_scoring: Literal["fraction", "all"] = "fraction"
+  """'code' reward: the fraction of tests passed, or 1 only when all pass; 'correct' always means all pass."""
+  code_timeout_s: float = 3.0
+  """'code' reward: wall-clock seconds a program may run, all its tests together."""
+  code_memory_mb: int = 512
+  """'code' reward: address space a program may use."""
 
   def __post_init__(self):
+    _check(bool(self.name.strip()), "reward.name", "must not be empty")
     _check(self.num_workers >= 0, "reward.num_workers", "must be >= 0 (0 scores in the trainer)")
     _check(self.format_weight >= 0, "reward.format_weight", "must be >= 0")
-    _positive(self, "reward", "timeout_s")
+    _check(self.memory_mb >= 0, "reward.memory_mb", "must be >= 0 (0 is unlimited)")
+    _positive(self, "reward", "timeout_s", "batch_size", "code_timeout_s", "code_memory_mb")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -400,20 +418,24 @@ class TrainerConfig:
   mini_batches: int = 1
   """Optimizer steps per pass: the rollout batch is cut into this many mini-batches (the old log-probs are those of the policy before the first step), so the clipped objective acts from the second step on."""
   warmup_sft_steps: int = 0
-  """Supervised steps on the task's reference answers before RL (teaches a fresh model the answer format)."""
+  """Supervised steps on the rows' SFT targets before RL (teaches a fresh model the answer format); see warmup_sft."""
+  warmup_sft: Literal["builtin", "always", "never"] = "builtin"
+  """When the supervised warm-up runs: 'builtin' only for the built-in model (no model.path) on a built-in task; 'always' for any model and data (a row's 'sft_target' field, else '<answer>{answer}</answer>', is the target); 'never'."""
   warmup_sft_learning_rate: float = 1e-3
   """Learning rate of the supervised warm-up."""
   warmup_sft_batch: int = 32
   """Examples per supervised warm-up step."""
   eval_prompts: int = 64
-  """Held-out prompts scored (greedy) at each evaluation, before and after training."""
+  """Held-out prompts scored (greedy) at each evaluation, before and after training; 0 evaluates never (and holds out no rows of a data file)."""
+  eval_samples: int = 0
+  """Also sample each held-out prompt this many times (at rollout.temperature) for eval/pass@N and eval/sampled_accuracy; 0 only answers greedily."""
   max_skipped_steps: int = 5
   """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
 
   def __post_init__(self):
     _positive(self, "trainer", "steps", "ppo_epochs", "mini_batches", "warmup_sft_learning_rate",
               "warmup_sft_batch", "max_skipped_steps")
-    for name in ("eval_every", "warmup_sft_steps", "eval_prompts"):
+    for name in ("eval_every", "warmup_sft_steps", "eval_prompts", "eval_samples"):
       _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
 
 
@@ -480,6 +502,11 @@ def check(config: RunConfig) -> RunConfig:
          "optimizer.micro_batches", f"must divide the {config.samples_per_step // mini_batches} "
          f"samples of a mini-batch (data.prompts_per_step x rollout.group_size / "
          "trainer.mini_batches)")
+  reward = config.reward
+  code = reward.name == "code" or (reward.name == "auto" and config.data.source == "code")
+  _check(not code or reward.timeout_s > reward.code_timeout_s + 1, "reward.timeout_s",
+         f"must exceed reward.code_timeout_s={reward.code_timeout_s} by more than 1s (a call "
+         "runs the program, then judges it)")
   mesh = config.mesh
   if mesh.role != "both":
     _check(mesh.mode == "split", "mesh.role", f"{mesh.role!r} is one side of a split run; "

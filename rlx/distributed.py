@@ -129,6 +129,23 @@ def sum_over_processes(values: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(values)).sum(0)
 
 
+def union_over_processes(names) -> list[str]:
+  """The sorted union of every process's ``names`` (strings), the same on every process."""
+  names = sorted(set(names))
+  if jax.process_count() == 1:
+    return names
+  data = np.frombuffer("\n".join(names).encode(), np.uint8)
+  size = int(max_over_processes([data.size])[0])
+  padded = np.zeros(size + 1, np.uint8)
+  padded[:data.size] = data
+  gathered = np.asarray(multihost_utils.process_allgather(padded))
+  found = set()
+  for row in gathered:
+    text = bytes(row).rstrip(b"\0").decode()
+    found.update(name for name in text.split("\n") if name)
+  return sorted(found)
+
+
 def max_over_processes(values: np.ndarray) -> np.ndarray:
   """Element-wise maximum of an int vector over processes."""
   values = np.asarray(values, np.int64)

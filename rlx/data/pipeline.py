@@ -42,12 +42,18 @@ class PromptStream:
   def _encoded(self, row: dict, encode) -> dict | None:
     """The row with its prompt tokens, or None for a prompt past ``max_prompt_tokens``."""
     limit = self.max_prompt_tokens
+    prompt = row["prompt"]
+    characters = (len(prompt) if isinstance(prompt, str)
+                  else sum(len(message["content"]) for message in prompt))
     # no tokenizer spends 64 characters per token: a huge line is refused before tokenizing it
-    too_long = limit is not None and len(row["prompt"]) > 64 * limit
-    tokens = None if too_long else list(encode(row["prompt"]))
+    too_long = limit is not None and characters > 64 * limit
+    try:
+      tokens = None if too_long else list(encode(prompt))
+    except ValueError as error:
+      raise DataError(f"{row.get('where', 'a row')}: {error}") from None
     if limit is not None and (too_long or len(tokens) > limit):
       where = row.get("where", "a row")
-      size = f"{len(row['prompt'])} characters" if too_long else f"{len(tokens)} tokens"
+      size = f"{characters} characters" if too_long else f"{len(tokens)} tokens"
       if self.on_bad_row == "error":
         raise DataError(f"{where}: the prompt has {size}, more than "
                         f"config.rollout.max_prompt_len={limit}; raise it, shorten the prompt, "

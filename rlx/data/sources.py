@@ -1,8 +1,11 @@
 """Random-access prompt sources: JSONL and Parquet files, and the built-in tasks.
 
-Every source yields ``{"prompt": str, "answer": str, "where": str}`` rows (the
-field names in the file are configurable; ``where`` names the file and line, or
-Parquet row, for error messages). File sources check every row once when they
+Every source yields ``{"prompt": str | list[dict], "answer": str, "where": str, ...}``
+rows: the prompt is plain text or chat messages (a list of ``{"role", "content"}``, which
+the tokenizer's chat template renders); the answer is the reference a verifier checks
+(empty when ``answer_field`` is ""); ``where`` names the file and line, or Parquet row,
+for error messages; every other column of the file is kept, for reward functions that
+read it (test cases, metadata). The field names in the file are configurable. File sources check every row once when they
 open: a malformed row either raises an error that names the file and line (or
 Parquet row), or is skipped and counted in ``skipped`` (``first_skipped`` names
 the first). ``fingerprint()`` identifies what a source holds, so that a resumed
@@ -17,7 +20,7 @@ import os
 import pathlib
 from typing import Literal
 
-from rlx.data.tasks import TASKS, Split, task_row
+from rlx.data.tasks import TASKS, Split, in_eval, task_row
 
 OnBadRow = Literal["error", "skip"]
 
@@ -26,17 +29,38 @@ class DataError(ValueError):
   """A data file is missing or has a malformed row; the message names the file and line."""
 
 
-def _row(record, prompt_field: str, answer_field: str) -> dict[str, str] | str:
-  """The row, or why it is malformed."""
+def _row(record, prompt_field: str, answer_field: str) -> dict | str:
+  """The row (every field kept; the prompt under "prompt", the answer under "answer"), or why
+  it is malformed."""
   if not isinstance(record, dict):
     return f"expected a JSON object, got {type(record).__name__}"
-  missing = [f for f in (prompt_field, answer_field) if record.get(f) is None]
+  missing = [f for f in (prompt_field, answer_field) if f and record.get(f) is None]
   if missing:
-    return f"missing field(s) {', '.join(map(repr, missing))} (has {', '.join(map(repr, record))})"
+    hint = "" if prompt_field in missing else (
+        "; rows without a reference answer (for a reward that reads other fields) need "
+        "config.data.answer_field=''")
+    return (f"missing field(s) {', '.join(map(repr, missing))} "
+            f"(has {', '.join(map(repr, record))}){hint}")
   prompt = record[prompt_field]
-  if not isinstance(prompt, str) or not prompt.strip():
-    return f"field {prompt_field!r} must be a non-empty string"
-  return {"prompt": prompt, "answer": str(record[answer_field])}
+  problem = _prompt_problem(prompt)
+  if problem:
+    return f"field {prompt_field!r} {problem}"
+  return {**record, "prompt": prompt,
+          "answer": str(record[answer_field]) if answer_field else ""}
+
+
+def _prompt_problem(prompt) -> str | None:
+  """Why ``prompt`` is neither non-empty text nor a list of chat messages, or None."""
+  if isinstance(prompt, str):
+    return None if prompt.strip() else "must be a non-empty string or a list of chat messages"
+  if isinstance(prompt, list) and prompt:
+    for message in prompt:
+      if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+              and isinstance(message.get("content"), str)):
+        return ("holds a list, but not of chat messages: each must be "
+                '{"role": str, "content": str}')
+    return None
+  return f"must be a non-empty string or a list of chat messages, got {type(prompt).__name__}"
 
 
 def _refuse_or_count(source, where: str, problem: str, on_bad_row: OnBadRow) -> None:
@@ -86,7 +110,7 @@ class JsonlSource:
   def __len__(self) -> int:
     return len(self.offsets)
 
-  def __getitem__(self, index: int) -> dict[str, str]:
+  def __getitem__(self, index: int) -> dict:
     with open(self.path, "rb") as f:
       f.seek(self.offsets[index])
       line = f.readline()
@@ -105,7 +129,7 @@ class JsonlSource:
 
 
 class ParquetSource:
-  """A Parquet file's prompt and answer columns, held in memory (needs pyarrow)."""
+  """A Parquet file's rows, every column, held in memory (needs pyarrow)."""
 
   def __init__(self, path: str | pathlib.Path, prompt_field: str = "prompt",
                answer_field: str = "answer", on_bad_row: OnBadRow = "error"):
@@ -117,11 +141,11 @@ class ParquetSource:
     except ImportError:
       raise DataError("reading Parquet needs pyarrow: pip install 'rlx[parquet]'") from None
     names = pq.read_schema(self.path).names
-    missing = [f for f in (prompt_field, answer_field) if f not in names]
+    missing = [f for f in (prompt_field, answer_field) if f and f not in names]
     if missing:
       raise DataError(f"{self.path}: no column(s) {', '.join(map(repr, missing))} "
                       f"(columns: {', '.join(names)}); set config.data.prompt_field / answer_field")
-    table = pq.read_table(self.path, columns=[prompt_field, answer_field]).to_pylist()
+    table = pq.read_table(self.path).to_pylist()
     self.rows, self.skipped, self.first_skipped = [], 0, None
     for number, record in enumerate(table):
       row = _row(record, prompt_field, answer_field)
@@ -135,7 +159,7 @@ class ParquetSource:
   def __len__(self) -> int:
     return len(self.rows)
 
-  def __getitem__(self, index: int) -> dict[str, str]:
+  def __getitem__(self, index: int) -> dict:
     return self.rows[index]
 
   def fingerprint(self) -> dict:
@@ -155,7 +179,7 @@ class TaskSource:
   def __len__(self) -> int:
     return self.size
 
-  def __getitem__(self, index: int) -> dict[str, str]:
+  def __getitem__(self, index: int) -> dict:
     row = task_row(self.task, index, seed=self.seed, split=self.split,
                    eval_fraction=self.eval_fraction)
     return dict(row, where=f"task {self.task}, {self.split} row {index}")
@@ -163,6 +187,41 @@ class TaskSource:
   def fingerprint(self) -> dict:
     return {"task": self.task, "seed": self.seed, "split": self.split,
             "eval_fraction": self.eval_fraction}
+
+
+class Subset:
+  """Some rows of a source (a held-out split of a data file), by index."""
+
+  def __init__(self, source, indices: list[int], split: Split, eval_fraction: float):
+    self.source, self.indices, self.split, self.eval_fraction = (
+        source, indices, split, eval_fraction)
+    self.skipped, self.first_skipped = source.skipped, source.first_skipped
+
+  def __len__(self) -> int:
+    return len(self.indices)
+
+  def __getitem__(self, index: int) -> dict:
+    return self.source[self.indices[index]]
+
+  def fingerprint(self) -> dict:
+    return dict(self.source.fingerprint(), split=self.split, eval_fraction=self.eval_fraction)
+
+
+def hold_out(source, eval_fraction: float) -> tuple[Subset, Subset]:
+  """(train, eval) rows of a file source: a row is held out when a hash of its prompt falls in
+  ``eval_fraction``, so that a prompt that appears twice is never on both sides."""
+  train, held = [], []
+  for index in range(len(source)):
+    prompt = source[index]["prompt"]
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    (held if in_eval(text, eval_fraction) else train).append(index)
+  if not train or not held:
+    raise DataError(f"holding out data.eval_fraction={eval_fraction} of the {len(source)} rows "
+                    f"of {getattr(source, 'path', 'the source')} leaves "
+                    f"{len(train)} to train on and {len(held)} to evaluate; change "
+                    "data.eval_fraction, give data.eval_source, or set trainer.eval_prompts=0")
+  return (Subset(source, train, "train", eval_fraction),
+          Subset(source, held, "eval", eval_fraction))
 
 
 def open_source(source: str, *, prompt_field: str = "prompt", answer_field: str = "answer",

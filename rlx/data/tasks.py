@@ -1,9 +1,10 @@
 """Built-in synthetic tasks with verifiable answers, generated deterministically from a seed.
 
-Each row is ``{"prompt": str, "answer": str}``; the answer is what the task's
-verifier in ``rlx.rewards`` checks against. Train and eval rows never share a
-problem: a problem belongs to the eval split when a hash of its text falls in
-``eval_fraction``.
+Each row is ``{"prompt": str, "answer": str, "sft_target": str, ...}``: the answer is what
+the task's verifier in ``rlx.rewards`` checks against; the SFT target is a full response
+that earns full reward (the supervised warm-up of the built-in model trains on it). Train
+and eval rows never share a problem: a problem belongs to the eval split when a hash of
+its text falls in ``eval_fraction``.
 
 - ``arithmetic``: ``What is 37 + 58?`` -> ``95`` (+, - and *).
 - ``countdown``: reach a target from 3-4 numbers with + - * (each number at most
@@ -11,6 +12,9 @@ problem: a problem belongs to the eval split when a hash of its text falls in
   The answer is ``"target|n1,n2,..."``.
 - ``sort``: write 4-6 digits in ascending order: ``Sort 7 3 9 1 in ascending
   order.`` -> ``1379``.
+- ``code``: write a one-line Python function ``f(x)`` from its description
+  (``returns the larger of x and 7``); the row's ``tests`` are assert statements that
+  the ``code`` reward runs in its sandbox. The answer is the reference program.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ def _arithmetic(rng: random.Random) -> dict[str, str]:
   a = rng.randint(0, 99)
   b = rng.randint(0, 99) if op != "*" else rng.randint(0, 12)
   value = {"+": a + b, "-": a - b, "*": a * b}[op]
-  return {"prompt": f"What is {a} {op} {b}? {INSTRUCTION}", "answer": str(value)}
+  return _answered(f"What is {a} {op} {b}? {INSTRUCTION}", str(value))
+
+
+def _answered(prompt: str, answer: str, shown: str | None = None) -> dict[str, str]:
+  """A row whose SFT target puts ``shown`` (default: the answer) in the answer tags."""
+  return {"prompt": prompt, "answer": answer,
+          "sft_target": f"<answer>{answer if shown is None else shown}</answer>"}
 
 
 def _countdown(rng: random.Random) -> dict[str, str]:
@@ -43,20 +53,39 @@ def _countdown(rng: random.Random) -> dict[str, str]:
   shown = ", ".join(map(str, numbers))
   prompt = (f"Using the numbers {shown}, each at most once, and + - * /, make {value}. "
             f"{INSTRUCTION}")
-  return {"prompt": prompt, "answer": f"{value}|{','.join(map(str, numbers))}"}
+  return _answered(prompt, f"{value}|{','.join(map(str, numbers))}", expression)
 
 
 def _sort(rng: random.Random) -> dict[str, str]:
   digits = [str(rng.randint(0, 9)) for _ in range(rng.randint(4, 6))]
-  return {"prompt": f"Sort {' '.join(digits)} in ascending order. {INSTRUCTION}",
-          "answer": "".join(sorted(digits))}
+  return _answered(f"Sort {' '.join(digits)} in ascending order. {INSTRUCTION}",
+                   "".join(sorted(digits)))
 
 
-TASKS: dict[str, Callable[[random.Random], dict[str, str]]] = {
-    "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort}
+_CODE = (("x plus {n}", "x+{n}"), ("x minus {n}", "x-{n}"), ("x times {n}", "x*{n}"),
+         ("{n} minus x", "{n}-x"), ("x squared plus {n}", "x*x+{n}"),
+         ("the larger of x and {n}", "max(x,{n})"), ("the smaller of x and {n}", "min(x,{n})"),
+         ("x modulo {n}", "x%{n}"))
 
 
-def _in_eval(prompt: str, eval_fraction: float) -> bool:
+def _code(rng: random.Random) -> dict:
+  description, body = rng.choice(_CODE)
+  n = rng.randint(2, 9)
+  expression = body.format(n=n)
+  program = f"def f(x):\n return {expression}"
+  tests = []
+  for x in rng.sample(range(-20, 21), 3):
+    tests.append(f"assert f({x}) == {eval(expression, {'x': x})}")  # noqa: S307 - our own text
+  return {"prompt": f"Write f(x) that returns {description.format(n=n)}. Reply in ```python.",
+          "answer": program, "sft_target": f"```python\n{program}\n```", "tests": tests}
+
+
+TASKS: dict[str, Callable[[random.Random], dict]] = {
+    "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort, "code": _code}
+
+
+def in_eval(prompt: str, eval_fraction: float) -> bool:
+  """Whether a problem belongs to the held-out split (by a hash of its text)."""
   digest = hashlib.sha256(prompt.encode()).digest()
   return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 
@@ -74,7 +103,7 @@ def task_row(task: str, index: int, *, seed: int = 0, split: Split = "train",
   _check(task, eval_fraction)
   for attempt in range(1000):
     row = TASKS[task](random.Random(f"{task}:{seed}:{index}:{attempt}"))
-    if _in_eval(row["prompt"], eval_fraction) == (split == "eval"):
+    if in_eval(row["prompt"], eval_fraction) == (split == "eval"):
       return row
   raise RuntimeError(f"no {split} problem found for {task} row {index}")  # p ~ 0.9^1000
 

@@ -84,11 +84,18 @@ class Tokenizer:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory
 
-  def encode_prompt(self, prompt: str) -> list[int]:
-    """A user prompt as ids: through the chat template when there is one, else plain text."""
-    if self.chat_template is None:
-      return self.encode(prompt)
-    return self.apply_chat_template([{"role": "user", "content": prompt}])
+  def encode_prompt(self, prompt: str | Sequence[dict[str, Any]]) -> list[int]:
+    """A prompt as ids: plain text as a user message through the chat template (as it is
+    when there is none), or a list of chat messages through the chat template."""
+    if isinstance(prompt, str):
+      if self.chat_template is None:
+        return self.encode(prompt)
+      prompt = [{"role": "user", "content": prompt}]
+    elif self.chat_template is None:
+      raise ValueError("the prompt is a list of chat messages, but the tokenizer has no chat "
+                       "template to render them; use a model whose tokenizer_config.json has "
+                       "one, or plain-text prompts")
+    return self.apply_chat_template(prompt)
 
 
 def _raise(message: str):

@@ -1,20 +1,24 @@
 """Scoring responses in a pool of host worker processes, off the device path.
 
-    with RewardPool("arithmetic", format_weight=0.1, num_workers=2, timeout_s=5) as pool:
-        scored = pool.score(responses, references)
-        scored.rewards, scored.correct, scored.counts
+    with RewardPool(RewardFn("arithmetic", format_weight=0.1), num_workers=2, timeout_s=5) as pool:
+        scored = pool.score(responses, rows)
+        scored.rewards, scored.correct, scored.counts, scored.components
 
 Every call has its own timeout: a call that runs past ``timeout_s`` scores 0,
 is counted (``reward/timeouts``) and only its worker is killed and replaced. A
-reward function that raises scores 0 and is counted (``reward/errors``); so
-does one that kills its own process (the worker is replaced). The first
-failure of each kind is logged; the run goes on.
+reward function that raises (or calls ``sys.exit``) scores 0 and is counted
+(``reward/errors``); so does one that kills its own process or runs out of its
+``memory_mb`` (the worker is replaced, as is a worker that has grown past it
+between calls). What a reward function prints is discarded. The first failure
+of each kind is logged; the run goes on. A batched reward function is called
+on chunks of ``batch_size`` responses, each chunk one call with its own
+timeout.
 
 The pool is safe to share between threads (the generator and the evaluation):
 a ``score`` call checks workers out for its own use and returns them when done.
 Workers ignore SIGINT and SIGTERM, which a terminal or a cluster scheduler sends
 to the whole process group: the trainer decides when they stop (``close``).
-``num_workers=0`` scores in the calling thread (no timeouts), for debugging.
+``num_workers=0`` scores in the calling thread (no timeouts, prints shown), for debugging.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import resource
 import signal
 import threading
 import time
@@ -33,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlx.rewards.verifiers import VERIFIERS, judge
+from rlx.rewards.functions import RewardFn, check, judge, judge_batch
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +50,30 @@ class Scored(NamedTuple):
   """What one ``RewardPool.score`` call returns."""
 
   rewards: np.ndarray
-  """float32 [N]: the verifier's reward plus the weighted format reward."""
+  """float32 [N]: the reward plus the weighted format reward."""
   correct: np.ndarray
-  """bool [N]: the verifier's verdict alone (a format bonus never makes an answer correct)."""
+  """bool [N]: the verdict alone (a format bonus never makes an answer correct)."""
   counts: dict
   """This call's ``reward/errors`` and ``reward/timeouts``."""
+  components: dict
+  """name -> float32 [N]: the named parts a reward returned (NaN where it gave none)."""
 
 
-def _serve(connection) -> None:
-  """A worker's loop: (verifier, format_weight, response, reference) in, ("ok", (reward,
-  correct)) or ("error", text) out, until the parent sends None or goes away."""
+def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
+  """A worker's loop: (positions, payload) in, ("ok", [Judged]) or ("error", text) out, until
+  the parent sends None or goes away. The payload is (response, row), or (responses, rows)
+  for a batched function."""
   for sig in _STOP_SIGNALS:
     signal.signal(sig, signal.SIG_IGN)
   signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
   _die_with_parent()
-  connection.send(("ready", None))  # a call's clock starts only once its worker is up
+  devnull = os.open(os.devnull, os.O_WRONLY)  # what reward functions print goes nowhere
+  os.dup2(devnull, 1)
+  os.dup2(devnull, 2)
+  limit = memory_mb * 2**20
+  if memory_mb:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+  connection.send(("ready", None, False))  # a call's clock starts only once its worker is up
   while True:
     try:
       task = connection.recv()
@@ -68,13 +82,26 @@ def _serve(connection) -> None:
     if task is None:
       return
     try:
-      reply = ("ok", judge(*task))
-    except Exception as error:  # noqa: BLE001 - any reward failure is reported, never fatal
+      _, payload = task
+      judged = (judge_batch(reward, *payload) if reward.batched else [judge(reward, *payload)])
+      reply = ("ok", judged)
+    except BaseException as error:  # noqa: BLE001 - any reward failure (exit too) is reported
       reply = ("error", f"{type(error).__name__}: {error}")
+    retire = bool(memory_mb) and _resident_bytes() > limit // 2  # it leaks: a fresh one takes over
     try:
-      connection.send(reply)
+      connection.send((*reply, retire))
     except (OSError, ValueError):
       return
+    if retire:
+      return
+
+
+def _resident_bytes() -> int:
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return 0
 
 
 def _die_with_parent() -> None:
@@ -93,9 +120,9 @@ def _die_with_parent() -> None:
 class _Worker:
   """One worker process and the parent's end of its pipe."""
 
-  def __init__(self, context):
+  def __init__(self, context, reward: RewardFn, memory_mb: int):
     self.connection, child = context.Pipe()
-    self.process = context.Process(target=_serve, args=(child,), daemon=True,
+    self.process = context.Process(target=_serve, args=(child, reward, memory_mb), daemon=True,
                                    name="rlx-reward-worker")
     # Started with SIGINT/SIGTERM blocked, so that the child (which inherits the mask) never
     # dies of a Ctrl-C that arrives before it has installed its own handlers.
@@ -127,19 +154,21 @@ class _Worker:
 
 
 class RewardPool:
-  """A verifier applied to (response, reference) pairs in worker processes.
+  """A reward applied to (response, row) pairs in worker processes.
 
-  ``verifier`` is a name in ``VERIFIERS`` or a module-level function
-  ``(response, reference) -> float`` (workers import it by name).
+  ``reward`` is a ``RewardFn``, or what its ``name`` may be: a name in ``VERIFIERS``,
+  ``"code"``, ``"module:function"`` / ``"file.py:function"``, or a module-level function
+  ``(response, row) -> float | dict`` (workers import it by name).
   """
 
-  def __init__(self, verifier, *, format_weight: float = 0.0, num_workers: int = 2,
-               timeout_s: float = 5.0):
-    if isinstance(verifier, str) and verifier not in VERIFIERS:
-      raise ValueError(f"unknown reward {verifier!r}; choose one of {', '.join(VERIFIERS)}")
+  def __init__(self, reward, *, format_weight: float = 0.0, num_workers: int = 2,
+               timeout_s: float = 5.0, memory_mb: int = 4096, batch_size: int = 64):
+    if not isinstance(reward, RewardFn):
+      reward = RewardFn(reward, format_weight=format_weight)
+    check(reward)  # an unknown name or an import error is reported here, not in a worker
     if timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    self.verifier, self.format_weight = verifier, format_weight
+    self.reward, self.memory_mb, self.batch_size = reward, memory_mb, batch_size
     self.num_workers, self.timeout_s = num_workers, timeout_s
     self.totals = {"reward/errors": 0, "reward/timeouts": 0}
     self._lock = threading.Lock()  # guards totals, the logged-once flags and closing
@@ -149,33 +178,54 @@ class RewardPool:
     self._context = multiprocessing.get_context("spawn")
     self._idle: queue.Queue[_Worker] = queue.Queue()
     for _ in range(num_workers):
-      self._idle.put(_Worker(self._context))
+      self._idle.put(self._new_worker())
     if num_workers:
       # before multiprocessing's own exit handler, which would wait forever on workers that
       # ignore the SIGTERM it sends them
       atexit.register(self.close)
 
-  def score(self, responses: Sequence[str], references: Sequence[str]) -> Scored:
-    """Rewards, verdicts and this call's error and timeout counts."""
-    if len(responses) != len(references):
-      raise ValueError(f"{len(responses)} responses but {len(references)} references")
+  def _new_worker(self) -> _Worker:
+    return _Worker(self._context, self.reward, self.memory_mb)
+
+  def score(self, responses: Sequence[str], rows: Sequence[dict | str]) -> Scored:
+    """Rewards, verdicts, this call's error and timeout counts, and the named components. A
+    row given as a string is the reference answer alone."""
+    if len(responses) != len(rows):
+      raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
+    rows = [{"answer": row} if isinstance(row, str) else
+            {key: value for key, value in row.items() if key != "prompt_tokens"} for row in rows]
     counts = {"reward/errors": 0, "reward/timeouts": 0}
     rewards = np.zeros(len(responses), np.float32)
     correct = np.zeros(len(responses), bool)
-    tasks = [(self.verifier, self.format_weight, response, reference)
-             for response, reference in zip(responses, references)]
+    components: dict[str, np.ndarray] = {}
+    if self.reward.batched:
+      tasks = [(list(range(start, min(start + self.batch_size, len(rows)))),
+                (list(responses[start:start + self.batch_size]),
+                 rows[start:start + self.batch_size]))
+               for start in range(0, len(rows), self.batch_size)]
+    else:
+      tasks = [([i], (response, row)) for i, (response, row) in enumerate(zip(responses, rows))]
+
+    def record(positions, judged_list):
+      for i, judged in zip(positions, judged_list):
+        rewards[i], correct[i] = judged.reward, judged.correct
+        for name, value in judged.components.items():
+          components.setdefault(name, np.full(len(responses), np.nan, np.float32))[i] = value
+
     if not self.num_workers:
-      for i, task in enumerate(tasks):
+      for positions, payload in tasks:
         try:
-          rewards[i], correct[i] = judge(*task)
+          record(positions, judge_batch(self.reward, *payload) if self.reward.batched
+                 else [judge(self.reward, *payload)])
         except Exception as error:  # noqa: BLE001 - any reward failure scores 0
-          self._failed(counts, "reward/errors", f"{type(error).__name__}: {error}")
+          self._failed(counts, "reward/errors", f"{type(error).__name__}: {error}",
+                       len(positions))
     elif tasks:
-      self._score_in_workers(tasks, rewards, correct, counts)
+      self._score_in_workers(tasks, record, counts)
     with self._lock:
       for key, value in counts.items():
         self.totals[key] += value
-    return Scored(rewards, correct, counts)
+    return Scored(rewards, correct, counts, components)
 
   def _checkout(self) -> list[_Worker]:
     """At least one worker (waiting for one if another thread holds them all), and every
@@ -194,7 +244,7 @@ class RewardPool:
       except queue.Empty:
         return workers
 
-  def _score_in_workers(self, tasks, rewards, correct, counts) -> None:
+  def _score_in_workers(self, tasks, record, counts) -> None:
     workers = self._checkout()
     pending = list(range(len(tasks)))[::-1]  # popped from the end: in order
     try:
@@ -213,28 +263,33 @@ class RewardPool:
                                                 timeout=max(deadline - time.monotonic(), 0))
         for worker in [w for w in waiting if w.connection in ready]:
           try:
-            status, value = worker.connection.recv()
+            status, value, retire = worker.connection.recv()
           except (EOFError, OSError):  # the reward function killed its own process
             if worker.index >= 0:
               self._failed(counts, "reward/errors",
-                           f"a reward worker died (exit code {worker.process.exitcode})")
+                           f"a reward worker died (exit code {worker.process.exitcode})",
+                           len(tasks[worker.index][0]))
             self._replace(workers, worker)
             continue
           if status == "ready":
             worker.ready = True
             continue
           if status == "ok":
-            rewards[worker.index], correct[worker.index] = value
+            record(tasks[worker.index][0], value)
           else:
-            self._failed(counts, "reward/errors", f"a reward function raised {value}")
+            self._failed(counts, "reward/errors", f"a reward function raised {value}",
+                         len(tasks[worker.index][0]))
           worker.index = -1
+          if retire:
+            self._replace(workers, worker)
         now = time.monotonic()
         for worker in [w for w in waiting if w in workers]:  # not those just replaced
           if worker.connection.poll():  # answered since the wait: read on the next round
             continue
           if worker.ready and worker.index >= 0 and now - worker.started > self.timeout_s:
             self._failed(counts, "reward/timeouts",
-                         f"a reward call ran past {self.timeout_s:.1f}s; its worker was replaced")
+                         f"a reward call ran past {self.timeout_s:.1f}s; its worker was replaced",
+                         len(tasks[worker.index][0]))
             self._replace(workers, worker)
           elif not worker.ready and now - worker.started > _STARTUP_S:
             log.warning("a reward worker did not start within %.0fs; starting another",
@@ -246,17 +301,17 @@ class RewardPool:
           worker.stop(timeout=2)
         elif worker.index >= 0:  # interrupted mid-call: its answer would confuse the next caller
           worker.kill()
-          self._idle.put(_Worker(self._context))
+          self._idle.put(self._new_worker())
         else:
           self._idle.put(worker)
 
   def _replace(self, workers: list[_Worker], worker: _Worker) -> None:
     """Kills ``worker`` and puts a fresh one in its place in ``workers``."""
     worker.kill()
-    workers[workers.index(worker)] = _Worker(self._context)
+    workers[workers.index(worker)] = self._new_worker()
 
-  def _failed(self, counts: dict, key: str, message: str) -> None:
-    counts[key] += 1
+  def _failed(self, counts: dict, key: str, message: str, responses: int = 1) -> None:
+    counts[key] += responses
     with self._lock:
       first = key not in self._logged
       self._logged.add(key)

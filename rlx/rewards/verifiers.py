@@ -107,18 +107,3 @@ def sort_reward(response: str, reference: str) -> float:
 
 VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward,
              "sort": sort_reward}
-
-
-def judge(verifier, format_weight: float, response: str, reference: str) -> tuple[float, bool]:
-  """(reward, correct): the verifier's reward (a name in VERIFIERS, or a function) plus
-  ``format_weight`` times the format reward, and whether the verifier alone gave full credit
-  (a format bonus never turns a wrong answer into a correct one)."""
-  verdict = float((VERIFIERS[verifier] if isinstance(verifier, str) else verifier)(response,
-                                                                                   reference))
-  reward = verdict + format_weight * format_reward(response) if format_weight else verdict
-  return reward, verdict >= 1.0
-
-
-def score(verifier, format_weight: float, response: str, reference: str) -> float:
-  """The reward of ``judge``."""
-  return judge(verifier, format_weight, response, reference)[0]

@@ -77,7 +77,7 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
              "data_state": zlib.crc32(json.dumps(draw.data_state, sort_keys=True).encode())},
             f"the loop's state after step {step}")
       if evaluation_due(config, step, stopping):
-        metrics["eval/accuracy"] = evaluate(run, params)
+        metrics.update(evaluate(run, params))
       sink.write(step, metrics)
       if learner.checkpoint_due(step, stopping):
         learner.save(step, draw.data_state)

@@ -21,7 +21,7 @@ import numpy as np
 
 from rlx import algorithms, distributed, rollout
 from rlx.config import ConfigError, RunConfig
-from rlx.data import PromptStream, TaskSource, open_source
+from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import (
   Model,
@@ -32,7 +32,7 @@ from rlx.models import (
   param_shardings,
   save_pretrained,
 )
-from rlx.rewards import VERIFIERS, RewardPool, Scored
+from rlx.rewards import RewardPool, Scored, from_config
 from rlx.rollout import Completion
 from rlx.sync import OrbaxSync, ReshardSync
 from rlx.trainer.warmup import warm_up
@@ -50,12 +50,6 @@ class DynamicSamplingError(TrainingError):
 
 class NonFiniteError(TrainingError):
   """Too many updates in a row had a non-finite loss or gradient norm."""
-
-
-def verifier_name(config: RunConfig) -> str:
-  if config.reward.name != "auto":
-    return config.reward.name
-  return config.data.source if config.data.source in VERIFIERS else "math"
 
 
 @dataclasses.dataclass
@@ -99,23 +93,12 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   if tokenizer.vocab_size > model.arch.vocab_size:
     raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab is "
                       f"{model.arch.vocab_size}; the tokenizer belongs to another model")
-  data = config.data
-  source = open_source(data.source, prompt_field=data.prompt_field, answer_field=data.answer_field,
-                       on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
-                       eval_fraction=data.eval_fraction)
-  if source.skipped:
-    say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
-        f"the first: {source.first_skipped}")
-  stream = PromptStream(source, batch_size=data.prompts_per_step, seed=data.shuffle_seed,
-                        num_epochs=data.num_epochs, encode=tokenizer.encode_prompt,
+  source, eval_rows = _sources(config, tokenizer, say)
+  stream = PromptStream(source, batch_size=config.data.prompts_per_step,
+                        seed=config.data.shuffle_seed, num_epochs=config.data.num_epochs,
+                        encode=tokenizer.encode_prompt,
                         max_prompt_tokens=config.rollout.max_prompt_len,
-                        on_bad_row=data.on_bad_row)
-  eval_rows = []
-  if isinstance(source, TaskSource) and config.trainer.eval_prompts:
-    eval_source = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
-                             eval_fraction=source.eval_fraction)
-    eval_rows = [dict(eval_source[i], prompt_tokens=tokenizer.encode_prompt(eval_source[i]["prompt"]))
-                 for i in range(config.trainer.eval_prompts)]
+                        on_bad_row=config.data.on_bad_row)
   r = config.rollout
   engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
                           max_len=r.max_prompt_len + r.max_new_tokens,
@@ -125,15 +108,73 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   sync = (OrbaxSync(workdir / "policy_versions", shardings,
                     keep=max(config.mesh.max_staleness + 2, 2))
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
-  pool = RewardPool(verifier_name(config), format_weight=config.reward.format_weight,
-                    num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
+  pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
+                    timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
+                    batch_size=config.reward.batch_size)
   warmup_started = time.perf_counter()
-  if config.trainer.warmup_sft_steps and config.mesh.role != "generator":  # it gets the learner's
+  if warms_up(config) and config.mesh.role != "generator":  # it gets the learner's
+    if config.model.path:
+      say(f"rlx: supervised warm-up of {config.model.path}: "
+          f"{config.trainer.warmup_sft_steps} steps at lr {config.trainer.warmup_sft_learning_rate} "
+          "before RL (config.trainer.warmup_sft=always)")
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
   run = Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
             workdir)
   run.seconds["warm-up"] = time.perf_counter() - warmup_started
   return run
+
+
+def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object, list[dict]]:
+  """The training source and the held-out rows (tokenized): a built-in task's eval split, the
+  rows of data.eval_source, or data.eval_fraction of the data file, held out."""
+  data, wanted = config.data, config.trainer.eval_prompts
+  options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field,
+                 on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
+                 eval_fraction=data.eval_fraction)
+  source = open_source(data.source, **options)
+  if source.skipped:
+    say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
+        f"the first: {source.first_skipped}")
+  held = None
+  if wanted and data.eval_source:
+    held = open_source(data.eval_source, **dict(options, split="eval"))
+  elif wanted and isinstance(source, TaskSource):
+    held = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
+                      eval_fraction=source.eval_fraction)
+  elif wanted:
+    total = len(source)
+    source, held = hold_out(source, data.eval_fraction)
+    say(f"rlx: data: {len(held)} of the {total} rows of {data.source} are held out for "
+        f"evaluation, never trained on (data.eval_fraction={data.eval_fraction}); give "
+        "data.eval_source, or set trainer.eval_prompts=0 to train on every row")
+  eval_rows, too_long = [], 0
+  for i in range(min(wanted, len(held)) if held is not None else 0):
+    row = held[i]
+    try:
+      tokens = tokenizer.encode_prompt(row["prompt"])
+    except ValueError as error:
+      raise DataError(f"{row['where']}: {error}") from None
+    if len(tokens) > config.rollout.max_prompt_len:
+      too_long += 1
+      continue
+    eval_rows.append(dict(row, prompt_tokens=tokens))
+  if too_long:
+    say(f"rlx: eval: {too_long} held-out prompt(s) are longer than config.rollout.max_prompt_len="
+        f"{config.rollout.max_prompt_len} and are left out; {len(eval_rows)} are scored")
+  if held is not None and not eval_rows:
+    raise DataError(f"no held-out prompt fits config.rollout.max_prompt_len="
+                    f"{config.rollout.max_prompt_len}; raise it")
+  return source, eval_rows
+
+
+def warms_up(config: RunConfig) -> bool:
+  """Whether the run starts with the supervised warm-up: by default only the built-in model on
+  a built-in task (a real checkpoint already knows how to answer; see trainer.warmup_sft)."""
+  trainer = config.trainer
+  if not trainer.warmup_sft_steps or trainer.warmup_sft == "never":
+    return False
+  return trainer.warmup_sft == "always" or (config.model.path is None
+                                            and config.data.source in TASKS)
 
 
 def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
@@ -192,25 +233,47 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
       stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
       first_prompt_index=first_prompt_index)
   texts = [run.tokenizer.decode(c.response_tokens) for c in completions]
-  return completions, run.pool.score(texts, [rows[c.prompt_index]["answer"] for c in completions])
+  return completions, run.pool.score(texts, [rows[c.prompt_index] for c in completions])
 
 
-def evaluate(run: Run, params) -> float | None:
-  """Held-out accuracy (greedy): the share of eval prompts whose answer the verifier accepts
-  (a format bonus never counts). With several processes, each answers its share of the
-  prompts and the accuracy is over all of them."""
+def evaluate(run: Run, params) -> dict[str, float]:
+  """Held-out metrics: ``eval/accuracy``, the share of eval prompts whose greedy answer is
+  correct (a format bonus never counts); with ``trainer.eval_samples`` = n, also
+  ``eval/pass@n`` (some sample of n correct) and ``eval/sampled_accuracy`` (the share of
+  samples correct). Empty when there are no eval rows. With several processes, each answers
+  its share of the prompts and the metrics are over all of them."""
   if not run.eval_rows:
-    return None
+    return {}
   started = time.perf_counter()
   count, index = jax.process_count(), jax.process_index()
   rows = run.eval_rows[index::count]
-  correct = 0.0
+  n = run.config.trainer.eval_samples
+  totals = np.zeros(3)  # greedy correct, prompts with a correct sample, correct samples
   if rows:
     _, scored = generate_and_score(run, params, rows, n=1, temperature=0.0, seed=0, version=0)
-    correct = float(np.sum(scored.correct))
-  total = distributed.sum_over_processes([correct])[0]
+    totals[0] = np.sum(scored.correct)
+    if n:
+      completions, scored = generate_and_score(run, params, rows, n=n,
+                                               temperature=run.config.rollout.temperature,
+                                               seed=1, version=0)
+      solved = np.zeros(len(rows), bool)
+      for completion, correct in zip(completions, scored.correct):
+        solved[completion.prompt_index] |= correct
+      totals[1], totals[2] = solved.sum(), np.sum(scored.correct)
+  totals = distributed.sum_over_processes(totals)
   run.seconds["evals"] = run.seconds.get("evals", 0.0) + time.perf_counter() - started
-  return float(total / len(run.eval_rows))
+  prompts = len(run.eval_rows)
+  metrics = {"eval/accuracy": float(totals[0] / prompts)}
+  if n:
+    metrics.update({f"eval/pass@{n}": float(totals[1] / prompts),
+                    "eval/sampled_accuracy": float(totals[2] / (prompts * n))})
+  return metrics
+
+
+def _component_key(name: str) -> str:
+  """The metric of a reward's named component (never one of the loop's own reward metrics)."""
+  own = ("mean", "accuracy", "errors", "timeouts")
+  return f"reward/{name}" if name not in own else f"reward/component_{name}"
 
 
 @dataclasses.dataclass
@@ -223,6 +286,7 @@ class Draw:
   correct: np.ndarray
   """bool [N]: the verifier's verdict on each kept completion."""
   counts: dict
+  """Metrics of the draw: reward mean and accuracy, errors, dropped groups, components..."""
   generate_seconds: float
   data_state: dict
 
@@ -246,6 +310,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
   completions, rewards, correct, draws, dropped = [], [], [], 0, 0
   counts: dict[str, int] = {}
   sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
+  parts: dict[str, list[float]] = {}  # a reward's named components: [sum, count]
   started = time.perf_counter()
   while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
@@ -265,6 +330,10 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
     sampled += len(scores)
     for key, value in scored.counts.items():
       counts[key] = counts.get(key, 0) + value
+    for name, values in scored.components.items():
+      given = values[~np.isnan(values)]
+      part = parts.setdefault(name, [0.0, 0])
+      part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
     keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
             if config.algorithm.dynamic_sampling else np.ones(len(scores), bool))
     dropped += int((~keep).sum()) // group
@@ -273,9 +342,15 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
     correct += [scored.correct[i] for i in np.flatnonzero(keep)]
     draws += 1
   keys = sorted(counts)  # the pool's counts (the same keys on every process)
+  names = distributed.union_over_processes(parts)  # components may differ between processes
   totals = distributed.sum_over_processes(
-      [sampled_reward, sampled_correct, sampled, dropped, *(counts[key] for key in keys)])
-  counts = {key: int(total) for key, total in zip(keys, totals[4:])}
+      [sampled_reward, sampled_correct, sampled, dropped, *(counts[key] for key in keys),
+       *(value for name in names for value in parts.get(name, (0.0, 0)))])
+  counts = {key: int(total) for key, total in zip(keys, totals[4:4 + len(keys)])}
+  for i, name in enumerate(names):
+    part_sum, part_count = totals[4 + len(keys) + 2 * i:6 + len(keys) + 2 * i]
+    if part_count:
+      counts[_component_key(name)] = float(part_sum / part_count)
   counts.update({"rollout/dropped_groups": int(totals[3]), "rollout/draws": draws,
             # what the sampling policy produced, before dynamic sampling dropped any group
             "reward/mean": float(totals[0] / totals[2]),

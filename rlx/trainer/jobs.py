@@ -103,7 +103,7 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
             "throughput/samples_per_s": len(draw.completions) / elapsed})
         waited_since = finished
         if evaluation_due(config, step, stop.agreed):
-          metrics["eval/accuracy"] = evaluate(run, learner.generation_params())
+          metrics.update(evaluate(run, learner.generation_params()))
         sink.write(step, metrics)
         if learner.checkpoint_due(step, stop.agreed):
           learner.save(step, data_state, rollout_index=index)

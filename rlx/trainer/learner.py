@@ -41,7 +41,8 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   if start is not None:
     say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
   learner.publish()
-  accuracy_before = evaluate(run, learner.generation_params()) if start is None else None
+  accuracy_before = (evaluate(run, learner.generation_params()).get("eval/accuracy")
+                     if start is None else None)
   if accuracy_before is not None:
     say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
   evals = run.seconds.setdefault("evals", 0.0)
@@ -74,7 +75,7 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
         "skipped; rerun the same command to resume")
     accuracy_after = None
   else:
-    accuracy_after = evaluate(run, learner.generation_params())
+    accuracy_after = evaluate(run, learner.generation_params()).get("eval/accuracy")
   run.close()
   return {"steps": step, "seconds": dict(seconds), "eval_accuracy_before": accuracy_before,
           "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),

@@ -225,7 +225,7 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
                                                                          1e-9),
             "throughput/learning_tokens_per_s": learn_tokens / max(learn_seconds, 1e-9)})
         if evaluation_due(config, step, stop.requested):
-          metrics["eval/accuracy"] = evaluate(run, learner.generation_params())
+          metrics.update(evaluate(run, learner.generation_params()))
         sink.write(step, metrics)
         if learner.checkpoint_due(step, stop.requested):
           learner.save(step, data_state)

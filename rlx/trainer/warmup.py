@@ -1,7 +1,8 @@
 """Supervised warm-up: next-token cross-entropy on (prompt, reference answer) pairs, so that a
 freshly initialised model learns the answer format before RL improves its answers.
 
-The response a row is trained on is ``<answer>{answer}</answer>`` followed by eos.
+The response a row is trained on is its ``sft_target`` (the built-in tasks give one), else
+``<answer>{answer}</answer>``, followed by eos.
 """
 
 from __future__ import annotations
@@ -13,15 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rlx.data import DataError
 from rlx.models import Model, Tokenizer
 from rlx.rollout import Completion
 from rlx.trainer.experience import layout
 from rlx.update import sequence_logprobs
 
 
-def target_text(answer: str) -> str:
+def target_text(row: dict) -> str:
   """What the warm-up teaches the model to write for a row."""
-  return f"<answer>{answer.split('|')[0]}</answer>"
+  if row.get("sft_target"):
+    return str(row["sft_target"])
+  if not row.get("answer"):
+    raise DataError(f"{row.get('where', 'a row')}: the supervised warm-up needs an "
+                    "'sft_target' or an answer to train on; set config.trainer.warmup_sft=never")
+  return f"<answer>{row['answer']}</answer>"
 
 
 def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[dict[str, np.ndarray]]:
@@ -29,7 +36,7 @@ def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[di
   for batch in rows:
     completions = []
     for row in batch:
-      response = tokenizer.encode(target_text(row["answer"]), add_special_tokens=False)
+      response = tokenizer.encode(target_text(row), add_special_tokens=False)
       response = response + [tokenizer.eos_id]
       completions.append(Completion(prompt_tokens=row["prompt_tokens"], response_tokens=response,
                                     logprobs=[0.0] * len(response), policy_logprobs=[],

@@ -16,8 +16,9 @@ def _jsonl(path, rows):
 def test_jsonl_fields_and_random_access(tmp_path):
   path = _jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "solution": i} for i in range(5)])
   source = JsonlSource(path, prompt_field="question", answer_field="solution")
-  assert len(source) == 5 and source[3] == {"prompt": "q3", "answer": "3",
-                                              "where": f"{path}:4"}
+  # every field is kept (for reward functions); the prompt and answer under their own names
+  assert len(source) == 5 and source[3] == {"prompt": "q3", "answer": "3", "question": "q3",
+                                              "solution": 3, "where": f"{path}:4"}
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -65,8 +65,9 @@ def test_math_verify_equivalence():
 def test_format_and_weighted_score():
   assert rewards.format_reward("think <answer>7</answer>") == 1.0
   assert rewards.format_reward("<answer>7</answer> trailing words") == 0.0
-  assert rewards.score("arithmetic", 0.1, "<answer>7</answer>", "7") == pytest.approx(1.1)
-  assert rewards.score("arithmetic", 0.1, "<answer>8</answer>", "7") == pytest.approx(0.1)
+  reward = rewards.RewardFn("arithmetic", format_weight=0.1)
+  assert rewards.judge(reward, "<answer>7</answer>", {"answer": "7"}) == (pytest.approx(1.1), True, {})
+  assert rewards.judge(reward, "<answer>8</answer>", {"answer": "7"}) == (pytest.approx(0.1), False, {})
 
 
 def _boom(response, reference):
@@ -81,19 +82,19 @@ def _sleepy(response, reference):
 def test_inline_pool_counts_exceptions(monkeypatch):
   monkeypatch.setitem(verifiers.VERIFIERS, "arithmetic", _boom)
   pool = rewards.RewardPool("arithmetic", num_workers=0)
-  scores, _, counts = pool.score(["<answer>1</answer>"] * 3, ["1"] * 3)
+  scores, _, counts, _ = pool.score(["<answer>1</answer>"] * 3, ["1"] * 3)
   np.testing.assert_array_equal(scores, [0, 0, 0])
   assert counts["reward/errors"] == 3 and pool.totals["reward/errors"] == 3
 
 
 def test_worker_pool_scores_and_counts_errors():
   with rewards.RewardPool("countdown", num_workers=2, timeout_s=5) as pool:
-    scores, _, counts = pool.score(["<answer>6 * 4</answer>", "<answer>6 + 4</answer>", "nothing"],
+    scores, _, counts, _ = pool.score(["<answer>6 * 4</answer>", "<answer>6 + 4</answer>", "nothing"],
                                 ["24|6,4", "24|6,4", "24|6,4"])
     np.testing.assert_array_equal(scores, [1, 0, 0])
     assert counts == {"reward/errors": 0, "reward/timeouts": 0}
     # A malformed reference makes the verifier raise: it scores 0, is counted, the run goes on.
-    scores, _, counts = pool.score(["<answer>6 * 4</answer>"] * 2, ["24", "24|6,4"])
+    scores, _, counts, _ = pool.score(["<answer>6 * 4</answer>"] * 2, ["24", "24|6,4"])
     np.testing.assert_array_equal(scores, [0, 1])
     assert counts["reward/errors"] == 1 and pool.totals["reward/errors"] == 1
 
@@ -101,11 +102,11 @@ def test_worker_pool_scores_and_counts_errors():
 def test_worker_pool_replaces_a_stuck_worker():
   with rewards.RewardPool(_sleepy, num_workers=2, timeout_s=1) as pool:
     started = time.monotonic()
-    scores, _, counts = pool.score(["fast", "slow", "fast"], ["", "", ""])
+    scores, _, counts, _ = pool.score(["fast", "slow", "fast"], ["", "", ""])
     assert time.monotonic() - started < 15
     np.testing.assert_array_equal(scores, [1, 0, 1])
     assert counts["reward/timeouts"] == 1
-    scores, _, counts = pool.score(["fast"] * 4, [""] * 4)  # fresh workers carry on
+    scores, _, counts, _ = pool.score(["fast"] * 4, [""] * 4)  # fresh workers carry on
     np.testing.assert_array_equal(scores, [1] * 4)
     assert counts["reward/timeouts"] == 0
 
@@ -135,7 +136,7 @@ def test_pool_shared_by_two_threads_survives_raises_hangs_and_deaths():
       for _ in range(100):
         responses = list(rng.choice(["ok", "raise", "hang", "die"], size=6,
                                     p=[0.94, 0.04, 0.01, 0.01]))
-        scores, correct, counts = pool.score(responses, [""] * len(responses))
+        scores, correct, counts, _ = pool.score(responses, [""] * len(responses))
         ok = np.array([r == "ok" for r in responses])
         np.testing.assert_array_equal(scores, ok.astype(np.float32))
         np.testing.assert_array_equal(correct, ok)
@@ -169,7 +170,7 @@ def test_workers_ignore_the_stop_signals_sent_to_the_process_group():
       os.kill(worker.pid, signal.SIGTERM)
     time.sleep(0.5)
     assert all(worker.is_alive() for worker in workers)
-    scores, correct, counts = pool.score(["<answer>2</answer>", "<answer>3</answer>"], ["2", "2"])
+    scores, correct, counts, _ = pool.score(["<answer>2</answer>", "<answer>3</answer>"], ["2", "2"])
     np.testing.assert_array_equal(scores, [1, 0])
     assert counts == {"reward/errors": 0, "reward/timeouts": 0}
   assert not any(worker.is_alive() for worker in workers)
@@ -177,14 +178,14 @@ def test_workers_ignore_the_stop_signals_sent_to_the_process_group():
 
 def test_accuracy_is_the_verdict_not_the_format_bonus():
   pool = rewards.RewardPool("sort", format_weight=1.0, num_workers=0)
-  scores, correct, _ = pool.score(["<answer>1379</answer>", "<answer>9731</answer>"],
+  scores, correct, _, _ = pool.score(["<answer>1379</answer>", "<answer>9731</answer>"],
                                   ["1379", "1379"])
   np.testing.assert_array_equal(scores, [2.0, 1.0])  # the wrong answer still earns its format
   np.testing.assert_array_equal(correct, [True, False])
 
 
 def test_unknown_verifier_is_refused():
-  with pytest.raises(ValueError, match="unknown reward 'maths'"):
+  with pytest.raises(rewards.RewardError, match="unknown reward 'maths'"):
     rewards.RewardPool("maths", num_workers=0)
 
 

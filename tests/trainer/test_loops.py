@@ -30,16 +30,10 @@ def test_each_config_runs_a_few_steps(name, tmp_path):
   assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "warmup" / "config.json").is_file()
 
 
-def _odd_length(response: str, reference: str) -> float:
-  del reference
-  return float(len(response) % 2)
-
-
-def test_mini_batches_make_the_clipped_objective_act(tmp_path, monkeypatch):
-  from rlx.trainer import common
-
-  monkeypatch.setattr(common, "verifier_name", lambda config: _odd_length)  # varied rewards
+def test_mini_batches_make_the_clipped_objective_act(tmp_path):
   config = tiny.config("dapo_split", "--config.trainer.steps=3", "--config.trainer.mini_batches=2",
+                       "--config.reward.name=tests.trainer.toy_rewards:odd_length",  # varied
+
                        "--config.rollout.group_size=4", "--config.trainer.ppo_epochs=2",
                        "--config.algorithm.dynamic_sampling=false",
                        "--config.optimizer.learning_rate=1e-2")

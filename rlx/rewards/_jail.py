@@ -1,0 +1,190 @@
+"""The jail the ``code`` reward runs programs in: a standalone script (standard library only,
+started as ``python -I -S _jail.py`` by ``rlx.rewards.sandbox``), never imported.
+
+It reads a JSON spec on stdin, then:
+
+1. ``unshare``s new mount, network, PID, IPC and UTS namespaces (and a user namespace when
+   it is not root), so the program sees no network (not even loopback), no host process and
+   no host IPC;
+2. forks the namespace's init, which builds a new root on a tmpfs: the interpreter's
+   directories bound read-only (``/usr`` and the Python prefix), ``/dev/null``,
+   ``/dev/zero`` and ``/dev/urandom``, and a small size-capped tmpfs ``/sandbox`` holding the
+   program — no ``/etc``, ``/home``, ``/root``, ``/proc``, ``/tmp`` or run directory — and
+   ``chroot``s into it;
+3. forks the program: an unprivileged uid of its own (or, in a user namespace, root without
+   capabilities), no new privileges, rlimits on CPU seconds, address space, file size, open
+   files and processes, a scrubbed environment, then ``exec``s the interpreter on it.
+
+When the program exits, init exits and the kernel kills whatever the program left behind
+in its PID namespace; when this script is killed (the caller's wall-clock timeout), init
+dies with it (``PR_SET_PDEATHSIG``) and takes the namespace down the same way.
+
+Exit status: the program's (128 + signal when killed); 125 with a line on stderr starting
+``rlx-jail:`` when the jail itself could not be built.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+SECBITS_LOCKED_NOROOT = 0x2F  # NOROOT, NO_SETUID_FIXUP and their locks: no caps from uid 0
+SETUP_FAILED = 125
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class JailError(Exception):
+  pass
+
+
+def _call(what: str, result: int) -> None:
+  if result != 0:
+    error = ctypes.get_errno()
+    raise JailError(f"{what} failed: {os.strerror(error)} (errno {error})")
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+  _call(f"mount {target}", _libc.mount(
+      None if source is None else source.encode(), target.encode(),
+      None if fstype is None else fstype.encode(), ctypes.c_ulong(flags),
+      None if data is None else data.encode()))
+
+
+def _bind(source: str, target: str, read_only: bool = True) -> None:
+  if os.path.isdir(source):
+    os.makedirs(target, exist_ok=True)
+  else:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    open(target, "a").close()
+  _mount(source, target, None, MS_BIND | MS_REC)
+  if read_only:
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _build_root(spec: dict) -> None:
+  """The new root, entered with chroot; the program's files in /sandbox."""
+  _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+  root = spec["root"]
+  os.makedirs(root, exist_ok=True)
+  _mount("rlx-jail", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+  for path in spec["binds"]:
+    if os.path.islink(path):  # merged /usr: /bin -> usr/bin
+      os.symlink(os.readlink(path), root + path)
+    elif os.path.exists(path):
+      _bind(path, root + path)
+  os.makedirs(root + "/dev", exist_ok=True)
+  for device in ("null", "zero", "urandom", "random"):
+    _bind(f"/dev/{device}", f"{root}/dev/{device}", read_only=False)
+  sandbox = root + "/sandbox"
+  os.makedirs(sandbox)
+  _mount("rlx-sandbox", sandbox, "tmpfs", MS_NOSUID | MS_NODEV,
+         f"size={spec['disk_mb']}m,nr_inodes={spec['inodes']},mode=0700")
+  for name, text in spec["files"].items():
+    with open(f"{sandbox}/{name}", "w") as f:
+      f.write(text)
+  uid = spec["uid"]
+  for directory, _, names in os.walk(sandbox):
+    os.chown(directory, uid, uid)
+    for name in names:
+      os.chown(os.path.join(directory, name), uid, uid)
+  os.symlink("/sandbox", root + "/tmp")
+  _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+  os.chroot(root)
+  os.chdir("/sandbox")
+
+
+def _drop_privileges(spec: dict, in_user_namespace: bool) -> None:
+  limits = spec["limits"]
+  for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_mb"] << 20),
+                      ("RLIMIT_FSIZE", limits["file_mb"] << 20),
+                      ("RLIMIT_NOFILE", limits["open_files"]),
+                      ("RLIMIT_NPROC", limits["processes"]), ("RLIMIT_CORE", 0)):
+    resource.setrlimit(getattr(resource, name), (value, value))
+  if in_user_namespace:  # uid 0 of a namespace of its own: take away what uid 0 would give
+    _call("securebits", _libc.prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NOROOT, 0, 0, 0))
+    for capability in range(64):
+      _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+  else:
+    uid = spec["uid"]
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+  _call("no_new_privs", _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+  # credentials changed: the parent-death signal was cleared, so set it again
+  _call("pdeathsig", _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+
+
+def _status(wait_status: int) -> int:
+  if os.WIFSIGNALED(wait_status):
+    return 128 + os.WTERMSIG(wait_status)
+  return os.WEXITSTATUS(wait_status)
+
+
+def _init(spec: dict, in_user_namespace: bool) -> int:
+  """PID 1 of the new namespace: builds the root, runs the program, returns its status."""
+  _call("pdeathsig", _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+  _build_root(spec)
+  read_nonce, write_nonce = os.pipe()
+  os.write(write_nonce, spec["nonce"].encode())
+  os.close(write_nonce)
+  child = os.fork()
+  if child == 0:
+    try:
+      os.dup2(read_nonce, 4)
+      null = os.open("/dev/null", os.O_RDONLY)
+      os.dup2(null, 0)
+      for fd in (0, 1, 2, 3, 4):
+        os.set_inheritable(fd, True)
+      os.closerange(5, 65536)
+      _drop_privileges(spec, in_user_namespace)
+      env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox",
+             "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+      os.execve(spec["python"], [spec["python"], "-I", "-S", "-B", *spec["argv"]], env)
+    except BaseException as error:  # noqa: BLE001 - reported through the exit status
+      print(f"rlx-jail: starting the program failed: {error}", file=sys.stderr, flush=True)
+      os._exit(SETUP_FAILED)
+  os.close(read_nonce)
+  while True:
+    pid, wait_status = os.waitpid(child, 0)
+    if pid == child:
+      return _status(wait_status)
+
+
+def main() -> int:
+  spec = json.loads(sys.stdin.read())
+  os.dup2(spec["results_fd"], 3)
+  in_user_namespace = os.geteuid() != 0
+  uid, gid = os.geteuid(), os.getegid()
+  flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+  try:
+    _call("unshare", _libc.unshare(flags | (CLONE_NEWUSER if in_user_namespace else 0)))
+    if in_user_namespace:
+      for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"),
+                         ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+          f.write(text)
+  except (JailError, OSError) as error:
+    print(f"rlx-jail: {error}", file=sys.stderr, flush=True)
+    return SETUP_FAILED
+  child = os.fork()
+  if child == 0:
+    try:
+      os._exit(_init(spec, in_user_namespace))
+    except BaseException as error:  # noqa: BLE001 - reported through the exit status
+      print(f"rlx-jail: {error}", file=sys.stderr, flush=True)
+      os._exit(SETUP_FAILED)
+  os.close(3)
+  _, wait_status = os.waitpid(child, 0)
+  return _status(wait_status)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,353 @@
+"""The ``code`` reward: a response's program, run against its row's tests in a sandbox.
+
+    code_reward(response, row, options)   # {"reward", "correct", "tests_passed"}
+    run_tests(program, tests, ...)         # RunResult: passed per test, exit status, output
+    capabilities()                          # which isolation this system provides
+
+The program is the last fenced code block of the response (a response without one scores
+0). Tests are assert statements (run after the program's code, in its namespace), or
+stdin/stdout pairs (the program run once per input, its output compared line by line,
+trailing whitespace aside). A test passes only when the harness that ran it says so on a
+channel the program cannot write without a per-run secret: a program that exits early,
+prints "ok" or crashes the harness passes nothing.
+
+Isolation (see ``_jail.py``, which builds it): each run is its own process tree in fresh
+mount, network, PID, IPC and UTS namespaces, chrooted into a tmpfs that holds only the
+interpreter's read-only directories and the program's size-capped ``/sandbox``; it runs as
+an unprivileged uid of its own with no new privileges, rlimits on CPU seconds, address
+space, file size, open files and processes, and an empty environment; a wall-clock timeout
+kills its whole process group, and the namespace's processes die with it; its output is
+captured and capped. A system where namespaces cannot be created (no root and no
+unprivileged user namespaces) refuses the ``code`` reward with ``SandboxUnavailable``
+instead of running programs unconfined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import re
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+_JAIL = pathlib.Path(__file__).with_name("_jail.py")
+_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
+_OUTPUT_CAP = 64 * 1024  # bytes of stdout/stderr kept; a program that writes more is stopped
+_PROGRAM_CAP = 64 * 1024  # characters of a program; a longer one scores 0 unrun
+_UID_BASE, _UIDS = 200_000, 100_000  # each run's uid: its own, so rlimits never add up
+
+
+class SandboxUnavailable(RuntimeError):
+  """This system cannot isolate a program; the message says what is missing."""
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a sandboxed run did."""
+
+  passed: list[bool]
+  """One per test, in order: whether the harness saw it pass."""
+  status: int | None
+  """The jail's exit status (the program's; 128 + signal when killed); None after a timeout."""
+  timed_out: bool
+  stdout: bytes
+  stderr: bytes
+  truncated: bool
+  """The program wrote more than the output cap and was stopped."""
+  seconds: float
+
+
+def extract_program(response: str) -> str | None:
+  """The last fenced code block of ``response``, or None."""
+  blocks = _FENCE.findall(response)
+  return blocks[-1][1] if blocks else None
+
+
+def normalize_tests(tests) -> list[dict]:
+  """Tests as ``[{"assert": str}]`` or ``[{"input": str, "output": str}]`` from the forms a row
+  may hold: a list of assert statements, a list of {"input", "output"} pairs, or
+  {"inputs": [...], "outputs": [...]}; ValueError for anything else."""
+  if isinstance(tests, str):
+    tests = json.loads(tests)
+  if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
+    if len(tests["inputs"]) != len(tests["outputs"]):
+      raise ValueError(f"tests have {len(tests['inputs'])} inputs but "
+                       f"{len(tests['outputs'])} outputs")
+    tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
+  if not isinstance(tests, list) or not tests:
+    raise ValueError("tests must be a non-empty list of assert statements or of "
+                     '{"input", "output"} pairs, or {"inputs": [...], "outputs": [...]}')
+  normalized = []
+  for test in tests:
+    if isinstance(test, str):
+      normalized.append({"assert": test})
+    elif isinstance(test, dict) and "input" in test and "output" in test:
+      normalized.append({"input": _text(test["input"]), "output": _text(test["output"])})
+    else:
+      raise ValueError(f"a test must be an assert statement or an {{'input', 'output'}} pair, "
+                       f"got {str(test)[:80]!r}")
+  return normalized
+
+
+def _text(value) -> str:
+  return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def code_reward(response: str, row: dict, options) -> dict:
+  """The ``code`` reward of one response: the share of its row's tests the program passes
+  (``options.scoring='all'``: 1 only when every test passes); correct when all pass."""
+  field = options.tests_field
+  if field not in row:
+    raise ValueError(f"{row.get('where', 'the row')} has no field {field!r} with tests; set "
+                     "config.reward.code_tests_field")
+  tests = normalize_tests(row[field])
+  program = extract_program(response)
+  if program is None or len(program) > _PROGRAM_CAP:
+    return {"reward": 0.0, "correct": False, "tests_passed": 0.0, "ran": 0.0, "timed_out": 0.0}
+  result = run_tests(program, tests, timeout_s=options.timeout_s, memory_mb=options.memory_mb)
+  share = sum(result.passed) / len(tests)
+  every = all(result.passed)
+  reward = share if options.scoring == "fraction" else float(every)
+  return {"reward": reward, "correct": every, "tests_passed": share, "ran": 1.0,
+          "timed_out": float(result.timed_out)}
+
+
+_HARNESS = r'''
+import io, json, os, sys
+nonce = os.read(4, 64).decode()
+os.close(4)
+with open("tests.json") as f:
+    tests = json.load(f)
+os.remove("tests.json")
+with open("main.py") as f:
+    source = f.read()
+os.remove("main.py")
+report = os.fdopen(3, "w", buffering=1)
+try:
+    code = compile(source, "main.py", "exec")
+except BaseException:
+    code = None
+
+def report_result(index, ok):
+    report.write(f"{nonce} {index} {int(ok)}\n")
+
+def run(stdin_text):
+    """The program once, with stdin_text as input; its printed output, or None if it failed."""
+    real_stdin, real_stdout = sys.stdin, sys.stdout
+    sys.stdin = io.TextIOWrapper(io.BytesIO(stdin_text.encode()), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    try:
+        exec(code, {"__name__": "__main__"})
+        sys.stdout.flush()
+        return sys.stdout.buffer.getvalue().decode("utf-8", "replace")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            return None
+        sys.stdout.flush()
+        return sys.stdout.buffer.getvalue().decode("utf-8", "replace")
+    except BaseException:
+        return None
+    finally:
+        sys.stdin, sys.stdout = real_stdin, real_stdout
+
+def lines(text):
+    out = [line.rstrip() for line in text.strip().splitlines()]
+    return out
+
+namespace = None
+for index, test in enumerate(tests):
+    if code is None:
+        report_result(index, False)
+        continue
+    if "assert" in test:
+        if namespace is None:
+            namespace = {"__name__": "__main__"}
+            try:
+                exec(code, namespace)
+            except BaseException:
+                namespace = False
+        ok = False
+        if namespace:
+            try:
+                exec(test["assert"], namespace)
+                ok = True
+            except BaseException:
+                ok = False
+        report_result(index, ok)
+    else:
+        output = run(test["input"])
+        report_result(index, output is not None and lines(output) == lines(test["output"]))
+'''
+
+
+def _python() -> tuple[str, str]:
+  """The base interpreter (never a virtualenv's launcher) and its prefix."""
+  executable = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+  return executable, sys.base_prefix
+
+
+def _binds(prefix: str) -> list[str]:
+  paths = ["/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32"]
+  if not any(prefix == p or prefix.startswith(p + "/") for p in paths):
+    paths.append(prefix)
+  return paths
+
+
+def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
+              memory_mb: int = 512) -> RunResult:
+  """Runs ``program`` against ``tests`` (as ``normalize_tests`` gives them) in the sandbox."""
+  nonce = secrets.token_hex(16)
+  outputs, status, timed_out, truncated, seconds = jailed(
+      {"harness.py": _HARNESS, "main.py": program, "tests.json": json.dumps(tests)},
+      "harness.py", nonce=nonce, timeout_s=timeout_s, memory_mb=memory_mb)
+  passed = [False] * len(tests)
+  for line in outputs["results"].decode(errors="replace").splitlines():
+    parts = line.split()
+    if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < len(tests):
+      passed[int(parts[1])] = parts[2] == "1"
+  return RunResult(passed, status, timed_out, outputs["stdout"], outputs["stderr"], truncated,
+                   seconds)
+
+
+def jailed(files: dict[str, str], main: str, *, nonce: str = "", timeout_s: float = 3.0,
+           memory_mb: int = 512, processes: int = 32, open_files: int = 64, file_mb: int = 16,
+           disk_mb: int = 32):
+  """Runs ``python main`` over ``files`` in the jail: (outputs {"stdout", "stderr",
+  "results"}, exit status or None after a timeout, timed_out, truncated, seconds). The program
+  reads ``nonce`` from fd 4 and may report on fd 3 ("results")."""
+  python, prefix = _python()
+  started = time.monotonic()
+  with tempfile.TemporaryDirectory(prefix="rlx-jail-") as scratch:
+    read_results, write_results = os.pipe()
+    spec = {
+        "root": os.path.join(scratch, "root"), "python": python, "binds": _binds(prefix),
+        "argv": [main], "nonce": nonce, "results_fd": write_results,
+        "uid": _UID_BASE + secrets.randbelow(_UIDS), "disk_mb": disk_mb, "inodes": 256,
+        "files": files,
+        "limits": {"cpu_s": max(int(timeout_s) + 1, 1), "memory_mb": memory_mb,
+                   "file_mb": file_mb, "open_files": open_files, "processes": processes},
+    }
+    try:
+      jail = subprocess.Popen(
+          [python, "-I", "-S", "-B", str(_JAIL)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE, pass_fds=(write_results,), start_new_session=True, env={},
+          cwd=scratch)
+    finally:
+      os.close(write_results)
+    try:
+      jail.stdin.write(json.dumps(spec).encode())
+      jail.stdin.close()
+    except BrokenPipeError:
+      pass
+    outputs, truncated, timed_out = _collect(jail, read_results, started + timeout_s + 1.0)
+  status = None if timed_out else jail.returncode
+  if status == 125 and b"rlx-jail:" in outputs["stderr"]:
+    message = outputs["stderr"].decode(errors="replace").strip().splitlines()[-1]
+    raise SandboxUnavailable(f"the code sandbox could not be built: {message}")
+  return outputs, status, timed_out, truncated, time.monotonic() - started
+
+
+def _collect(jail: subprocess.Popen, results_fd: int, deadline: float):
+  """Reads the jail's stdout, stderr and results (each capped) until it exits or the deadline;
+  kills its process group on either, or when it writes past the cap."""
+  selector = selectors.DefaultSelector()
+  outputs = {"stdout": b"", "stderr": b"", "results": b""}
+  selector.register(jail.stdout, selectors.EVENT_READ, "stdout")
+  selector.register(jail.stderr, selectors.EVENT_READ, "stderr")
+  selector.register(results_fd, selectors.EVENT_READ, "results")
+  truncated = timed_out = False
+  try:
+    while selector.get_map():
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        timed_out = True
+        break
+      for key, _ in selector.select(timeout=remaining):
+        fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
+        chunk = os.read(fd, 65536)
+        if not chunk:
+          selector.unregister(key.fileobj)
+          continue
+        outputs[key.data] += chunk
+        if len(outputs[key.data]) > _OUTPUT_CAP:
+          outputs[key.data] = outputs[key.data][:_OUTPUT_CAP]
+          truncated = True
+      if truncated:
+        break
+  finally:
+    selector.close()
+    _kill_group(jail)
+    os.close(results_fd)
+    jail.stdout.close()
+    jail.stderr.close()
+  return outputs, truncated, timed_out
+
+
+def _kill_group(jail: subprocess.Popen) -> None:
+  """The jail's whole process group, killed (init and the namespace die with it), reaped."""
+  try:
+    os.killpg(jail.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  jail.wait()
+
+
+_PROBE = r'''
+import json, os, socket
+found = {"uid": os.getuid(), "cwd": os.getcwd(),
+         "host_files_visible": any(os.path.exists(p) for p in ("/etc/passwd", "/proc/1", "/home"))}
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=0.5).close()
+    found["network"] = True
+except OSError as error:
+    found["network"] = "unreachable" not in str(error).lower()
+print(json.dumps(found))
+'''
+
+
+@functools.lru_cache(maxsize=1)
+def capabilities() -> dict:
+  """What isolation this system gives a program, found by running one in the sandbox; raises
+  SandboxUnavailable (saying what to do) when the sandbox cannot be built or leaks."""
+  try:
+    if not sys.platform.startswith("linux"):
+      raise SandboxUnavailable(f"this is {sys.platform}, not Linux")
+    outputs, status, _, _, _ = jailed({"main.py": _PROBE}, "main.py", timeout_s=10)
+    if status != 0:
+      raise SandboxUnavailable(f"a probe program failed in it (exit status {status}): "
+                               f"{outputs['stderr'].decode(errors='replace')[-300:]}")
+    found = json.loads(outputs["stdout"].decode())
+    if found["network"] or found["host_files_visible"]:
+      raise SandboxUnavailable(f"it is not isolated on this system: {found}")
+  except (SandboxUnavailable, OSError) as error:
+    raise SandboxUnavailable(
+        f"the code sandbox is unavailable: {error}. It runs untrusted programs only inside "
+        "Linux namespaces (mount, network, PID): run rlx as root, or allow unprivileged user "
+        "namespaces (sysctl kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > "
+        "0; in a container, a seccomp profile that permits unshare)") from None
+  in_user_namespace = found["uid"] == 0
+  return {
+      "namespaces": ["mount", "network", "pid", "ipc", "uts"] + (["user"] if in_user_namespace
+                                                                 else []),
+      "user": ("uid 0 of its own user namespace, without capabilities" if in_user_namespace
+               else f"an unprivileged uid of its own (e.g. {found['uid']})"),
+      "filesystem": "chroot into a tmpfs: read-only interpreter directories, /sandbox "
+                    "(size-capped tmpfs); no /etc, /home, /proc or host /tmp",
+      "network": "none (empty network namespace)",
+      "limits": "rlimits on CPU seconds, address space, file size, open files, processes; "
+                "no new privileges; wall-clock timeout kills the process group; output capped",
+      "environment": "empty but for PATH, HOME, TMPDIR, LANG",
+      "seccomp": "not used",
+  }
+
+
+if __name__ == "__main__":  # python -m rlx.rewards.sandbox: what this system provides
+  print(json.dumps(capabilities(), indent=2))
