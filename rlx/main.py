@@ -52,10 +52,6 @@ def _percent(value: float | None) -> str:
 
 def run(config: RunConfig, workdir: pathlib.Path) -> int:
   """Trains (or resumes) the run ``config`` describes, in ``workdir``."""
-  from rlx import rewards
-
-  # a reward that cannot be imported is reported now, before JAX or the model start
-  rewards.check(rewards.from_config(config.reward, config.data.source))
   jax = start_jax(config)  # after parsing, so that a bad command line never waits for JAX
   from rlx import trainer
 

@@ -32,7 +32,8 @@ from rlx.models import (
   param_shardings,
   save_pretrained,
 )
-from rlx.rewards import RewardPool, Scored, from_config
+from rlx.rewards import RewardPool, Scored, check, from_config
+from rlx.rewards.sandbox import capabilities
 from rlx.rollout import Completion
 from rlx.sync import OrbaxSync, ReshardSync
 from rlx.trainer.warmup import warm_up
@@ -76,10 +77,20 @@ class Run:
     self.sync.close()
 
 
+def check_reward(config: RunConfig) -> None:
+  """Raises RewardError (naming the file and function) when the run's reward cannot be
+  imported, and SandboxUnavailable when it is 'code' and this system cannot isolate programs."""
+  reward = from_config(config.reward, config.data.source)
+  check(reward)
+  if reward.name == "code":
+    capabilities()
+
+
 def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Run:
   """Meshes, tokenizer, model (warmed up when asked), prompt stream, eval rows, rollout engine,
   weight sync and reward pool."""
   workdir = pathlib.Path(workdir)
+  check_reward(config)  # an unusable reward is reported before the model is built
   processes = jax.process_count()
   if config.data.prompts_per_step % processes:
     raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "
