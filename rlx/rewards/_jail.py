@@ -10,14 +10,17 @@ It reads a JSON spec on stdin, then:
    directories bound read-only (``/usr`` and the Python prefix), ``/dev/null``,
    ``/dev/zero`` and ``/dev/urandom``, and a small size-capped tmpfs ``/sandbox`` holding the
    program — no ``/etc``, ``/home``, ``/root``, ``/proc``, ``/tmp`` or run directory — and
-   ``chroot``s into it;
+   ``pivot_root``s into it, unmounting the host's tree from the namespace altogether;
 3. forks the program: an unprivileged uid of its own (or, in a user namespace, root without
    capabilities), no new privileges, rlimits on CPU seconds, address space, file size, open
-   files and processes, a scrubbed environment, then ``exec``s the interpreter on it.
+   files and processes, a scrubbed environment, and a seccomp filter that refuses the
+   system calls that would widen its world (new namespaces, mount, ptrace, bpf, keyrings,
+   perf, userfaultfd), then ``exec``s the interpreter on it.
 
 When the program exits, init exits and the kernel kills whatever the program left behind
-in its PID namespace; when this script is killed (the caller's wall-clock timeout), init
-dies with it (``PR_SET_PDEATHSIG``) and takes the namespace down the same way.
+in its PID namespace. On SIGTERM (the caller's wall-clock timeout) this script kills init
+and returns once the namespace is empty; if it is killed outright, init dies with it
+(``PR_SET_PDEATHSIG``) and takes the namespace down the same way, asynchronously.
 
 Exit status: the program's (128 + signal when killed); 125 with a line on stderr starting
 ``rlx-jail:`` when the jail itself could not be built.
@@ -26,6 +29,7 @@ Exit status: the program's (128 + signal when killed); 125 with a line on stderr
 import ctypes
 import json
 import os
+import platform
 import resource
 import signal
 import sys
@@ -36,6 +40,26 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
 SECBITS_LOCKED_NOROOT = 0x2F  # NOROOT, NO_SETUID_FIXUP and their locks: no caps from uid 0
+MNT_DETACH = 2
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+CLONE_NEW_ANY = 0x7E020080  # every CLONE_NEW* flag, CLONE_NEWTIME (0x80) too
+# system calls a program never needs and that would widen its world: arch -> {name: number}
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = {
+    "x86_64": {"unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
+               "chroot": 161, "ptrace": 101, "bpf": 321, "keyctl": 250, "add_key": 248,
+               "request_key": 249, "perf_event_open": 298, "userfaultfd": 323,
+               "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432,
+               "process_vm_readv": 310, "process_vm_writev": 311},
+    "aarch64": {"unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
+                "chroot": 51, "ptrace": 117, "bpf": 280, "keyctl": 219, "add_key": 217,
+                "request_key": 218, "perf_event_open": 241, "userfaultfd": 282,
+                "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432,
+                "process_vm_readv": 270, "process_vm_writev": 271},
+}
+CLONE = {"x86_64": 56, "aarch64": 220}
+CLONE3 = 435
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 SETUP_FAILED = 125
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -96,8 +120,15 @@ def _build_root(spec: dict) -> None:
     for name in names:
       os.chown(os.path.join(directory, name), uid, uid)
   os.symlink("/sandbox", root + "/tmp")
-  _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-  os.chroot(root)
+  number = SYS_PIVOT_ROOT.get(platform.machine())
+  if number is None:
+    raise JailError(f"pivot_root: no syscall number known for {platform.machine()}")
+  os.makedirs(root + "/.host")
+  _call("pivot_root", _libc.syscall(number, root.encode(), (root + "/.host").encode()))
+  os.chdir("/")
+  _call("umount the host tree", _libc.umount2(b"/.host", MNT_DETACH))
+  os.rmdir("/.host")
+  _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
   os.chdir("/sandbox")
 
 
@@ -120,6 +151,40 @@ def _drop_privileges(spec: dict, in_user_namespace: bool) -> None:
   _call("no_new_privs", _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
   # credentials changed: the parent-death signal was cleared, so set it again
   _call("pdeathsig", _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+  _seccomp()
+
+
+class _Filter(ctypes.Structure):
+  _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+              ("k", ctypes.c_uint32)]
+
+
+class _Program(ctypes.Structure):
+  _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Filter))]
+
+
+def _seccomp() -> None:
+  """Installs the filter: the listed system calls, and clone with a CLONE_NEW* flag, fail with
+  EPERM; clone3 fails with ENOSYS (so that the C library falls back to clone, whose flags the
+  filter can see); a call from another architecture's ABI kills the process."""
+  machine = platform.machine()
+  if machine not in SYSCALLS:
+    raise JailError(f"seccomp: no system call table for {machine}")
+  ld_w_abs, jeq_k, jset_k, ret_k = 0x20, 0x15, 0x45, 0x06
+  allow, kill = 0x7FFF0000, 0x80000000
+  eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+  blocked = sorted(SYSCALLS[machine].values())
+  code = [(ld_w_abs, 0, 0, 4), (jeq_k, 1, 0, AUDIT_ARCH[machine]), (ret_k, 0, 0, kill),
+          (ld_w_abs, 0, 0, 0)]
+  for number in blocked:
+    code += [(jeq_k, 0, 1, number), (ret_k, 0, 0, eperm)]
+  code += [(jeq_k, 0, 1, CLONE3), (ret_k, 0, 0, enosys),
+           (jeq_k, 0, 3, CLONE[machine]), (ld_w_abs, 0, 0, 16),  # clone's flags (low 32 bits)
+           (jset_k, 0, 1, CLONE_NEW_ANY), (ret_k, 0, 0, eperm),
+           (ret_k, 0, 0, allow)]
+  filters = (_Filter * len(code))(*[_Filter(*instruction) for instruction in code])
+  program = _Program(len(code), filters)
+  _call("seccomp", _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0))
 
 
 def _status(wait_status: int) -> int:
@@ -182,6 +247,9 @@ def main() -> int:
       print(f"rlx-jail: {error}", file=sys.stderr, flush=True)
       os._exit(SETUP_FAILED)
   os.close(3)
+  # SIGTERM (the caller's timeout) kills init; waiting for init returns only once the kernel has
+  # killed every process of the namespace, so the caller knows nothing is left running
+  signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
   _, wait_status = os.waitpid(child, 0)
   return _status(wait_status)
 

@@ -12,10 +12,13 @@ channel the program cannot write without a per-run secret: a program that exits 
 prints "ok" or crashes the harness passes nothing.
 
 Isolation (see ``_jail.py``, which builds it): each run is its own process tree in fresh
-mount, network, PID, IPC and UTS namespaces, chrooted into a tmpfs that holds only the
-interpreter's read-only directories and the program's size-capped ``/sandbox``; it runs as
+mount, network, PID, IPC and UTS namespaces, with a tmpfs as its root (``pivot_root``; the
+host's tree is unmounted) that holds only the interpreter's read-only directories and the
+program's size-capped ``/sandbox``; it runs as
 an unprivileged uid of its own with no new privileges, rlimits on CPU seconds, address
-space, file size, open files and processes, and an empty environment; a wall-clock timeout
+space, file size, open files and processes, a seccomp filter against the system calls
+that would widen its world (new namespaces, mount, ptrace, bpf...), and an empty
+environment; a wall-clock timeout
 kills its whole process group, and the namespace's processes die with it; its output is
 captured and capped. A system where namespaces cannot be created (no root and no
 unprivileged user namespaces) refuses the ``code`` reward with ``SandboxUnavailable``
@@ -292,12 +295,17 @@ def _collect(jail: subprocess.Popen, results_fd: int, deadline: float):
 
 
 def _kill_group(jail: subprocess.Popen) -> None:
-  """The jail's whole process group, killed (init and the namespace die with it), reaped."""
+  """Stops the jail and reaps it. SIGTERM first: the jail kills its namespace's init and exits
+  once every process of the namespace is gone; SIGKILL to its whole process group if the jail
+  itself is stuck."""
+  if jail.poll() is not None:
+    return
   try:
-    os.killpg(jail.pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
-  jail.wait()
+    jail.send_signal(signal.SIGTERM)
+    jail.wait(timeout=5)
+  except subprocess.TimeoutExpired:
+    os.killpg(jail.pid, signal.SIGKILL)  # not yet reaped: the group id is still the jail's
+    jail.wait()
 
 
 _PROBE = r'''
@@ -339,13 +347,14 @@ def capabilities() -> dict:
                                                                  else []),
       "user": ("uid 0 of its own user namespace, without capabilities" if in_user_namespace
                else f"an unprivileged uid of its own (e.g. {found['uid']})"),
-      "filesystem": "chroot into a tmpfs: read-only interpreter directories, /sandbox "
-                    "(size-capped tmpfs); no /etc, /home, /proc or host /tmp",
+      "filesystem": "pivot_root into a tmpfs (the host tree unmounted): read-only interpreter "
+                    "directories, /sandbox (size-capped tmpfs); no /etc, /home, /proc or host /tmp",
       "network": "none (empty network namespace)",
       "limits": "rlimits on CPU seconds, address space, file size, open files, processes; "
                 "no new privileges; wall-clock timeout kills the process group; output capped",
       "environment": "empty but for PATH, HOME, TMPDIR, LANG",
-      "seccomp": "not used",
+      "seccomp": "new namespaces, mount, chroot, ptrace, bpf, keyrings, perf, userfaultfd "
+                 "and cross-process memory calls refused",
   }
 
 

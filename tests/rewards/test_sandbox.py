@@ -1,0 +1,239 @@
+"""The code sandbox against hostile programs: each attack scores 0 (or its honest score), and
+none escapes — after every run the host is checked: no file written or read outside the
+sandbox, no connection reached a host listener, no sandbox process left alive, no scratch
+directory left behind.
+
+Most attacks are written so that if they succeeded, the program would go on to define a
+correct ``f`` and pass: a score of 0 is the proof that the attack failed inside the sandbox.
+"""
+
+import os
+import pathlib
+import socket
+import sys
+import textwrap
+
+import pytest
+
+from rlx.rewards import CodeOptions, sandbox
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux namespaces")
+
+PASS = "\ndef f(x):\n    return x + 1\n"  # what a successful attack goes on to define
+TESTS = ["assert f(1) == 2", "assert f(5) == 6"]
+TIMEOUT_S = 1.5
+
+ATTACKS = {
+    # resources
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "memory_bomb": "x = bytearray(8 * 2**30)" + PASS,
+    "memory_creep": "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))",
+    "infinite_loop": "while True:\n    pass",
+    "sleep_past_timeout": "import time\ntime.sleep(60)" + PASS,
+    "cpu_threads": ("import threading\ndef burn():\n    while True:\n        pass\n"
+                    "for _ in range(8):\n    threading.Thread(target=burn).start()\nburn()"),
+    "ignore_sigterm": ("import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
+                       "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass"),
+    "huge_output": "while True:\n    print('x' * 10000)",
+    "huge_file": "open('big', 'wb').write(b'x' * (100 << 20))" + PASS,
+    "fill_disk": ("for i in range(100):\n    open('fill' + str(i), 'wb').write(b'x' * (8 << 20))" + PASS),
+    "inode_exhaustion": "for i in range(100000):\n    open('i' + str(i), 'w').close()" + PASS,
+    "deep_recursion": ("import sys\nsys.setrecursionlimit(10**7)\ndef r(n):\n    return r(n + 1)\n"
+                       "r(0)" + PASS),
+    "raise_rlimits": ("import resource\nfor name in ('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_NPROC'):\n"
+                      "    r = getattr(resource, name)\n"
+                      "    resource.setrlimit(r, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))"
+                      + PASS),
+    # the host's files
+    "read_etc_shadow": "open('/etc/shadow').read()" + PASS,
+    "read_etc_passwd": "open('/etc/passwd').read()" + PASS,
+    "read_run_directory": "open({secret!r}).read()" + PASS,
+    "read_model_weights": "open({weights!r}, 'rb').read(16)" + PASS,
+    "list_home_and_root": "import os\nassert os.listdir('/home') or os.listdir('/root')" + PASS,
+    "read_proc_environ": "open('/proc/1/environ').read()" + PASS,
+    "write_outside_sandbox": "open({escaped!r}, 'w').write('out')" + PASS,
+    "write_host_tmp": "open({host_tmp!r}, 'w').write('out')\nassert open({host_tmp!r}).read()",
+    "write_usr": "open('/usr/rlx-escape', 'w').write('out')" + PASS,
+    "symlink_to_host": ("import os\nos.symlink({secret!r}, 'link')\nopen('link').read()" + PASS),
+    "dev_block_devices": "import os\nassert [d for d in os.listdir('/dev') if 'sd' in d or 'vd' in d or d == 'mem']" + PASS,
+    "read_own_tests": "open('tests.json').read()" + PASS,
+    # network
+    "tcp_to_host": ("import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)"
+                    + PASS),
+    "udp_to_host": ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                    "s.sendto(b'x', ('127.0.0.1', {port}))" + PASS),
+    "unix_socket_to_host": ("import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                            "s.connect({unix!r})" + PASS),
+    "abstract_socket_to_host": ("import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                                "s.connect('\\0' + {abstract!r})" + PASS),
+    "dns_lookup": "import socket\nsocket.getaddrinfo('pypi.org', 443)" + PASS,
+    # processes and privileges
+    "orphan_outlives_parent": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+                               "    if os.fork() == 0:\n        time.sleep(30)\n    os._exit(0)"
+                               + PASS),
+    "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)" + PASS,
+    "kill_everyone": "import os, signal\nos.kill(-1, signal.SIGKILL)" + PASS,
+    "kill_host_process": "import os, signal\nos.kill({host_pid}, signal.SIGKILL)" + PASS,
+    "setuid_root": "import os\nos.setuid(0)" + PASS,
+    "ctypes_setuid": ("import ctypes\nassert ctypes.CDLL(None).setuid(0) == 0" + PASS),
+    "ctypes_new_user_namespace": ("import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0"
+                                  + PASS),
+    "ctypes_ptrace_init": ("import ctypes\nassert ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0"
+                           + PASS),
+    "chroot_escape": ("import os\nos.mkdir('x')\nos.chroot('x')\nfor _ in range(20):\n"
+                      "    os.chdir('..')\nos.chroot('.')\nopen('/etc/passwd').read()" + PASS),
+    "mount_proc": ("import subprocess, os\nos.mkdir('p')\n"
+                   "subprocess.run(['mount', '-t', 'proc', 'proc', 'p'])\n"
+                   "assert os.path.exists('p/1')" + PASS),
+    "setuid_binary": ("import subprocess\nr = subprocess.run(['su', '-c', 'id -u'], capture_output=True)\n"
+                      "assert r.stdout.strip() == b'0'" + PASS),
+    "environment_secret": "import os\nos.environ['RLX_TEST_SECRET']" + PASS,
+    # the harness
+    "exit_early": "import sys\nsys.exit(0)",
+    "hard_exit": "import os\nos._exit(0)",
+    "forge_results": "import os\nos.write(3, b'0' * 32 + b' 0 1\\n' + b'0' * 32 + b' 1 1\\n')",
+    "close_all_fds": "import os\nfor fd in range(64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass" + PASS,
+}
+
+# the honest score where surviving the attack is no escape (the attack is caught in its own process)
+HONEST = {"orphan_outlives_parent": 1.0}
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+  """What a program would reach if it escaped: files, listeners, this process."""
+  root = tmp_path_factory.mktemp("host")
+  secret = root / "run" / "metrics.jsonl"
+  secret.parent.mkdir()
+  secret.write_text("secret run data\n")
+  weights = root / "model" / "model.safetensors"
+  weights.parent.mkdir()
+  weights.write_bytes(b"\x00weights" * 8)
+  tcp = socket.socket()
+  tcp.bind(("127.0.0.1", 0))
+  tcp.listen()
+  tcp.setblocking(False)
+  udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+  udp.bind(("127.0.0.1", tcp.getsockname()[1]))
+  udp.setblocking(False)
+  unix = socket.socket(socket.AF_UNIX)
+  unix_path = str(root / "host.sock")
+  unix.bind(unix_path)
+  unix.listen()
+  unix.setblocking(False)
+  abstract_name = f"rlx-test-{os.getpid()}"
+  abstract = socket.socket(socket.AF_UNIX)
+  abstract.bind("\0" + abstract_name)
+  abstract.listen()
+  abstract.setblocking(False)
+  values = {"secret": str(secret), "weights": str(weights), "escaped": str(root / "escaped"),
+            "host_tmp": f"/tmp/rlx-escape-{os.getpid()}", "port": tcp.getsockname()[1],
+            "unix": unix_path, "abstract": abstract_name, "host_pid": os.getpid()}
+  os.environ["RLX_TEST_SECRET"] = "do not leak"
+  yield {"values": values, "listeners": (tcp, unix, abstract), "udp": udp,
+         "files": {secret: secret.read_bytes(), weights: weights.read_bytes()}}
+  del os.environ["RLX_TEST_SECRET"]
+  for s in (tcp, udp, unix, abstract):
+    s.close()
+
+
+def _sandbox_processes() -> list[int]:
+  """Host processes running as a sandbox uid."""
+  found = []
+  for entry in pathlib.Path("/proc").iterdir():
+    if not entry.name.isdigit():
+      continue
+    try:
+      uids = next(line for line in (entry / "status").read_text().splitlines()
+                  if line.startswith("Uid:"))
+    except (OSError, StopIteration):
+      continue
+    if int(uids.split()[1]) >= sandbox._UID_BASE:
+      found.append(int(entry.name))
+  return found
+
+
+def _scratch() -> set[str]:
+  return {p.name for p in pathlib.Path(os.environ.get("TMPDIR", "/tmp")).glob("rlx-jail-*")}
+
+
+@pytest.fixture(scope="module")
+def available():
+  try:
+    return sandbox.capabilities()
+  except sandbox.SandboxUnavailable as error:
+    pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available):
+  program = ATTACKS[name].format(**host["values"])
+  scratch_before = _scratch()
+  reward = sandbox.code_reward(f"```python\n{program}\n```", {"tests": TESTS},
+                               CodeOptions(timeout_s=TIMEOUT_S, memory_mb=256))
+  assert reward["reward"] == HONEST.get(name, 0.0), (name, reward)
+  # the host afterwards
+  assert not _sandbox_processes(), f"{name}: sandbox processes outlived the run"
+  for path, content in host["files"].items():
+    assert path.read_bytes() == content
+  values = host["values"]
+  assert not pathlib.Path(values["escaped"]).exists()
+  assert not pathlib.Path(values["host_tmp"]).exists()
+  assert not pathlib.Path("/usr/rlx-escape").exists()
+  for listener in host["listeners"]:
+    with pytest.raises(BlockingIOError):
+      listener.accept()  # nobody connected
+  with pytest.raises(BlockingIOError):
+    host["udp"].recv(16)
+  assert _scratch() <= scratch_before, "a scratch directory was left behind"
+
+
+def test_the_suite_covers_thirty_attacks():
+  assert len(ATTACKS) >= 30
+
+
+def test_honest_programs_score_what_they_pass(available):
+  options = CodeOptions(timeout_s=TIMEOUT_S)
+  row = {"tests": TESTS}
+  assert sandbox.code_reward("```python\ndef f(x):\n    return x + 1\n```", row, options)[
+      "reward"] == 1.0
+  half = "```python\ndef f(x):\n    return 2 if x == 1 else 0\n```"
+  assert sandbox.code_reward(half, row, options)["reward"] == 0.5
+  assert sandbox.code_reward(half, row, CodeOptions(timeout_s=TIMEOUT_S, scoring="all"))[
+      "reward"] == 0.0
+  # the last fenced block is the program; none scores 0 without running
+  two = "```python\ndef f(x):\n    return 0\n```\nfixed:\n```\ndef f(x):\n    return x + 1\n```"
+  assert sandbox.code_reward(two, row, options)["correct"]
+  assert sandbox.code_reward("def f(x): return x + 1", row, options)["ran"] == 0.0
+
+
+@pytest.mark.parametrize("tests", [
+    [{"input": "3\n", "output": "6"}, {"input": "5\n", "output": "10\n"}],
+    {"inputs": ["3\n", "5\n"], "outputs": ["6", "10"]},
+])
+def test_stdin_stdout_tests(tests, available):
+  program = textwrap.dedent("""\
+      import sys
+      n = int(sys.stdin.readline())
+      print(n * 2)
+  """)
+  options = CodeOptions(timeout_s=TIMEOUT_S)
+  result = sandbox.code_reward(f"```python\n{program}```", {"tests": tests}, options)
+  assert result["reward"] == 1.0 and result["correct"]
+  wrong = sandbox.code_reward("```python\nprint(6)\n```", {"tests": tests}, options)
+  assert wrong["reward"] == 0.5 and not wrong["correct"]
+
+
+def test_malformed_tests_are_an_error_not_a_score():
+  with pytest.raises(ValueError, match="has no field 'tests'"):
+    sandbox.code_reward("```\nx\n```", {"where": "d.jsonl:3"}, CodeOptions())
+  with pytest.raises(ValueError, match="non-empty list"):
+    sandbox.normalize_tests([])
+  with pytest.raises(ValueError, match="2 inputs but 1 outputs"):
+    sandbox.normalize_tests({"inputs": ["1", "2"], "outputs": ["1"]})
+
+
+def test_a_stuck_jail_is_killed_with_its_process_group(available):
+  result = sandbox.run_tests("import time\ntime.sleep(60)", [{"assert": "True"}], timeout_s=0.5)
+  assert result.timed_out and result.status is None and result.seconds < 10
+  assert not _sandbox_processes()
