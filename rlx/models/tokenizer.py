@@ -150,12 +150,12 @@ BUILTIN_TAGS = ("<answer>", "</answer>")
 
 
 def builtin_tokenizer() -> Tokenizer:
-  """The built-in model's tokenizer: one token per printable ASCII character, plus pad and
+  """The built-in model's tokenizer: one token per printable ASCII character and newline, plus pad and
   eos, and the answer tags as single (non-special) tokens. No chat template."""
   import string
 
   vocab = {token: i for i, token in enumerate(
-      [*BUILTIN_SPECIALS, *BUILTIN_TAGS, *string.printable[:95]])}
+      [*BUILTIN_SPECIALS, *BUILTIN_TAGS, *string.printable[:95], "\n"])}
   backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=" "))
   backend.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
   backend.decoder = tokenizers.decoders.Fuse()

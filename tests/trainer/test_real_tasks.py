@@ -1,0 +1,92 @@
+"""The path a user with their own model, data and reward takes: no toy warm-up on a real
+checkpoint, held-out evaluation on file data, a reward function from a file with its
+components logged, and the shipped examples and code config."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlx.trainer import prepare
+from tests.trainer import tiny
+
+QWEN2 = "tests/fixtures/hf/qwen2"
+
+
+def test_a_checkpoint_gets_no_warm_up_unless_asked(tmp_path):
+  said = []
+  # the base config asks for warm-up steps (tiny.OVERRIDES: 2), meant for the built-in model
+  config = tiny.config("grpo_colocated", f"--config.model.path={QWEN2}",
+                       "--config.rollout.max_prompt_len=128")
+  run = prepare(config, tmp_path / "default", say=said.append)
+  run.close()
+  assert not (tmp_path / "default" / "warmup").exists()
+  assert not any("warm-up" in line for line in said), said
+  config = tiny.config("grpo_colocated", f"--config.model.path={QWEN2}",
+                       "--config.rollout.max_prompt_len=128", "--config.trainer.warmup_sft=always")
+  run = prepare(config, tmp_path / "always", say=said.append)
+  run.close()
+  assert (tmp_path / "always" / "warmup" / "config.json").is_file()
+  assert any(f"supervised warm-up of {QWEN2}: 2 steps" in line for line in said), said
+
+
+def test_file_data_holds_out_rows_for_evaluation_and_never_trains_on_them(tmp_path):
+  data = tmp_path / "d.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"q{i}?", "answer": str(i)}) + "\n"
+                          for i in range(200)))
+  said = []
+  run = prepare(tiny.config("grpo_colocated", f"--config.data.source={data}",
+                            "--config.data.eval_fraction=0.2", "--config.trainer.eval_prompts=500"),
+                tmp_path / "run", say=said.append)
+  run.close()
+  held = {row["prompt"] for row in run.eval_rows}
+  trained = {run.source[i]["prompt"] for i in range(len(run.source))}
+  assert 20 < len(held) < 60 and len(held) + len(trained) == 200 and not held & trained
+  assert any(f"{len(held)} of the 200 rows of {data} are held out" in line for line in said)
+  evaluation = tmp_path / "eval.jsonl"
+  evaluation.write_text(json.dumps({"prompt": "held?", "answer": "1"}) + "\n")
+  run = prepare(tiny.config("grpo_colocated", f"--config.data.source={data}",
+                            f"--config.data.eval_source={evaluation}"), tmp_path / "run2",
+                say=said.append)
+  run.close()
+  assert [row["prompt"] for row in run.eval_rows] == ["held?"] and len(run.source) == 200
+
+
+def _main(*args, timeout=900):
+  return subprocess.run([sys.executable, "-m", "rlx.main", *args], capture_output=True, text=True,
+                        timeout=timeout, cwd=tiny.ROOT)
+
+
+def test_the_user_reward_example_trains_with_held_out_eval_and_logs_components(tmp_path):
+  result = _main("--config", "examples/user_reward/config.py", "--workdir", str(tmp_path),
+                 *tiny.OVERRIDES, "--config.trainer.steps=2", "--config.trainer.eval_every=1",
+                 "--config.rollout.max_prompt_len=112", "--config.reward.num_workers=1",
+                 "--config.trainer.eval_samples=2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "are held out for evaluation" in result.stdout
+  rows = tiny.metrics(tmp_path)
+  assert len(rows) == 2 and "eval/accuracy" in rows[0] and "eval/pass@2" in rows[0]
+  assert rows[0]["reward/format"] >= 0 and "reward/errors" in rows[0]
+  assert any(key.startswith("reward/correct_") for key in rows[0]), sorted(rows[0])
+
+
+def test_a_reward_that_cannot_be_imported_stops_the_run_before_the_model(tmp_path):
+  result = _main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path),
+                 "--config.reward.name=missing_rewards.py:score", timeout=300)
+  assert result.returncode == 2 and "missing_rewards.py does not exist" in result.stderr
+  assert "Traceback" not in result.stderr and "warm-up" not in result.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox")
+def test_the_code_config_trains_on_the_sandboxed_code_reward(tmp_path):
+  from tests.trainer.tiny import config
+
+  from rlx.trainer import train
+
+  train(config("code_grpo", "--config.trainer.steps=2", "--config.rollout.max_new_tokens=16",
+               "--config.rollout.max_prompt_len=80", "--config.trainer.eval_every=2"),
+        tmp_path, say=lambda message: None)
+  rows = tiny.metrics(tmp_path)
+  assert len(rows) == 2 and "eval/accuracy" in rows[-1]
+  assert rows[0]["reward/ran"] >= 0 and rows[0]["reward/errors"] == 0
