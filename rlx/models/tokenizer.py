@@ -150,8 +150,8 @@ BUILTIN_TAGS = ("<answer>", "</answer>")
 
 
 def builtin_tokenizer() -> Tokenizer:
-  """The built-in model's tokenizer: one token per printable ASCII character and newline, plus pad and
-  eos, and the answer tags as single (non-special) tokens. No chat template."""
+  """The built-in model's tokenizer: one token per printable ASCII character and newline, plus
+  pad and eos, and the answer tags as single (non-special) tokens. No chat template."""
   import string
 
   vocab = {token: i for i, token in enumerate(
