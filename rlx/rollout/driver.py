@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -66,7 +66,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
              stop_token_ids: Sequence[int] | None = None, seed: int = 0,
              params: Params | None = None, policy_version: int = 0, max_slots: int | None = None,
              batching: Literal["continuous", "static"] = "continuous",
-             first_prompt_index: int = 0) -> list[Completion]:
+             first_prompt_index: int = 0,
+             on_finished: Callable[[Completion], None] | None = None) -> list[Completion]:
   """Samples ``n`` responses to each prompt.
 
   Args:
@@ -86,6 +87,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
       the whole batch of slots to finish first (for comparison only).
     first_prompt_index: the index of ``prompts[0]`` in a larger batch that several processes
       share, so that every prompt draws the same samples whichever process generates it.
+    on_finished: called with each completion as soon as it finishes (e.g. to score it while
+      the others are still decoding).
   """
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts:
@@ -108,15 +111,16 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
   for p in prompts:
     engine.prompt_bucket(len(p))  # refuses prompts that are too long
   return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
-              policy_version, batching, first_prompt_index).run()
+              policy_version, batching, first_prompt_index, on_finished).run()
 
 
 class _Run:
   """The host-side bookkeeping of one ``generate`` call."""
 
   def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
-               stop, seed, policy_version, batching, first_prompt_index=0):
+               stop, seed, policy_version, batching, first_prompt_index=0, on_finished=None):
     self.engine, self.params, self.prompts, self.n = engine, params, prompts, n
+    self.on_finished = on_finished
     self.policy_version, self.batching = policy_version, batching
     self.max_new_tokens = max_new_tokens
     self.sampling_row = (float(temperature), int(top_k), float(top_p), int(max_new_tokens),
@@ -213,3 +217,5 @@ class _Run:
       completion.finish_reason = "stop" if stopped else "length"
       self.results[(p, sample)] = self.partial.pop((p, sample))
       self.owner[slot] = None
+      if self.on_finished is not None:
+        self.on_finished(completion)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable
 
@@ -236,15 +238,80 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
                        seed: int, version: int,
                        first_prompt_index: int = 0) -> tuple[list[Completion], Scored]:
   """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
-  (``first_prompt_index``: where ``rows`` start in the batch the processes share)."""
+  (``first_prompt_index``: where ``rows`` start in the batch the processes share). Each
+  completion is scored as soon as it finishes, while the others are still decoding."""
   r = run.config.rollout
-  completions = rollout.generate(
-      run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
-      max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-      stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
-      first_prompt_index=first_prompt_index)
-  texts = [run.tokenizer.decode(c.response_tokens) for c in completions]
-  return completions, run.pool.score(texts, [rows[c.prompt_index] for c in completions])
+  scorer = _Scorer(run, rows)
+  try:
+    completions = rollout.generate(
+        run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
+        max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+        stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
+        first_prompt_index=first_prompt_index, on_finished=scorer.submit)
+  finally:
+    parts = scorer.finish()
+  return completions, _in_order(completions, parts)
+
+
+class _Scorer:
+  """Scores completions in a thread as generation hands them over, in batches of whatever
+  has finished since the last call of the pool."""
+
+  def __init__(self, run: Run, rows: list[dict]):
+    self.run, self.rows = run, rows
+    self.queue: queue.Queue[Completion | None] = queue.Queue()
+    self.parts: list[tuple[list[Completion], Scored]] = []
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._work, name="rlx-scorer", daemon=True)
+    self.thread.start()
+
+  def submit(self, completion: Completion) -> None:
+    self.queue.put(completion)
+
+  def _work(self) -> None:
+    done = False
+    while not done:
+      batch = [self.queue.get()]
+      while True:
+        try:
+          batch.append(self.queue.get_nowait())
+        except queue.Empty:
+          break
+      done = batch[-1] is None
+      batch = [c for c in batch if c is not None]
+      if not batch or self.error is not None:
+        continue
+      try:
+        texts = [self.run.tokenizer.decode(c.response_tokens) for c in batch]
+        self.parts.append((batch, self.run.pool.score(
+            texts, [self.rows[c.prompt_index] for c in batch])))
+      except BaseException as error:  # noqa: BLE001 - raised in the generating thread
+        self.error = error
+
+  def finish(self) -> list[tuple[list[Completion], Scored]]:
+    self.queue.put(None)
+    self.thread.join()
+    if self.error is not None:
+      raise self.error
+    return self.parts
+
+
+def _in_order(completions: list[Completion],
+              parts: list[tuple[list[Completion], Scored]]) -> Scored:
+  """One ``Scored`` for ``completions`` from the parts scored as they finished."""
+  where = {(c.prompt_index, c.sample_index): i for i, c in enumerate(completions)}
+  count = len(completions)
+  rewards, correct = np.zeros(count, np.float32), np.zeros(count, bool)
+  counts: dict[str, int] = {"reward/errors": 0, "reward/timeouts": 0}
+  components: dict[str, np.ndarray] = {}
+  for batch, scored in parts:
+    index = [where[(c.prompt_index, c.sample_index)] for c in batch]
+    rewards[index], correct[index] = scored.rewards, scored.correct
+    for key, value in scored.counts.items():
+      counts[key] = counts.get(key, 0) + value
+    for name, values in scored.components.items():
+      components.setdefault(name, np.full(count, np.nan, np.float32))[index] = values
+  return Scored(rewards, correct, counts, components)
 
 
 def evaluate(run: Run, params) -> dict[str, float]:

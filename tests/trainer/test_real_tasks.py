@@ -90,3 +90,28 @@ def test_the_code_config_trains_on_the_sandboxed_code_reward(tmp_path):
   rows = tiny.metrics(tmp_path)
   assert len(rows) == 2 and "eval/accuracy" in rows[-1]
   assert rows[0]["reward/ran"] >= 0 and rows[0]["reward/errors"] == 0
+
+
+def test_scoring_overlaps_generation_and_gives_what_scoring_afterwards_gives(tmp_path):
+  from rlx.trainer.common import generate_and_score
+
+  run = prepare(tiny.config("grpo_colocated", "--config.reward.name=tests.trainer.toy_rewards:odd_length",
+                            "--config.rollout.max_new_tokens=12", "--config.rollout.max_slots=4"),
+                tmp_path, say=lambda message: None)
+  scored_at = []
+  score = run.pool.score
+
+  def recording(texts, rows):
+    scored_at.append(len(texts))
+    return score(texts, rows)
+
+  run.pool.score = recording
+  rows = [next(run.stream)[0] for _ in range(3)]
+  completions, scored = generate_and_score(run, run.model.params, rows, n=4, temperature=1.0,
+                                           seed=3, version=0)
+  run.pool.score = score
+  texts = [run.tokenizer.decode(c.response_tokens) for c in completions]
+  again = run.pool.score(texts, [rows[c.prompt_index] for c in completions])
+  run.close()
+  assert sum(scored_at) == 12 and len(scored_at) > 1  # scored in parts, while decoding
+  assert (scored.rewards == again.rewards).all() and (scored.correct == again.correct).all()
