@@ -23,6 +23,6 @@ def get_config():
       data=dataclasses.replace(config.data, source="code"),
       reward=dataclasses.replace(config.reward, name="code", code_scoring="fraction",
                                  code_timeout_s=3.0, timeout_s=5.0),
-      trainer=dataclasses.replace(config.trainer, steps=200, eval_every=50, eval_prompts=200,
+      trainer=dataclasses.replace(config.trainer, steps=200, eval_every=50, eval_prompts=100,
                                   mini_batches=2),
   )

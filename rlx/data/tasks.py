@@ -70,11 +70,11 @@ _CODE = (("x plus {n}", "x+{n}"), ("x minus {n}", "x-{n}"), ("x times {n}", "x*{
 
 def _code(rng: random.Random) -> dict:
   description, body = rng.choice(_CODE)
-  n = rng.randint(2, 9)
+  n = rng.randint(2, 49)
   expression = body.format(n=n)
   program = f"def f(x):\n return {expression}"
   tests = []
-  for x in rng.sample(range(-20, 21), 3):
+  for x in rng.sample(range(-30, 31), 3):
     tests.append(f"assert f({x}) == {eval(expression, {'x': x})}")  # noqa: S307 - our own text
   return {"prompt": f"Write f(x) that returns {description.format(n=n)}. Reply in ```python.",
           "answer": program, "sft_target": f"```python\n{program}\n```", "tests": tests}
