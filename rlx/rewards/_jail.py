@@ -93,7 +93,7 @@ def _bind(source: str, target: str, read_only: bool = True) -> None:
     _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _build_root(spec: dict) -> None:
+def _build_root(spec: dict, in_user_namespace: bool) -> None:
   """The new root, entered with chroot; the program's files in /sandbox."""
   _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
   root = spec["root"]
@@ -115,10 +115,10 @@ def _build_root(spec: dict) -> None:
     with open(f"{sandbox}/{name}", "w") as f:
       f.write(text)
   uid = spec["uid"]
-  for directory, _, names in os.walk(sandbox):
-    os.chown(directory, uid, uid)
-    for name in names:
-      os.chown(os.path.join(directory, name), uid, uid)
+  for directory, _, names in os.walk(sandbox):  # in a user namespace, its root owns them
+    for path in [directory, *(os.path.join(directory, name) for name in names)]:
+      if not in_user_namespace:
+        os.chown(path, uid, uid)
   os.symlink("/sandbox", root + "/tmp")
   number = SYS_PIVOT_ROOT.get(platform.machine())
   if number is None:
@@ -196,7 +196,7 @@ def _status(wait_status: int) -> int:
 def _init(spec: dict, in_user_namespace: bool) -> int:
   """PID 1 of the new namespace: builds the root, runs the program, returns its status."""
   _call("pdeathsig", _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
-  _build_root(spec)
+  _build_root(spec, in_user_namespace)
   read_nonce, write_nonce = os.pipe()
   os.write(write_nonce, spec["nonce"].encode())
   os.close(write_nonce)

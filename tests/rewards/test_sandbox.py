@@ -97,6 +97,9 @@ ATTACKS = {
 
 # the honest score where surviving the attack is no escape (the attack is caught in its own process)
 HONEST = {"orphan_outlives_parent": 1.0}
+# without root the program is uid 0 of its own user namespace (no capabilities): becoming uid 0
+# changes nothing, and killing the namespace's init (same uid) only ends its own run
+HONEST_IN_USER_NAMESPACE = {"setuid_root": 1.0, "ctypes_setuid": 1.0, "kill_parent": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,8 @@ def host(tmp_path_factory):
 
 
 def _sandbox_processes() -> list[int]:
-  """Host processes running as a sandbox uid."""
+  """Host processes of a sandbox: running as a sandbox uid, or in another PID namespace."""
+  ours = os.readlink("/proc/self/ns/pid")
   found = []
   for entry in pathlib.Path("/proc").iterdir():
     if not entry.name.isdigit():
@@ -146,9 +150,10 @@ def _sandbox_processes() -> list[int]:
     try:
       uids = next(line for line in (entry / "status").read_text().splitlines()
                   if line.startswith("Uid:"))
+      namespace = os.readlink(entry / "ns" / "pid")
     except (OSError, StopIteration):
       continue
-    if int(uids.split()[1]) >= sandbox._UID_BASE:
+    if int(uids.split()[1]) >= sandbox._UID_BASE or namespace != ours:
       found.append(int(entry.name))
   return found
 
@@ -171,7 +176,8 @@ def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available
   scratch_before = _scratch()
   reward = sandbox.code_reward(f"```python\n{program}\n```", {"tests": TESTS},
                                CodeOptions(timeout_s=TIMEOUT_S, memory_mb=256))
-  assert reward["reward"] == HONEST.get(name, 0.0), (name, reward)
+  honest = dict(HONEST, **(HONEST_IN_USER_NAMESPACE if "user" in available["namespaces"] else {}))
+  assert reward["reward"] == honest.get(name, 0.0), (name, reward)
   # the host afterwards
   assert not _sandbox_processes(), f"{name}: sandbox processes outlived the run"
   for path, content in host["files"].items():
