@@ -79,20 +79,23 @@ class Run:
     self.sync.close()
 
 
-def check_reward(config: RunConfig) -> None:
+def check_reward(config: RunConfig) -> dict | None:
   """Raises RewardError (naming the file and function) when the run's reward cannot be
-  imported, and SandboxUnavailable when it is 'code' and this system cannot isolate programs."""
+  imported, and SandboxUnavailable when it is 'code' and this system cannot isolate programs;
+  returns the sandbox's capabilities for 'code'."""
   reward = from_config(config.reward, config.data.source)
   check(reward)
-  if reward.name == "code":
-    capabilities()
+  return capabilities() if reward.name == "code" else None
 
 
 def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Run:
   """Meshes, tokenizer, model (warmed up when asked), prompt stream, eval rows, rollout engine,
   weight sync and reward pool."""
   workdir = pathlib.Path(workdir)
-  check_reward(config)  # an unusable reward is reported before the model is built
+  sandbox = check_reward(config)  # an unusable reward is reported before the model is built
+  if sandbox:
+    say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
+        "seccomp, rlimits, no network, a tmpfs root")
   processes = jax.process_count()
   if config.data.prompts_per_step % processes:
     raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "

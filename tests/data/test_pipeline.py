@@ -111,3 +111,31 @@ def test_fingerprint_tells_a_changed_file(tmp_path):
   assert JsonlSource(path).fingerprint() == before
   _jsonl(path, rows[:3])
   assert JsonlSource(path).fingerprint() != before
+
+
+def test_chat_message_prompts_go_through_the_chat_template(tmp_path):
+  from rlx.models import builtin_tokenizer, load_tokenizer
+
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+  path = _jsonl(tmp_path / "chat.jsonl", [{"messages": messages, "answer": "4", "id": 7}] * 2)
+  source = JsonlSource(path, prompt_field="messages")
+  assert source[0]["prompt"] == messages and source[0]["id"] == 7
+  tokenizer = load_tokenizer("tests/fixtures/hf/qwen2")
+  stream = PromptStream(source, batch_size=1, encode=tokenizer.encode_prompt)
+  assert next(stream)[0]["prompt_tokens"] == tokenizer.apply_chat_template(messages)
+  stream = PromptStream(source, batch_size=1, encode=builtin_tokenizer().encode_prompt)
+  with pytest.raises(DataError, match="chat.jsonl:1: the prompt is a list of chat messages, but "
+                                      "the tokenizer has no chat template"):
+    next(stream)
+  bad = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}], "answer": "4"}])
+  with pytest.raises(DataError, match="bad.jsonl:1: field 'messages' holds a list, but not of "
+                                      "chat messages"):
+    JsonlSource(bad, prompt_field="messages")
+
+
+def test_rows_without_an_answer_need_answer_field_empty(tmp_path):
+  path = _jsonl(tmp_path / "code.jsonl", [{"prompt": "write f", "tests": ["assert f(1)"]}])
+  with pytest.raises(DataError, match="answer_field=''"):
+    JsonlSource(path)
+  row = JsonlSource(path, answer_field="")[0]
+  assert row["answer"] == "" and row["tests"] == ["assert f(1)"]
