@@ -23,6 +23,8 @@ def get_config():
       data=dataclasses.replace(config.data, source="code"),
       reward=dataclasses.replace(config.reward, name="code", code_scoring="fraction",
                                  code_timeout_s=3.0, timeout_s=5.0),
+      # the model must learn to read the description and copy its constant into the program:
+      # a longer warm-up than the sort task's
       trainer=dataclasses.replace(config.trainer, steps=200, eval_every=50, eval_prompts=100,
-                                  mini_batches=2),
+                                  mini_batches=2, warmup_sft_steps=300),
   )

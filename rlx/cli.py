@@ -91,9 +91,10 @@ def load_config_file(path: str) -> RunConfig:
   file = pathlib.Path(path)
   if not file.is_file():
     raise ConfigError(f"config file {path!r} does not exist")
-  # Config files import their base as `from configs import base`: make the
-  # directory that holds `configs/` importable, wherever rlx is started from.
-  root = str(file.resolve().parent.parent)
+  # Config files import their base as `from configs import base`: make the nearest directory
+  # above the file that holds `configs/` importable, wherever rlx is started from.
+  parents = file.resolve().parents
+  root = str(next((p for p in parents if (p / "configs").is_dir()), parents[1]))
   if root not in sys.path:
     sys.path.insert(0, root)
   spec = importlib.util.spec_from_file_location(f"_rlx_config_{file.stem}", file)

@@ -16,6 +16,7 @@ from rlx.config import ArchConfig, ConfigError, RunConfig
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
 CONFIG_FILES = [p for p in CONFIG_FILES if p.name != "__init__.py"]
+CONFIG_FILES += sorted((ROOT / "examples").glob("*/config.py"))  # the examples' configs too
 
 
 def _sections(cls):
