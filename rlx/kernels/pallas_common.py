@@ -57,18 +57,21 @@ def finish_stats(stats):
   return target_logit - lse, log_s - w / s, lse
 
 
-def tile_grad(z, cols, targets, lse, entropy, g_logprob, g_entropy, temperature: float):
+def tile_grad(z, cols, targets, lse, entropy, g_logprob, g_entropy, active, temperature: float):
   """dL/d(hidden @ unembed) of one tile (per-token arguments [bt, 1]):
-  ``dz = (g_lp (onehot - p) - g_H p (log p + H)) / temperature``."""
-  log_p = z - lse
+  ``dz = (g_lp (onehot - p) - g_H p (log p + H)) / temperature``, and exactly 0 for tokens
+  that are not ``active`` (masked out: the forward pass stored no lse for them, so
+  ``exp(z - lse)`` could overflow and 0 * inf would poison the whole matmul with NaN)."""
+  log_p = jnp.where(active, z - lse, NEG_INF)
   p = jnp.exp(log_p)
   onehot = (cols == targets).astype(jnp.float32)
   dz = g_logprob * (onehot - p) - g_entropy * p * (log_p + entropy)
-  return dz / temperature
+  return jnp.where(active, dz / temperature, 0.0)
 
 
-def recompute_dz(hidden, unembed_block, first_col, targets, lse, entropy, g_logprob, g_entropy, *,
-                 vocab_size: int, temperature: float):
-  """The backward kernels' common core: recompute one logit tile and return its ``dz``."""
+def recompute_dz(hidden, unembed_block, first_col, targets, mask, lse, entropy, g_logprob,
+                 g_entropy, *, vocab_size: int, temperature: float):
+  """The backward kernels' common core: recompute one logit tile and return its ``dz`` (0 on
+  the rows whose ``mask`` [bt, 1] is 0)."""
   z, cols = masked_tile(hidden, unembed_block, first_col, vocab_size, temperature)
-  return tile_grad(z, cols, targets, lse, entropy, g_logprob, g_entropy, temperature)
+  return tile_grad(z, cols, targets, lse, entropy, g_logprob, g_entropy, mask != 0, temperature)

@@ -68,13 +68,13 @@ def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent
 
   @pl.when(active)
   def _():
-    hidden, targets = h_ref[...], t_ref[...]
+    hidden, targets, mask = h_ref[...], t_ref[...], m_ref[...]
     lse, entropy, g_lp, g_ent = lse_ref[...], ent_ref[...], glp_ref[...], gent_ref[...]
 
     def body(j, acc):
       first = j * block_v
       w_block = w_ref[:, pl.ds(first, block_v)]
-      dz = tiles.recompute_dz(hidden, w_block, first, targets, lse, entropy, g_lp, g_ent,
+      dz = tiles.recompute_dz(hidden, w_block, first, targets, mask, lse, entropy, g_lp, g_ent,
                               vocab_size=vocab_size, temperature=temperature)
       return acc + jnp.dot(dz.astype(w_block.dtype), w_block.T, preferred_element_type=jnp.float32)
 
@@ -97,8 +97,8 @@ def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gen
 
     def add(acc):
       hidden = h_ref[pl.ds(i * block_t, block_t), :]
-      dz = tiles.recompute_dz(hidden, w_block, first, t_ref[rows], lse_ref[rows], ent_ref[rows],
-                              glp_ref[rows], gent_ref[rows], vocab_size=vocab_size,
+      dz = tiles.recompute_dz(hidden, w_block, first, t_ref[rows], m_ref[rows], lse_ref[rows],
+                              ent_ref[rows], glp_ref[rows], gent_ref[rows], vocab_size=vocab_size,
                               temperature=temperature)
       return acc + jnp.dot(hidden.T, dz.astype(hidden.dtype), preferred_element_type=jnp.float32)
 

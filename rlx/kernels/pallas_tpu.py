@@ -71,18 +71,18 @@ def _reduce_into(out_ref, acc, axis: int, active, contribution) -> None:
     out_ref[...] = acc[...].astype(out_ref.dtype)
 
 
-def _tile_dz(h_ref, w_ref, t_ref, lse_ref, ent_ref, glp_ref, gent_ref, vocab_block, vocab_size,
-             temperature):
+def _tile_dz(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, vocab_block,
+             vocab_size, temperature):
   return tiles.recompute_dz(h_ref[...], w_ref[...], vocab_block * w_ref.shape[1], t_ref[...],
-                            lse_ref[...], ent_ref[...], glp_ref[...], gent_ref[...],
+                            m_ref[...], lse_ref[...], ent_ref[...], glp_ref[...], gent_ref[...],
                             vocab_size=vocab_size, temperature=temperature)
 
 
 def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dh_ref, acc, *,
                      vocab_size, temperature):
   def contribution():  # dz @ unembed_block.T
-    dz = _tile_dz(h_ref, w_ref, t_ref, lse_ref, ent_ref, glp_ref, gent_ref, pl.program_id(1),
-                  vocab_size, temperature)
+    dz = _tile_dz(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref,
+                  pl.program_id(1), vocab_size, temperature)
     return jax.lax.dot_general(dz.astype(w_ref.dtype), w_ref[...], (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
@@ -92,8 +92,8 @@ def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent
 def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dw_ref, acc, *,
                       vocab_size, temperature):
   def contribution():  # hidden_block.T @ dz
-    dz = _tile_dz(h_ref, w_ref, t_ref, lse_ref, ent_ref, glp_ref, gent_ref, pl.program_id(0),
-                  vocab_size, temperature)
+    dz = _tile_dz(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref,
+                  pl.program_id(0), vocab_size, temperature)
     return jax.lax.dot_general(h_ref[...], dz.astype(h_ref.dtype), (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
 

@@ -101,3 +101,35 @@ def test_pallas_under_shard_map_over_rows_equals_reference(variant):
   assert sharded[0].sharding.spec == P(("data", "fsdp"))
   for ours, theirs in zip(jax.tree.leaves(sharded), jax.tree.leaves(reference)):
     _assert_relative_error(ours, theirs, 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
+@pytest.mark.parametrize("scale, temperature", [(1e4, 1.0), (30.0, 0.1)])
+def test_masked_tokens_with_huge_logits_stay_finite_in_every_impl(variant, scale, temperature):
+  """A masked token whose logits exceed exp's range (a large hidden state, a low temperature)
+  inside an active block: its log-prob, entropy and gradients are exactly 0, nothing is NaN or
+  inf, and the active tokens match the reference."""
+  T, D, V = 32, 16, 64
+  hidden, unembed, targets, g_lp, g_h = _inputs(7, T, D, V)
+  hidden = hidden.at[3].multiply(scale).at[21].multiply(scale)  # masked, in active blocks
+  mask = jnp.ones((T,), bool).at[3].set(False).at[21].set(False)
+  results = {"pallas": _run(lambda h, u: pallas_logprobs(
+      h, u, targets, mask, variant=variant, block_t=16, block_v=32, temperature=temperature,
+      interpret=True), hidden, unembed, g_lp, g_h)}
+  for impl in ("xla", "reference"):
+    results[impl] = _run(lambda h, u, impl=impl: fused_logprobs(
+        h, u, targets, mask, impl=impl, temperature=temperature, chunk=16),
+        hidden, unembed, g_lp, g_h)
+  for name, (lp, ent, (d_hidden, d_unembed)) in results.items():
+    for value in (lp, ent, d_hidden, d_unembed):
+      assert bool(jnp.isfinite(value).all()), name
+    assert float(jnp.abs(lp[jnp.array([3, 21])]).max()) == 0.0, name
+    assert float(jnp.abs(d_hidden[jnp.array([3, 21])]).max()) == 0.0, name
+  keep = mask
+  for name in ("pallas", "xla"):
+    lp, ent, (d_hidden, d_unembed) = results[name]
+    ref_lp, ref_ent, (ref_dh, ref_du) = results["reference"]
+    _assert_relative_error(lp[keep], ref_lp[keep], 1e-5)
+    _assert_relative_error(ent[keep], ref_ent[keep], 1e-4)
+    _assert_relative_error(d_hidden[keep], ref_dh[keep], 1e-4)
+    _assert_relative_error(d_unembed, ref_du, 1e-4)
