@@ -29,5 +29,6 @@ def accuracy(stdout: str) -> tuple[float, float] | None:
 
 
 def warm_start(workdir: pathlib.Path) -> list[str]:
-  """Overrides that start a run from the warm-up saved in ``workdir`` (no warm-up of its own)."""
-  return [f"--config.model.path={workdir / 'warmup'}", "--config.trainer.warmup_sft_steps=0"]
+  """Overrides that start a run from the warm-up saved in ``workdir`` (a ``model.path`` run gets
+  no warm-up of its own)."""
+  return [f"--config.model.path={workdir / 'warmup'}"]
