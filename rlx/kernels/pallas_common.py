@@ -30,6 +30,14 @@ def masked_tile(hidden, unembed, first_col, vocab_size: int, temperature: float)
   return jnp.where(cols < vocab_size, z, NEG_INF), cols
 
 
+def valid_unembed(unembed_block, first_col, vocab_size: int):
+  """The unembedding tile [D, bv] with the columns past the vocabulary set to 0: the last
+  block of an unpadded vocabulary reads past the array, and whatever it finds there (NaN
+  included) must not reach a matmul."""
+  cols = first_col + jax.lax.broadcasted_iota(jnp.int32, (1, unembed_block.shape[1]), 1)
+  return jnp.where(cols < vocab_size, unembed_block, jnp.zeros_like(unembed_block))
+
+
 def init_stats(rows: int):
   """(m, s, w, target_logit), each [rows, 1], before any tile."""
   zeros = jnp.zeros((rows, 1), jnp.float32)

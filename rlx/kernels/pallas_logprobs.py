@@ -5,9 +5,14 @@ Autodiff does not go through ``pallas_call``; ``jax.custom_vjp`` wires the
 backward kernels in. The forward pass saves ``lse`` and the entropy per token;
 the backward kernels recompute each logit tile from them.
 
-Shapes that are not whole blocks are padded: tokens with zeros (masked out, so
-they cost nothing), the vocabulary with zero columns that the kernels mask to
+Tokens that do not fill a block are padded with zeros (masked out, so they cost
+nothing). The vocabulary: on TPU the last block is ragged (no copy of the
+unembedding); on GPU it is padded with zero columns that the kernels mask to
 ``-inf``. Blocks of tokens whose mask is all False are skipped.
+
+Block sizes: the caller's, or per variant; on TPU shrunk (vocabulary first) until
+the kernels' VMEM need fits ``TPU_VMEM_BUDGET``, under the 16 MiB that Mosaic
+scopes by default on v5e (32 MiB on v6e), whatever the model width.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ Variant = Literal["gpu", "tpu"]
 # (tokens per block, vocab entries per block): Triton tiles sized for a GPU SM's
 # registers/shared memory; TPU tiles sized for VMEM and the 128-wide MXU.
 DEFAULT_BLOCKS = {"gpu": (64, 128), "tpu": (256, 512)}
+TPU_VMEM_BUDGET = 14 * 2**20
 _KERNELS = {"gpu": pallas_gpu, "tpu": pallas_tpu}
 
 
@@ -89,8 +95,18 @@ def pallas_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
   T, D = hidden.shape
   V = unembed.shape[1]
   default_t, default_v = DEFAULT_BLOCKS[variant]
+  chosen = block_t is not None or block_v is not None
   block_t = _fit(block_t or default_t, T, 8)
   block_v = _fit(block_v or default_v, V, 16)
+  if variant == "tpu" and not chosen:
+    itemsize = max(hidden.dtype.itemsize, unembed.dtype.itemsize)
+    while pallas_tpu.vmem_bytes(block_t, block_v, D, itemsize) > TPU_VMEM_BUDGET:
+      if block_v > 128:
+        block_v //= 2
+      elif block_t > 8:
+        block_t //= 2
+      else:
+        break
   if variant == "gpu":
     # Triton lowering needs every array in the kernel to have power-of-two sides
     # (and matmul sides >= 16): pad the model width with zeros, which adds nothing.
@@ -100,7 +116,8 @@ def pallas_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
     hidden, unembed = _pad_to(hidden, width, 1), _pad_to(unembed, width, 0)
   mask = jnp.ones((T,), bool) if mask is None else mask.astype(bool)
   column = lambda x: _pad_to(x.astype(jnp.int32)[:, None], block_t, 0)
-  logprob, entropy = _fused(_pad_to(hidden, block_t, 0), _pad_to(unembed, block_v, 1),
-                            column(targets), column(mask), variant, V, block_t, block_v,
-                            float(temperature), interpret)
+  if variant == "gpu":
+    unembed = _pad_to(unembed, block_v, 1)
+  logprob, entropy = _fused(_pad_to(hidden, block_t, 0), unembed, column(targets), column(mask),
+                            variant, V, block_t, block_v, float(temperature), interpret)
   return logprob[:T, 0], entropy[:T, 0]
