@@ -30,6 +30,7 @@ Variant = Literal["gpu", "tpu"]
 # registers/shared memory; TPU tiles sized for VMEM and the 128-wide MXU.
 DEFAULT_BLOCKS = {"gpu": (64, 128), "tpu": (256, 512)}
 TPU_VMEM_BUDGET = 14 * 2**20
+GPU_BLOCK_D = 64  # GPU: chunk of the model width; shared memory per program is independent of D
 _KERNELS = {"gpu": pallas_gpu, "tpu": pallas_tpu}
 
 
@@ -49,29 +50,24 @@ def _pad_to(x: jax.Array, multiple: int, axis: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _fused(hidden, unembed, targets, mask, variant, vocab_size, block_t, block_v, temperature,
-           interpret):
-  return _fused_forward(hidden, unembed, targets, mask, variant, vocab_size, block_t, block_v,
-                        temperature, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused(hidden, unembed, targets, mask, variant, vocab_size, blocks, options):
+  return _fused_forward(hidden, unembed, targets, mask, variant, vocab_size, blocks, options)[0]
 
 
-def _fused_forward(hidden, unembed, targets, mask, variant, vocab_size, block_t, block_v,
-                   temperature, interpret):
+def _fused_forward(hidden, unembed, targets, mask, variant, vocab_size, blocks, options):
   logprob, entropy, lse = _KERNELS[variant].forward(
-      hidden, unembed, targets, mask, vocab_size=vocab_size, block_t=block_t, block_v=block_v,
-      temperature=temperature, interpret=interpret)
+      hidden, unembed, targets, mask, vocab_size=vocab_size, **dict(blocks), **dict(options))
   return (logprob, entropy), (hidden, unembed, targets, mask, lse, entropy)
 
 
-def _fused_backward(variant, vocab_size, block_t, block_v, temperature, interpret, residuals,
-                    cotangents):
+def _fused_backward(variant, vocab_size, blocks, options, residuals, cotangents):
   hidden, unembed, targets, mask, lse, entropy = residuals
   # Masked tokens' outputs are constant 0: whatever their cotangents, they add no gradient.
   g_logprob, g_entropy = (jnp.where(mask != 0, g, 0.0) for g in cotangents)
   d_hidden, d_unembed = _KERNELS[variant].backward(
       hidden, unembed, targets, mask, lse, entropy, g_logprob, g_entropy, vocab_size=vocab_size,
-      block_t=block_t, block_v=block_v, temperature=temperature, interpret=interpret)
+      **dict(blocks), **dict(options))
   return d_hidden, d_unembed, None, None
 
 
@@ -81,6 +77,7 @@ _fused.defvjp(_fused_forward, _fused_backward)
 def pallas_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
                     mask: jax.Array | None = None, *, variant: Variant, temperature: float = 1.0,
                     block_t: int | None = None, block_v: int | None = None,
+                    block_d: int | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Target log-probs [T] and entropy [T] (float32) with the Pallas kernels.
 
@@ -90,6 +87,7 @@ def pallas_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
       gradient, and whole masked blocks are skipped); None computes every token.
     variant: 'gpu' (Triton lowering) or 'tpu' (Mosaic).
     block_t, block_v: tokens and vocab entries per block (defaults per variant).
+    block_d: GPU: the chunk of the model width a logit tile is accumulated over.
     interpret: run the kernels in Pallas' interpreter (CPU tests).
   """
   T, D = hidden.shape
@@ -107,17 +105,22 @@ def pallas_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
         block_t //= 2
       else:
         break
+  blocks = {"block_t": block_t, "block_v": block_v}
   if variant == "gpu":
-    # Triton lowering needs every array in the kernel to have power-of-two sides
-    # (and matmul sides >= 16): pad the model width with zeros, which adds nothing.
-    if any(b & (b - 1) for b in (block_t, block_v)):
-      raise ValueError(f"GPU blocks must be powers of two, got block_t={block_t}, block_v={block_v}")
-    width = max(16, 1 << (D - 1).bit_length())
-    hidden, unembed = _pad_to(hidden, width, 1), _pad_to(unembed, width, 0)
+    # Triton tiles have power-of-two sides (matmul sides >= 16); the width is read in chunks
+    # of block_d, so it is padded (with zeros, which add nothing) only when it is not a
+    # multiple of one
+    block_d = _fit(block_d or GPU_BLOCK_D, D, 16)
+    if any(b & (b - 1) for b in (block_t, block_v, block_d)):
+      raise ValueError(f"GPU blocks must be powers of two, got block_t={block_t}, "
+                       f"block_v={block_v}, block_d={block_d}")
+    hidden, unembed = _pad_to(hidden, block_d, 1), _pad_to(unembed, block_d, 0)
+    blocks["block_d"] = block_d
   mask = jnp.ones((T,), bool) if mask is None else mask.astype(bool)
   column = lambda x: _pad_to(x.astype(jnp.int32)[:, None], block_t, 0)
   if variant == "gpu":
     unembed = _pad_to(unembed, block_v, 1)
+  options = {"temperature": float(temperature), "interpret": interpret}
   logprob, entropy = _fused(_pad_to(hidden, block_t, 0), unembed, column(targets), column(mask),
-                            variant, V, block_t, block_v, float(temperature), interpret)
+                            variant, V, tuple(blocks.items()), tuple(options.items()))
   return logprob[:T, 0], entropy[:T, 0]
