@@ -7,9 +7,12 @@ Needs the target's jaxlib plugin at the same version as jax (``pip install -e ".
 or ``".[aot-cuda]"``, in a venv of its own) and JAX_PLATFORMS=cpu. It proves that a program
 lowers and fits (shared memory, VMEM, device memory); it says nothing about speed.
 
-Prints JSON: one entry per program (fused log-prob forward, and value_and_grad, for each
-implementation, at each model width and token count): "ok" with the per-device argument,
-output and temp memory in MiB, or "failed" with the first line of the compiler's error.
+Prints JSON: one entry per program: the fused log-prob forward and value_and_grad for each
+implementation at each model width and token count; the learner's whole update step (GRPO,
+bf16 activations, fp32 params, the Pallas loss, full remat) for a Qwen2.5-0.5B-shaped model
+on 1 device and FSDP over 8; the engine's decode step on 1 device. Each is "ok" with the
+per-device argument, output and temp memory in MiB, or "failed" with the first line of the
+compiler's error.
 """
 
 import argparse
@@ -27,14 +30,28 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from rlx import update  # noqa: E402
+from rlx.config import (AlgorithmConfig, ArchConfig, ModelConfig, OptimizerConfig,  # noqa: E402
+                        RunConfig, TrainerConfig)
+from rlx.kernels import compiling_for  # noqa: E402
 from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa: E402
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
+from rlx.mesh import MESH_AXES  # noqa: E402
+from rlx.models import Transformer, param_shardings  # noqa: E402
+from rlx.rollout.engine import Engine, _generate  # noqa: E402
+from rlx.types import RolloutBatch  # noqa: E402
 
 TARGETS = pathlib.Path(__file__).parent / "targets"
 # (name, model width D, vocabulary V) of real models
 MODELS = [("qwen2.5-0.5b", 896, 151936), ("qwen2.5-1.5b", 1536, 151936),
           ("qwen2.5-7b", 3584, 152064), ("llama-3-8b", 4096, 128256)]
 PLATFORM = {"v5e": "tpu", "v6e": "tpu", "h100": "cuda", "a100": "cuda"}
+QWEN_05B = ArchConfig(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True,
+                      rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=32768)
 
 
 def devices(target: str, count: int = 1):
@@ -54,11 +71,23 @@ def _mib(value) -> float:
   return round(value / 2**20, 1)
 
 
-def compile_one(fn, args, device) -> dict:
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+def _placed(tree, sharding):
+  """Abstract values of ``tree`` with ``sharding`` (one, or a matching tree of them)."""
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      sharding)
+
+
+def compile_one(fn, args, device=None, platform=None) -> dict:
+  """Compiles ``fn`` (jitted, or jitted here) on abstract ``args`` (placed on ``device`` when
+  given, else already placed)."""
+  if device is not None:
+    args = _placed(list(args), jax.sharding.SingleDeviceSharding(device))
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
   try:
-    compiled = jax.jit(fn).trace(*specs).lower().compile()
+    with compiling_for(platform or "cpu"):
+      compiled = jitted.trace(*args).lower().compile()
   except Exception as error:  # noqa: BLE001 - the compiler's verdict is the result
     first = next((line for line in str(error).splitlines() if line.strip()), repr(error))
     return {"status": "failed", "error": first[:300]}
@@ -91,6 +120,51 @@ def logprob_programs(target: str, tokens: list[int]):
         yield f"{model}/T={count}/{impl}/value_and_grad", jax.value_and_grad(loss, (0, 1)), args
 
 
+def learner_step(target: str, count: int, tokens_per_row: int = 1024, rows: int = 16):
+  """The learner's update step for a Qwen2.5-0.5B-shaped model, FSDP over ``count`` devices:
+  (jitted step, abstract args)."""
+  mesh = jax.sharding.Mesh(np.array(devices(target, count)).reshape(1, count, 1), MESH_AXES)
+  config = RunConfig(model=ModelConfig(arch=QWEN_05B, dtype="bfloat16", remat="full"),
+                     algorithm=AlgorithmConfig(name="grpo"),
+                     optimizer=OptimizerConfig(learning_rate=1e-6),
+                     trainer=TrainerConfig(mini_batches=2))
+  rules = config.mesh.logical_axis_rules
+  transformer = Transformer(QWEN_05B, jnp.bfloat16, "fused", "full")
+  params = _placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.float32)),
+                   param_shardings(QWEN_05B, mesh, rules))
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=100)
+  shardings = update.train_state_shardings(params, optimizer)
+  state = _placed(jax.eval_shape(lambda p: update.TrainState(
+      step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
+      key=jax.random.key(0), policy_version=jnp.zeros((), jnp.int32)), params), shardings)
+  rows_sharding = update.batch_sharding(mesh, rules, rows)
+  shape = (rows, tokens_per_row)
+  batch = RolloutBatch(
+      tokens=jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sharding),
+      attention_mask=jax.ShapeDtypeStruct(shape, bool, sharding=rows_sharding),
+      response_mask=jax.ShapeDtypeStruct(shape, bool, sharding=rows_sharding),
+      advantages=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
+      old_logprobs=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
+      behaviour_logprobs=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
+      policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_sharding))
+  step = update.make_update_step(config, transformer, optimizer, schedule, state_shardings=shardings,
+                                 batch_shardings=rows_sharding)
+  coefficient = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  return step.jitted, (state, batch, coefficient)
+
+
+def decode_step(target: str, slots: int = 64, max_len: int = 2048):
+  """The engine's decode step (every slot one token) for a Qwen2.5-0.5B-shaped model on one
+  device: (jitted step, abstract args)."""
+  device = devices(target)[0]
+  transformer = Transformer(QWEN_05B, jnp.bfloat16, "fused", "none")
+  engine = Engine(transformer, max_slots=slots, max_len=max_len, max_prompt_len=1024)
+  params = jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.bfloat16))
+  state = jax.eval_shape(engine.init_decode_state)
+  placed = jax.sharding.SingleDeviceSharding(device)
+  return _generate, (transformer, _placed(params, placed), _placed(state, placed))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", required=True, choices=sorted(PLATFORM))
@@ -99,13 +173,23 @@ def main():
   args = parser.parse_args()
   if PLATFORM[args.target] == "cuda":
     jax.config.update("jax_pallas_use_mosaic_gpu", False)  # the kernels are written for Triton
-  device = devices(args.target)[0]
+  device, platform = devices(args.target)[0], PLATFORM[args.target]
   results = {}
-  for name, fn, program_args in logprob_programs(args.target, [int(t) for t in args.tokens.split(",")]):
+
+  def record(name, fn, program_args, on_device):
     if args.only and args.only not in name:
-      continue
-    results[name] = compile_one(fn, program_args, device)
+      return
+    results[name] = compile_one(fn, program_args, device if on_device else None, platform)
     print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+
+  for name, fn, program_args in logprob_programs(args.target, [int(t) for t in args.tokens.split(",")]):
+    record(name, fn, program_args, on_device=True)
+  for count in (1, 8):
+    name = f"qwen2.5-0.5b/learner_update_step/{count}_devices"
+    if not args.only or args.only in name:
+      record(name, *learner_step(args.target, count), on_device=False)
+  if not args.only or args.only in "qwen2.5-0.5b/decode_step/1_device":
+    record("qwen2.5-0.5b/decode_step/1_device", *decode_step(args.target), on_device=False)
   failed = sum(r["status"] != "ok" for r in results.values())
   print(json.dumps({"target": args.target, "device": str(device.device_kind), "failed": failed,
                     "programs": results}, indent=2))

@@ -1,7 +1,8 @@
 """Fused log-prob / entropy of the policy: reference, XLA chunked and Pallas (GPU, TPU)."""
 
-from rlx.kernels.fused_logprobs import (choose_impl, fused_logprobs, reference_logprobs,
-                                        xla_logprobs)
+from rlx.kernels.fused_logprobs import (choose_impl, compiling_for, fused_logprobs,
+                                        reference_logprobs, target_platform, xla_logprobs)
 from rlx.kernels.pallas_logprobs import pallas_logprobs
 
-__all__ = ["choose_impl", "fused_logprobs", "pallas_logprobs", "reference_logprobs", "xla_logprobs"]
+__all__ = ["choose_impl", "compiling_for", "fused_logprobs", "pallas_logprobs",
+           "reference_logprobs", "target_platform", "xla_logprobs"]

@@ -27,7 +27,10 @@ Implementations, all equal to ``reference`` in values and gradients (tests):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import logging
 from typing import Literal
 
 import jax
@@ -35,6 +38,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx.kernels.pallas_logprobs import pallas_logprobs
+
+log = logging.getLogger(__name__)
 
 Impl = Literal["auto", "reference", "xla", "pallas"]
 DEFAULT_CHUNK = 128  # forward: tokens per chunk, [128, V] float32 tiles (16 MiB at V=32k)
@@ -150,11 +155,55 @@ def _over_rows(kernel, rows: NamedSharding, hidden, unembed, targets, mask):
   return mapped(hidden, unembed, targets, mask)
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlx_kernels_target",
+                                                                     default=None)
+_SAID: set[str] = set()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Within it, ``fused_logprobs`` chooses and traces its kernels for ``platform`` ('tpu',
+  'gpu' / 'cuda') instead of the backend this process runs on: for compiling ahead of time for
+  a device that is not here (``benchmarks/aot_compile.py``)."""
+  token = _TARGET.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def target_platform() -> str:
+  """The platform kernels are traced for: ``compiling_for``'s, else this process's backend."""
+  return _TARGET.get() or jax.default_backend()
+
+
+def _pallas_runs_on(backend: str) -> str | None:
+  """Why the Pallas kernels cannot run on ``backend``, or None when they can."""
+  if backend == "tpu":
+    return None
+  if backend not in ("gpu", "cuda"):
+    return f"the Pallas kernels are written for NVIDIA GPUs and TPUs, not {backend!r}"
+  if _TARGET.get() is None:  # a real GPU: Triton's bf16 matmuls need Ampere (sm_80) or newer
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is not None and float(capability) < 8.0:
+      return f"the GPU's compute capability {capability} is older than Ampere's 8.0"
+  return None
+
+
 def choose_impl(impl: Impl, backend: str) -> str:
-  """The implementation ``impl`` means on ``backend`` ('cpu', 'gpu' / 'cuda' / 'rocm', 'tpu')."""
-  if impl == "auto":
-    return "xla" if backend == "cpu" else "pallas"
-  return impl
+  """The implementation ``impl`` means on ``backend`` ('cpu', 'gpu' / 'cuda' / 'rocm', 'tpu'):
+  'auto' picks Pallas where its kernels run, and XLA elsewhere (saying why, once)."""
+  if impl != "auto":
+    return impl
+  if backend == "cpu":
+    return "xla"
+  reason = _pallas_runs_on(backend)
+  if reason is None:
+    return "pallas"
+  if reason not in _SAID:
+    _SAID.add(reason)
+    log.warning("fused log-probs: %s; impl='auto' uses the XLA path", reason)
+  return "xla"
 
 
 def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
@@ -186,7 +235,7 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
   if hidden.shape[1] != unembed.shape[0] or hidden.shape[0] != targets.shape[0]:
     raise ValueError(f"shapes disagree: hidden {hidden.shape}, unembed {unembed.shape}, "
                      f"targets {targets.shape}")
-  backend = jax.default_backend()
+  backend = target_platform()
   impl = choose_impl(impl, backend)
   if impl == "reference":
     out = reference_logprobs(hidden, unembed, targets, temperature)

@@ -49,6 +49,11 @@ def _params():
 
 
 def _dot(a, b):
+  """a @ b accumulated in float32. Triton multiplies like dtypes only: bf16 activations against
+  float32 weights multiply in bf16, as the model's own matmuls do."""
+  if a.dtype != b.dtype:
+    narrow = min((a.dtype, b.dtype), key=lambda dtype: jnp.finfo(dtype).bits)
+    a, b = a.astype(narrow), b.astype(narrow)
   precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 

@@ -47,6 +47,20 @@ def test_pallas_equals_reference_bf16(variant):
 
 
 @pytest.mark.parametrize("variant", ["gpu", "tpu"])
+def test_bf16_activations_against_fp32_weights(variant):
+  """The learner's case: bf16 hidden states, fp32 unembedding (the params' dtype)."""
+  hidden, unembed, targets, g_lp, g_h = _inputs(13, 24, 32, 80)
+  hidden = hidden.astype(jnp.bfloat16)
+  pallas = _run(lambda h, u: pallas_logprobs(h, u, targets, variant=variant, block_t=16,
+                                             block_v=32, interpret=True), hidden, unembed, g_lp, g_h)
+  reference = _run(lambda h, u: fused_logprobs(h, u, targets, impl="reference"),
+                   hidden, unembed, g_lp, g_h)
+  assert pallas[2][0].dtype == jnp.bfloat16 and pallas[2][1].dtype == jnp.float32
+  for ours, theirs in zip(jax.tree.leaves(pallas), jax.tree.leaves(reference)):
+    _assert_relative_error(ours, theirs, 2e-2)
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu"])
 def test_masked_tokens_get_zero_and_no_gradient(variant):
   T, D, V = 48, 16, 64
   hidden, unembed, targets, g_lp, g_h = _inputs(5, T, D, V)
@@ -62,11 +76,28 @@ def test_masked_tokens_get_zero_and_no_gradient(variant):
     _assert_relative_error(ours, theirs, 1e-5)
 
 
-def test_auto_dispatch_by_backend():
+def test_auto_dispatch_by_backend(caplog):
   assert choose_impl("auto", "cpu") == "xla"
   assert choose_impl("auto", "gpu") == "pallas"
   assert choose_impl("auto", "tpu") == "pallas"
   assert choose_impl("reference", "gpu") == "reference"
+  with caplog.at_level("WARNING"):  # never a path that cannot run, said once
+    assert choose_impl("auto", "rocm") == "xla" and choose_impl("auto", "rocm") == "xla"
+  assert sum("not 'rocm'" in record.message for record in caplog.records) == 1
+
+
+@pytest.mark.parametrize("platform, kernel", [("tpu", "rlx_logprobs_fwd"),
+                                              ("cuda", "rlx_logprobs_fwd")])
+def test_kernels_trace_for_a_target_platform_that_is_not_here(platform, kernel):
+  """Ahead-of-time compilation traces the target's kernels on a CPU machine."""
+  from rlx.kernels import compiling_for
+
+  hidden, unembed, targets, *_ = _inputs(2, 16, 16, 40)
+  with compiling_for(platform):
+    jaxpr = jax.make_jaxpr(lambda h, u: fused_logprobs(h, u, targets))(hidden, unembed)
+  assert "pallas_call" in str(jaxpr) and kernel in str(jaxpr)
+  assert "pallas_call" not in str(jax.make_jaxpr(
+      lambda h, u: fused_logprobs(h, u, targets))(hidden, unembed))  # on CPU: the XLA path
 
 
 def test_fused_logprobs_runs_pallas_in_interpret_mode():
