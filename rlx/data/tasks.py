@@ -73,8 +73,8 @@ def _code(rng: random.Random) -> dict:
   n = rng.randint(2, 49)
   expression = body.format(n=n)
   program = f"def f(x):\n return {expression}"
-  tests = []
-  for x in rng.sample(range(-30, 31), 3):
+  tests = []  # four inputs over a range wide enough that a wrong constant fails some
+  for x in rng.sample(range(-60, 61), 4):
     tests.append(f"assert f({x}) == {eval(expression, {'x': x})}")  # noqa: S307 - our own text
   return {"prompt": f"Write f(x) that returns {description.format(n=n)}. Reply in ```python.",
           "answer": program, "sft_target": f"```python\n{program}\n```", "tests": tests}
