@@ -39,12 +39,13 @@ def test_configs_are_frozen():
     RunConfig().name = "x"
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_config_file_loads(path):
   config = cli.load_config_file(str(path))
   assert isinstance(config, RunConfig)
   source = path.read_text()
-  assert "python -m rlx.main --config configs/" + path.name in source, "docstring lacks its run command"
+  command = f"python -m rlx.main --config {path.relative_to(ROOT)}"
+  assert command in source, "docstring lacks its run command"
   json.loads(cli.to_json(config))
 
 

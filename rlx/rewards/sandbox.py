@@ -66,6 +66,8 @@ class RunResult:
   truncated: bool
   """The program wrote more than the output cap and was stopped."""
   seconds: float
+  uid: int
+  """The uid the program ran as on the host (without root: the caller's own)."""
 
 
 def extract_program(response: str) -> str | None:
@@ -208,24 +210,26 @@ def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
               memory_mb: int = 512) -> RunResult:
   """Runs ``program`` against ``tests`` (as ``normalize_tests`` gives them) in the sandbox."""
   nonce = secrets.token_hex(16)
+  uid = _UID_BASE + secrets.randbelow(_UIDS) if os.geteuid() == 0 else os.geteuid()
   outputs, status, timed_out, truncated, seconds = jailed(
       {"harness.py": _HARNESS, "main.py": program, "tests.json": json.dumps(tests)},
-      "harness.py", nonce=nonce, timeout_s=timeout_s, memory_mb=memory_mb)
+      "harness.py", nonce=nonce, timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
   passed = [False] * len(tests)
   for line in outputs["results"].decode(errors="replace").splitlines():
     parts = line.split()
     if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < len(tests):
       passed[int(parts[1])] = parts[2] == "1"
   return RunResult(passed, status, timed_out, outputs["stdout"], outputs["stderr"], truncated,
-                   seconds)
+                   seconds, uid)
 
 
 def jailed(files: dict[str, str], main: str, *, nonce: str = "", timeout_s: float = 3.0,
            memory_mb: int = 512, processes: int = 32, open_files: int = 64, file_mb: int = 16,
-           disk_mb: int = 32):
+           disk_mb: int = 32, uid: int | None = None):
   """Runs ``python main`` over ``files`` in the jail: (outputs {"stdout", "stderr",
   "results"}, exit status or None after a timeout, timed_out, truncated, seconds). The program
-  reads ``nonce`` from fd 4 and may report on fd 3 ("results")."""
+  reads ``nonce`` from fd 4 and may report on fd 3 ("results"). As root it runs as ``uid``
+  (default: a random one of its own, so that no two runs share an rlimit on processes)."""
   python, prefix = _python()
   started = time.monotonic()
   with tempfile.TemporaryDirectory(prefix="rlx-jail-") as scratch:
@@ -233,7 +237,8 @@ def jailed(files: dict[str, str], main: str, *, nonce: str = "", timeout_s: floa
     spec = {
         "root": os.path.join(scratch, "root"), "python": python, "binds": _binds(prefix),
         "argv": [main], "nonce": nonce, "results_fd": write_results,
-        "uid": _UID_BASE + secrets.randbelow(_UIDS), "disk_mb": disk_mb, "inodes": 256,
+        "uid": _UID_BASE + secrets.randbelow(_UIDS) if uid is None else uid,
+        "disk_mb": disk_mb, "inodes": 256,
         "files": files,
         "limits": {"cpu_s": max(int(timeout_s) + 1, 1), "memory_mb": memory_mb,
                    "file_mb": file_mb, "open_files": open_files, "processes": processes},

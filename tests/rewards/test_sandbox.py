@@ -11,6 +11,7 @@ import os
 import pathlib
 import socket
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -140,8 +141,9 @@ def host(tmp_path_factory):
     s.close()
 
 
-def _sandbox_processes() -> list[int]:
-  """Host processes of a sandbox: running as a sandbox uid, or in another PID namespace."""
+def _left_behind(uid: int) -> list[int]:
+  """Host processes of a run: running as its uid (root: a uid of its own), or, without root
+  (where the program runs as the caller's uid), in another PID namespace than ours."""
   ours = os.readlink("/proc/self/ns/pid")
   found = []
   for entry in pathlib.Path("/proc").iterdir():
@@ -153,13 +155,18 @@ def _sandbox_processes() -> list[int]:
       namespace = os.readlink(entry / "ns" / "pid")
     except (OSError, StopIteration):
       continue
-    if int(uids.split()[1]) >= sandbox._UID_BASE or namespace != ours:
+    if int(uids.split()[1]) == uid and (uid != os.getuid() or namespace != ours):
       found.append(int(entry.name))
   return found
 
 
-def _scratch() -> set[str]:
-  return {p.name for p in pathlib.Path(os.environ.get("TMPDIR", "/tmp")).glob("rlx-jail-*")}
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+  """A temporary directory of this test's own for the sandbox's scratch directories."""
+  directory = tmp_path / "scratch"
+  directory.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(directory))
+  return directory
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +178,15 @@ def available():
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available):
+def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available, scratch):
   program = ATTACKS[name].format(**host["values"])
-  scratch_before = _scratch()
-  reward = sandbox.code_reward(f"```python\n{program}\n```", {"tests": TESTS},
-                               CodeOptions(timeout_s=TIMEOUT_S, memory_mb=256))
+  assert sandbox.extract_program(f"```python\n{program}\n```") == program + "\n"
+  result = sandbox.run_tests(program, sandbox.normalize_tests(TESTS), timeout_s=TIMEOUT_S,
+                             memory_mb=256)
   honest = dict(HONEST, **(HONEST_IN_USER_NAMESPACE if "user" in available["namespaces"] else {}))
-  assert reward["reward"] == honest.get(name, 0.0), (name, reward)
+  assert sum(result.passed) / len(TESTS) == honest.get(name, 0.0), (name, result)
   # the host afterwards
-  assert not _sandbox_processes(), f"{name}: sandbox processes outlived the run"
+  assert not _left_behind(result.uid), f"{name}: sandbox processes outlived the run"
   for path, content in host["files"].items():
     assert path.read_bytes() == content
   values = host["values"]
@@ -191,7 +198,7 @@ def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available
       listener.accept()  # nobody connected
   with pytest.raises(BlockingIOError):
     host["udp"].recv(16)
-  assert _scratch() <= scratch_before, "a scratch directory was left behind"
+  assert not list(scratch.iterdir()), "a scratch directory was left behind"
 
 
 def test_the_suite_covers_thirty_attacks():
@@ -242,4 +249,4 @@ def test_malformed_tests_are_an_error_not_a_score():
 def test_a_stuck_jail_is_killed_with_its_process_group(available):
   result = sandbox.run_tests("import time\ntime.sleep(60)", [{"assert": "True"}], timeout_s=0.5)
   assert result.timed_out and result.status is None and result.seconds < 10
-  assert not _sandbox_processes()
+  assert not _left_behind(result.uid)

@@ -106,7 +106,10 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
   data.write_text("".join(json.dumps(row) + "\n" for row in rows))
   config = tiny.config("grpo_colocated", "--config.trainer.steps=50",
                        f"--config.data.source={data}", "--config.data.num_epochs=1",
-                       "--config.reward.name=sort", "--config.checkpoint.export_hf_every=2")
+                       "--config.reward.name=sort", "--config.checkpoint.export_hf_every=2",
+                       # every row is trained on; the built-in model warms up on a data file
+                       # only when asked
+                       "--config.trainer.eval_prompts=0", "--config.trainer.warmup_sft=always")
   # a warm-up save that a kill cut short is never loaded: it is redone
   (tmp_path / "run" / "warmup.partial").mkdir(parents=True)
   (tmp_path / "run" / "warmup.partial" / "config.json").write_text("{")
