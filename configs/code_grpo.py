@@ -4,7 +4,9 @@ row's assert tests in the code sandbox (``rlx.rewards.sandbox``) and scores the 
 it passes.
 
 The built-in model learns the ```python fence and the function's shape in the supervised
-warm-up (on the task's reference programs); RL then raises the held-out pass rate.
+warm-up (on the task's reference programs: about 20% of held-out problems pass after it).
+On a 2-core CPU, RL has not yet been seen to raise that within 100 steps: the model gets
+the operator right and the constant, which it must copy from the prompt, mostly wrong.
 
     python -m rlx.main --config configs/code_grpo.py --workdir /tmp/rlx-code
 """
