@@ -83,22 +83,22 @@ def _unembed(w_ref, vocab_block, vocab_size):
   return tiles.valid_unembed(w_ref[...], vocab_block * block_v, vocab_size)
 
 
-def _tile_dz(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, vocab_block,
+def _tile_dz(h_ref, unembed, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, vocab_block,
              vocab_size, temperature):
-  return tiles.recompute_dz(h_ref[...], _unembed(w_ref, vocab_block, vocab_size),
-                            vocab_block * w_ref.shape[1], t_ref[...], m_ref[...], lse_ref[...],
-                            ent_ref[...], glp_ref[...], gent_ref[...], vocab_size=vocab_size,
-                            temperature=temperature)
+  """dz of one tile, from the unembedding tile as ``_unembed`` gives it."""
+  return tiles.recompute_dz(h_ref[...], unembed, vocab_block * unembed.shape[1], t_ref[...],
+                            m_ref[...], lse_ref[...], ent_ref[...], glp_ref[...], gent_ref[...],
+                            vocab_size=vocab_size, temperature=temperature)
 
 
 def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dh_ref, acc, *,
                      vocab_size, temperature):
   def contribution():  # dz @ unembed_block.T
-    dz = _tile_dz(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref,
+    unembed = _unembed(w_ref, pl.program_id(1), vocab_size)  # read and masked once
+    dz = _tile_dz(h_ref, unembed, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref,
                   pl.program_id(1), vocab_size, temperature)
-    return jax.lax.dot_general(dz.astype(w_ref.dtype),
-                               _unembed(w_ref, pl.program_id(1), vocab_size),
-                               (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(dz.astype(unembed.dtype), unembed, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
   _reduce_into(dh_ref, acc, 1, jnp.any(m_ref[...] != 0), contribution)
 
@@ -106,8 +106,8 @@ def _d_hidden_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent
 def _d_unembed_kernel(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref, dw_ref, acc, *,
                       vocab_size, temperature):
   def contribution():  # hidden_block.T @ dz
-    dz = _tile_dz(h_ref, w_ref, t_ref, m_ref, lse_ref, ent_ref, glp_ref, gent_ref,
-                  pl.program_id(0), vocab_size, temperature)
+    dz = _tile_dz(h_ref, _unembed(w_ref, pl.program_id(0), vocab_size), t_ref, m_ref, lse_ref,
+                  ent_ref, glp_ref, gent_ref, pl.program_id(0), vocab_size, temperature)
     return jax.lax.dot_general(h_ref[...], dz.astype(h_ref.dtype), (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
 

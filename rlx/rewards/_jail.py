@@ -114,11 +114,10 @@ def _build_root(spec: dict, in_user_namespace: bool) -> None:
   for name, text in spec["files"].items():
     with open(f"{sandbox}/{name}", "w") as f:
       f.write(text)
-  uid = spec["uid"]
-  for directory, _, names in os.walk(sandbox):  # in a user namespace, its root owns them
-    for path in [directory, *(os.path.join(directory, name) for name in names)]:
-      if not in_user_namespace:
-        os.chown(path, uid, uid)
+  if not in_user_namespace:  # (in a user namespace, its root, which wrote them, owns them)
+    for directory, _, names in os.walk(sandbox):
+      for path in [directory, *(os.path.join(directory, name) for name in names)]:
+        os.chown(path, spec["uid"], spec["uid"])
   os.symlink("/sandbox", root + "/tmp")
   number = SYS_PIVOT_ROOT.get(platform.machine())
   if number is None:

@@ -164,8 +164,7 @@ def run(stdin_text):
         sys.stdin, sys.stdout = real_stdin, real_stdout
 
 def lines(text):
-    out = [line.rstrip() for line in text.strip().splitlines()]
-    return out
+    return [line.rstrip() for line in text.strip().splitlines()]
 
 namespace = None
 for index, test in enumerate(tests):
