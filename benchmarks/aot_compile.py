@@ -41,7 +41,7 @@ from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa:
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
 from rlx.mesh import MESH_AXES  # noqa: E402
 from rlx.models import Transformer, param_shardings  # noqa: E402
-from rlx.rollout.engine import Engine, _generate  # noqa: E402
+from rlx.rollout.engine import Engine, _generate_chunk, _generate_one  # noqa: E402
 from rlx.types import RolloutBatch  # noqa: E402
 
 TARGETS = pathlib.Path(__file__).parent / "targets"
@@ -153,16 +153,19 @@ def learner_step(target: str, count: int, tokens_per_row: int = 1024, rows: int 
   return step.jitted, (state, batch, coefficient)
 
 
-def decode_step(target: str, slots: int = 64, max_len: int = 2048):
-  """The engine's decode step (every slot one token) for a Qwen2.5-0.5B-shaped model on one
-  device: (jitted step, abstract args)."""
+def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 1):
+  """The engine's decode (every slot ``steps`` tokens, attending to the whole cache) for a
+  Qwen2.5-0.5B-shaped model on one device: (jitted step, abstract args)."""
   device = devices(target)[0]
   transformer = Transformer(QWEN_05B, jnp.bfloat16, "fused", "none")
   engine = Engine(transformer, max_slots=slots, max_len=max_len, max_prompt_len=1024)
   params = jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.bfloat16))
   state = jax.eval_shape(engine.init_decode_state)
   placed = jax.sharding.SingleDeviceSharding(device)
-  return _generate, (transformer, _placed(params, placed), _placed(state, placed))
+  args = (transformer, _placed(params, placed), _placed(state, placed))
+  if steps == 1:
+    return _generate_one, args + (None,)
+  return _generate_chunk, args + (steps, None)
 
 
 def main():
@@ -188,8 +191,8 @@ def main():
     name = f"qwen2.5-0.5b/learner_update_step/{count}_devices"
     if not args.only or args.only in name:
       record(name, *learner_step(args.target, count), on_device=False)
-  if not args.only or args.only in "qwen2.5-0.5b/decode_step/1_device":
-    record("qwen2.5-0.5b/decode_step/1_device", *decode_step(args.target), on_device=False)
+  for steps, name in ((1, "decode_step"), (16, "decode_chunk16")):
+    record(f"qwen2.5-0.5b/{name}/1_device", *decode_step(args.target, steps=steps), on_device=False)
   failed = sum(r["status"] != "ok" for r in results.values())
   print(json.dumps({"target": args.target, "device": str(device.device_kind), "failed": failed,
                     "programs": results}, indent=2))

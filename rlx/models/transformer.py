@@ -200,7 +200,8 @@ class Transformer:
             "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((batch,), jnp.int32)}
 
   def hidden_states(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
-                    cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+                    cache: Cache | None = None,
+                    attend_len: int | None = None) -> tuple[jax.Array, Cache | None]:
     """Final (normed) hidden states [B, T, D] and the updated cache.
 
     Args:
@@ -208,6 +209,9 @@ class Transformer:
       tokens: int [B, T].
       mask: bool [B, T], True on real tokens; None means no padding.
       cache: a KV cache to extend, or None for a plain forward pass.
+      attend_len: with a cache, attend to its first ``attend_len`` slots only (static), so
+        that a decode step costs what the filled part of the cache costs, not its length.
+        Rows that matter must keep ``index + T <= attend_len``; other rows stay finite.
     """
     a = self.arch
     if tokens.ndim != 2:
@@ -225,12 +229,15 @@ class Transformer:
     else:
       positions = jnp.maximum(cache["valid"].sum(-1, keepdims=True) + count, 0)
       S = cache["valid"].shape[1]
+      A = S if attend_len is None else min(attend_len, S)
       query_slots = cache["index"][:, None] + jnp.arange(T)[None]  # [B, T]
       # Writes past the end of the cache are dropped (the caller keeps index + T <= S).
       valid = cache["valid"].at[jnp.arange(B)[:, None], query_slots].set(real, mode="drop")
-      key_slots = jnp.arange(S)
+      key_slots = jnp.arange(A)
+      # A query always sees its own slot (or the last attended one), so no row is empty.
+      own_slot = jnp.minimum(query_slots, A - 1)[..., None]
       attn_mask = (key_slots[None, None, :] <= query_slots[..., None]) & (
-          valid[:, None, :] | (key_slots[None, None, :] == query_slots[..., None]))
+          valid[:, None, :A] | (key_slots[None, None, :] == own_slot))
       use_causal_only = False
     x = params["embed"].astype(self.dtype)[tokens]
     inv_freq = rope_inv_freq(a)
@@ -285,7 +292,7 @@ class Transformer:
       def write_kv(k, v):
         k_all = cache_k.at[l, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
         v_all = cache_v.at[l, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
-        return k_all[l], v_all[l], (k_all, v_all)
+        return k_all[l, :, :A], v_all[l, :, :A], (k_all, v_all)
 
       x, (cache_k, cache_v) = attention_block(x, p, write_kv)
       return (mlp_block(x, p), cache_k, cache_v), None
@@ -307,7 +314,8 @@ class Transformer:
                       preferred_element_type=jnp.float32)
 
   def __call__(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
-               cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+               cache: Cache | None = None,
+               attend_len: int | None = None) -> tuple[jax.Array, Cache | None]:
     """Logits [B, T, V] (float32) and the updated cache."""
-    hidden, cache = self.hidden_states(params, tokens, mask, cache)
+    hidden, cache = self.hidden_states(params, tokens, mask, cache, attend_len)
     return self.logits(params, hidden), cache

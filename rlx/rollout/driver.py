@@ -21,7 +21,7 @@ import numpy as np
 
 from rlx.models.model import Model
 from rlx.models.transformer import Params
-from rlx.rollout.engine import Engine, Prefix, SamplingParams, np_stop_ids
+from rlx.rollout.engine import DecodeState, Engine, Prefix, SamplingParams, np_stop_ids
 
 
 @dataclasses.dataclass
@@ -114,6 +114,14 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
               policy_version, batching, first_prompt_index, on_finished).run()
 
 
+@jax.jit
+def _first_tokens(state: DecodeState, slots: jax.Array):
+  """Token, log-probs and finish flags that ``insert`` sampled in ``slots`` (a copy: the
+  state is donated to the next step)."""
+  return tuple(x[slots] for x in (state.last_token, state.last_logprob, state.last_policy_logprob,
+                                  state.finished, state.stopped))
+
+
 class _Run:
   """The host-side bookkeeping of one ``generate`` call."""
 
@@ -135,6 +143,8 @@ class _Run:
     self.owner: list[tuple[int, int] | None] = [None] * engine.max_slots
     self.partial: dict[tuple[int, int], Completion] = {}  # being generated
     self.results: dict[tuple[int, int], Completion] = {}  # finished
+    self.index = np.zeros((engine.max_slots,), np.int64)  # each slot's cache index (host copy)
+    self.firsts: list = []  # first tokens sampled at insert, not yet read
 
   def run(self) -> list[Completion]:
     state = self.engine.init_decode_state()
@@ -143,9 +153,18 @@ class _Run:
       free = [s for s, o in enumerate(self.owner) if o is None]
       if free and (self.batching == "continuous" or len(free) == self.engine.max_slots):
         state = self._fill(state, free)
-      if any(o is not None for o in self.owner):
-        state, step = self.engine.generate(self.params, state)
-        self._record(jax.device_get(step))
+      owned = [s for s, o in enumerate(self.owner) if o is not None]
+      if owned:
+        attend_len = self.engine.attend_bucket(int(self.index[owned].max()))
+        state, chunk = self.engine.generate(self.params, state, attend_len)
+        # One host round trip per chunk: the first tokens of the slots filled before it, then
+        # the chunk's tokens.
+        firsts, chunk = jax.device_get((self.firsts, chunk))
+        self.firsts = []
+        for slots, first in firsts:
+          for i, slot in enumerate(slots):
+            self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
+        self._record(chunk)
     return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
 
   def _prefill_next(self, free_slots: int) -> None:
@@ -191,18 +210,23 @@ class _Run:
         top_p=np.full((count,), top_p, np.float32), max_new_tokens=np.full((count,), max_new, np.int32),
         stop_ids=np.tile(stop_ids, (count, 1)))
     state = self.engine.insert(prefix, state, slots, rows, keys, sampling)
-    first = jax.device_get((state.last_token, state.last_logprob, state.last_policy_logprob,
-                            state.finished, state.stopped))
-    for slot, _, _ in inserts:
-      self._append(slot, *(x[slot] for x in first))
+    placed = slots[:len(inserts)]
+    # Read with the next chunk's results rather than now (no extra host round trip).
+    self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
+    self.index[placed] = [len(self.prompts[key // self.n]) for _, _, key in inserts]
     return state
 
-  def _record(self, step) -> None:
-    for slot in np.flatnonzero(step.emitted):
-      self._append(int(slot), step.tokens[slot], step.logprobs[slot], step.policy_logprobs[slot],
-                   step.finished[slot], step.stopped[slot])
+  def _record(self, chunk) -> None:
+    """Appends a chunk's tokens ([steps, S] arrays) to their completions."""
+    for slot in np.flatnonzero(chunk.emitted.any(axis=0)):
+      emitted = chunk.emitted[:, slot]
+      last = np.flatnonzero(emitted)[-1]
+      self.index[slot] += int(emitted.sum())
+      self._append(int(slot), chunk.tokens[emitted, slot], chunk.logprobs[emitted, slot],
+                   chunk.policy_logprobs[emitted, slot], chunk.finished[last, slot],
+                   chunk.stopped[last, slot])
 
-  def _append(self, slot: int, token, logprob, policy_logprob, finished, stopped) -> None:
+  def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped) -> None:
     p, sample = self.owner[slot]
     completion = self.partial.get((p, sample))
     if completion is None:
@@ -210,9 +234,9 @@ class _Run:
                               policy_logprobs=[], finish_reason="length",
                               policy_version=self.policy_version, prompt_index=p, sample_index=sample)
       self.partial[(p, sample)] = completion
-    completion.response_tokens.append(int(token))
-    completion.logprobs.append(float(logprob))
-    completion.policy_logprobs.append(float(policy_logprob))
+    completion.response_tokens.extend(tokens.tolist())
+    completion.logprobs.extend(logprobs.tolist())
+    completion.policy_logprobs.extend(policy_logprobs.tolist())
     if finished:
       completion.finish_reason = "stop" if stopped else "length"
       self.results[(p, sample)] = self.partial.pop((p, sample))

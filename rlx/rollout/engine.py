@@ -9,8 +9,10 @@ over a fixed number of decode slots, with static shapes.
   first token there. The first token is drawn at insert rather than at prefill
   so that the n samples of one prompt (a GRPO group) share one prefill yet draw
   independent first tokens.
-- ``generate(params, decode_state) -> (decode_state, StepResult)``: one token for
-  every active slot.
+- ``generate(params, decode_state) -> (decode_state, StepResult)``: up to
+  ``decode_steps`` tokens for every active slot in one dispatch (a jitted while loop that
+  samples on device and stops early once every slot has finished), attending only to
+  the filled part of the cache, rounded up to a power of two.
 
 All three are jitted once per shape bucket; params are arguments, so new
 weights are used without recompiling. Every random draw of a request uses
@@ -107,6 +109,7 @@ class Engine:
     mesh: where the engine runs; params and the KV cache are sharded over its
       ``tensor`` axis (kv heads) and slots over ``data``. None: one device.
     max_stop_tokens: room for stop ids per request.
+    decode_steps: tokens per ``generate`` dispatch (1 is the single-step reference path).
   """
 
   transformer: Transformer
@@ -115,8 +118,11 @@ class Engine:
   max_prompt_len: int
   mesh: Mesh | None = None
   max_stop_tokens: int = 8
+  decode_steps: int = 16
 
   def __post_init__(self):
+    if self.decode_steps < 1:
+      raise ValueError(f"decode_steps={self.decode_steps} must be >= 1")
     if self.max_prompt_len >= self.max_len:
       raise ValueError(f"max_prompt_len={self.max_prompt_len} leaves no room to generate in "
                        f"max_len={self.max_len}")
@@ -137,6 +143,16 @@ class Engine:
 
   def batch_bucket(self, count: int) -> int:
     return next(b for b in self.batch_buckets if b >= count)
+
+  @property
+  def attend_buckets(self) -> tuple[int, ...]:
+    return _buckets(self.max_len, 64)
+
+  def attend_bucket(self, filled: int) -> int:
+    """The attention length for a chunk when the fullest active slot holds ``filled`` tokens
+    (its cache index): room for ``decode_steps`` more, rounded up to a power of two."""
+    needed = filled + self.decode_steps
+    return next((b for b in self.attend_buckets if b >= needed), self.max_len)
 
   # --- state ---------------------------------------------------------------------------------
 
@@ -182,9 +198,18 @@ class Engine:
     return _insert(prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(rows, jnp.int32),
                    keys, sampling)
 
-  def generate(self, params: Params, state: DecodeState) -> tuple[DecodeState, StepResult]:
-    """Advances every active slot by one token."""
-    return _generate(self.transformer, params, state)
+  def generate(self, params: Params, state: DecodeState,
+               attend_len: int | None = None) -> tuple[DecodeState, StepResult]:
+    """Advances every active slot by up to ``decode_steps`` tokens in one dispatch.
+
+    The StepResult's fields are [decode_steps, S]. A slot that finishes inside the chunk
+    emits nothing after; the chunk ends early once no slot is active. ``attend_len`` (see
+    ``attend_bucket``) limits attention to the filled part of the cache; every active slot
+    must keep ``index + decode_steps <= attend_len``.
+    """
+    if self.decode_steps == 1:
+      return _generate_one(self.transformer, params, state, attend_len)
+    return _generate_chunk(self.transformer, params, state, self.decode_steps, attend_len)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -222,11 +247,12 @@ def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: Sam
       sampling=jax.tree.map(put, state.sampling, sampling))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _generate(transformer: Transformer, params: Params, state: DecodeState):
+def _decode_step(transformer: Transformer, params: Params, state: DecodeState,
+                 attend_len: int | None) -> tuple[DecodeState, StepResult]:
+  """One token for every active slot (traced inside the jitted single step and chunk)."""
   M = state.cache["valid"].shape[1]
   active = state.active
-  logits, cache = transformer(params, state.last_token[:, None], None, state.cache)
+  logits, cache = transformer(params, state.last_token[:, None], None, state.cache, attend_len)
   # Idle slots ran too (static shapes) but keep their bookkeeping unchanged.
   cache["index"] = jnp.where(active, cache["index"], state.cache["index"])
   cache["valid"] = jnp.where(active[:, None], cache["valid"], state.cache["valid"])
@@ -245,6 +271,39 @@ def _generate(transformer: Transformer, params: Params, state: DecodeState):
       generated=generated, active=active & ~finished, finished=finished, stopped=stopped)
   return state, StepResult(tokens=tokens, logprobs=logprobs, policy_logprobs=policy_logprobs,
                            emitted=active, finished=finished, stopped=stopped)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
+def _generate_one(transformer: Transformer, params: Params, state: DecodeState, attend_len):
+  """The single-step path: one dispatch per token (the reference of ``_generate_chunk``)."""
+  state, result = _decode_step(transformer, params, state, attend_len)
+  return state, jax.tree.map(lambda x: x[None], result)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
+def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState, steps: int,
+                    attend_len):
+  """Up to ``steps`` decode steps in one dispatch; stops early when no slot is active. Step i
+  of the result is [S]; steps that did not run emit nothing."""
+  S = state.active.shape[0]
+  out = StepResult(tokens=jnp.zeros((steps, S), jnp.int32),
+                   logprobs=jnp.zeros((steps, S), jnp.float32),
+                   policy_logprobs=jnp.zeros((steps, S), jnp.float32),
+                   emitted=jnp.zeros((steps, S), bool), finished=jnp.zeros((steps, S), bool),
+                   stopped=jnp.zeros((steps, S), bool))
+
+  def running(carry):
+    i, state, _ = carry
+    return (i < steps) & jnp.any(state.active)
+
+  def step(carry):
+    i, state, out = carry
+    state, result = _decode_step(transformer, params, state, attend_len)
+    out = jax.tree.map(lambda o, x: jax.lax.dynamic_update_index_in_dim(o, x, i, 0), out, result)
+    return i + 1, state, out
+
+  _, state, out = jax.lax.while_loop(running, step, (0, state, out))
+  return state, out
 
 
 def shard_params(params: Params, transformer: Transformer, mesh: Mesh, rules) -> Params:

@@ -25,22 +25,55 @@ import jax
 import jax.numpy as jnp
 
 
+FAST_TOP_K = 64
+"""Largest k that the top-k-only path finds with ``lax.top_k`` instead of sorting the vocabulary."""
+
+
 def truncate_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                     top_p: jax.Array) -> jax.Array:
   """Temperature-scaled logits [S, V] with the tokens outside top-k / top-p set to -inf.
+
+  Sorting the vocabulary is done only when some slot needs it: with top-k and top-p off
+  everywhere the scaled logits are returned as they are, and with only top-k on (k <=
+  ``FAST_TOP_K``) its threshold comes from ``lax.top_k``. All three paths give the same
+  result (``sorted_truncation`` is the reference).
 
   Args:
     logits: [S, V]; temperature, top_p: float [S]; top_k: int [S].
   """
   V = logits.shape[-1]
   scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  k_on = (top_k > 0) & (top_k < V)
+  fast_k = min(FAST_TOP_K, V)
+
+  def top_k_only():
+    largest = jax.lax.top_k(scaled, fast_k)[0]
+    kth = jnp.take_along_axis(largest, (jnp.clip(top_k, 1, fast_k) - 1)[:, None], axis=-1)
+    return jnp.where(~k_on[:, None] | (scaled >= kth), scaled, -jnp.inf)
+
+  needs_sort = jnp.any(top_p < 1) | jnp.any(k_on & (top_k > fast_k))
+  branch = jnp.where(needs_sort, 2, jnp.where(jnp.any(k_on), 1, 0))
+  return jax.lax.switch(branch, [lambda: scaled, top_k_only,
+                                 lambda: _sorted_truncation(scaled, top_k, top_p)])
+
+
+def sorted_truncation(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                      top_p: jax.Array) -> jax.Array:
+  """The reference of ``truncate_logits``: sorts the whole vocabulary of every slot."""
+  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  return _sorted_truncation(scaled, top_k, top_p)
+
+
+def _sorted_truncation(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  V = scaled.shape[-1]
   ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
   k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
   kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
   ordered = jnp.where(ordered >= kth, ordered, -jnp.inf)
   probs = jax.nn.softmax(ordered, axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of strictly more likely tokens
-  keep_sorted = (mass_before < top_p[:, None]) & (ordered > -jnp.inf)
+  # p = 1 keeps everything, even tokens whose mass rounds the running sum to 1.
+  keep_sorted = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1)) & (ordered > -jnp.inf)
   threshold = jnp.min(jnp.where(keep_sorted, ordered, jnp.inf), axis=-1, keepdims=True)
   return jnp.where(scaled >= jnp.maximum(threshold, kth), scaled, -jnp.inf)
 

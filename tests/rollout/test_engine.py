@@ -134,7 +134,7 @@ def test_no_recompilation_and_weight_swap(model):
 
   def sizes():
     return (engine_lib._prefill._cache_size(), engine_lib._insert._cache_size(),
-            engine_lib._generate._cache_size())
+            engine_lib._generate_chunk._cache_size())
 
   kwargs = dict(max_new_tokens=6, temperature=0.0, stop_token_ids=[])
   rollout.generate(engine, PROMPTS, params=model.params, **kwargs)
@@ -169,3 +169,51 @@ def test_bad_requests_are_refused(model):
     rollout.generate(model, [[]], max_new_tokens=4)
   with pytest.raises(ValueError, match="leaves no room"):
     Engine(model.transformer, max_slots=2, max_len=8, max_prompt_len=8)
+
+
+@pytest.mark.parametrize("steps", [5, 16])
+def test_chunked_decode_equals_the_single_step_path(steps):
+  # Sampled (not greedy) responses with stop tokens, 18 requests on 4 slots: slots finish
+  # inside chunks and refill between them; responses run past 64 tokens so the attention
+  # length grows through its buckets (64, 128). Same keys -> the same tokens and log-probs.
+  model = _model(scale=4.0)
+  kwargs = dict(params=model.params, n=3, max_new_tokens=90, temperature=1.0, top_k=20,
+                stop_token_ids=[3, 4], seed=5)
+  single = Engine(model.transformer, max_slots=4, max_len=106, max_prompt_len=16, decode_steps=1)
+  chunked = Engine(model.transformer, max_slots=4, max_len=106, max_prompt_len=16,
+                   decode_steps=steps)
+  reference = rollout.generate(single, PROMPTS, **kwargs)
+  finished = []
+  fast = rollout.generate(chunked, PROMPTS, on_finished=finished.append, **kwargs)
+  assert len(finished) == len(fast) == 18
+  lengths = [len(c.response_tokens) for c in reference]
+  # Some finish inside a chunk (the first token is drawn at insert), some run past 64.
+  assert any((n - 1) % steps for n in lengths) and max(lengths) > 64
+  assert {c.finish_reason for c in reference} == {"stop", "length"}
+  for a, b in zip(reference, fast):
+    assert (a.prompt_index, a.sample_index, a.finish_reason) == (b.prompt_index, b.sample_index,
+                                                                 b.finish_reason)
+    assert a.response_tokens == b.response_tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.policy_logprobs, b.policy_logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_attending_to_the_filled_part_equals_the_whole_cache(model):
+  engine = Engine(model.transformer, max_slots=4, max_len=200, max_prompt_len=16, decode_steps=1)
+  prefix = engine.prefill(model.params, np.array([PROMPTS[1] + [0] * 5, PROMPTS[3] + [0] * 11]),
+                          np.array([11, 5]))
+  state = engine.init_decode_state()
+  sampling = engine_lib.SamplingParams(
+      temperature=jnp.ones((2,)), top_k=jnp.zeros((2,), jnp.int32), top_p=jnp.ones((2,)),
+      max_new_tokens=jnp.full((2,), 100, jnp.int32),
+      stop_ids=jnp.full((2, engine.max_stop_tokens), engine_lib.NO_STOP, jnp.int32))
+  state = engine.insert(prefix, state, np.array([0, 2]), np.array([0, 1]),
+                        jax.random.split(jax.random.key(0), 2), sampling)
+  whole = jax.tree.map(jnp.copy, state)
+  for _ in range(20):
+    state, part = engine.generate(model.params, state, engine.attend_bucket(40))
+    whole, full = engine.generate(model.params, whole, None)
+    np.testing.assert_array_equal(part.tokens, full.tokens)
+    np.testing.assert_allclose(part.policy_logprobs, full.policy_logprobs, rtol=1e-5, atol=1e-6)
+  assert engine.attend_bucket(40) == 64 and engine.attend_bucket(64) == 128
+  assert engine.attend_bucket(190) == 200

@@ -67,3 +67,24 @@ def test_greedy_and_determinism():
   first, _, _ = _draw(LOGITS, 64, seed=3)
   again, _, _ = _draw(LOGITS, 64, seed=3)
   np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.parametrize("vocab", [48, 512])
+def test_fast_paths_equal_the_sorted_reference(vocab):
+  # Random logits with ties; per slot: top-k and top-p off, top-k alone (below and above the
+  # lax.top_k limit), top-p alone, both. Each mix of slots takes one of the three paths.
+  from rlx.rollout.sampling import FAST_TOP_K, sorted_truncation
+  rng = np.random.default_rng(vocab)
+  logits = jnp.asarray(np.round(rng.normal(size=(6, vocab)) * 3, 1), jnp.float32)
+  temperature = jnp.asarray([1.0, 0.7, 1.3, 0.0, 1.0, 2.0], jnp.float32)
+  mixes = {
+      "off": ([0] * 6, [1.0] * 6),
+      "top_k": ([0, 1, 5, FAST_TOP_K, vocab, 7], [1.0] * 6),
+      "top_k_large": ([0, 3, FAST_TOP_K + 1, 9, 0, 2], [1.0] * 6),
+      "top_p": ([0] * 6, [1.0, 0.3, 0.9, 1.0, 0.5, 0.99]),
+      "both": ([4, 0, 9, 2, 0, 30], [0.8, 1.0, 0.6, 1.0, 0.95, 0.7]),
+  }
+  fast = jax.jit(truncate_logits)
+  for name, (top_k, top_p) in mixes.items():
+    args = (logits, temperature, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+    np.testing.assert_array_equal(fast(*args), sorted_truncation(*args), err_msg=name)
