@@ -1,10 +1,17 @@
-"""Time of one ``Engine.generate`` step (every slot decodes one token) by slots and cache length.
+"""Milliseconds per decode step (every slot one token) by slots, cache length and filled length.
 
-    python benchmarks/decode_step.py [--grid 8x272,32x272,32x1040] [--repeats 30]
+    python benchmarks/decode_step.py [--grid 32x144,32x1040] [--filled 128] [--repeats 20]
 
-Prints JSON: median milliseconds per decode step for each ``slots x max_len``, on
-the built-in architecture. The cost should grow with the cache only through
-attention, not through copying the cache.
+Prints JSON. For each ``slots x max_len`` on the benchmark architecture of
+``rollout_throughput.py``, with every slot holding ``--filled`` tokens:
+
+- ``single_step_whole_cache``: one dispatch per token, attending to the whole cache
+  (the engine before chunking and attention buckets);
+- ``single_step``: one dispatch per token, attending to the filled part (bucketed);
+- ``chunk``: ``decode_steps`` tokens per dispatch (the engine's default), per token.
+
+The cost should follow the filled length, not the cache length, and no step should copy
+the cache.
 """
 
 import argparse
@@ -15,34 +22,57 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rlx.config import ArchConfig
 from rlx.models import init_model
 from rlx.rollout.engine import Engine
+
+from rollout_throughput import BENCH_ARCH
+
+
+def per_token_ms(engine, params, filled, attend_len, repeats):
+  slots = engine.max_slots
+  state = engine.init_decode_state()
+  valid = jnp.broadcast_to(jnp.arange(engine.max_len) < filled, (slots, engine.max_len))
+  state = state.replace(
+      cache=dict(state.cache, index=jnp.full((slots,), filled, jnp.int32), valid=valid),
+      active=jnp.ones((slots,), bool),
+      sampling=state.sampling.replace(temperature=jnp.ones((slots,)),
+                                      max_new_tokens=jnp.full((slots,), 10**6, jnp.int32)))
+  fresh = lambda: jax.tree.map(jnp.copy, state)  # every field is donated to each step
+  s, out = engine.generate(params, fresh(), attend_len)  # compile
+  jax.block_until_ready(out.tokens)
+  times = []
+  for _ in range(repeats):
+    s = fresh()
+    jax.block_until_ready(s)
+    started = time.perf_counter()
+    s, out = engine.generate(params, s, attend_len)
+    jax.block_until_ready(out.tokens)
+    times.append((time.perf_counter() - started) / engine.decode_steps)
+  return round(1000 * statistics.median(times), 3)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--grid", default="8x272,32x272,32x1040")
-  parser.add_argument("--repeats", type=int, default=30)
+  parser.add_argument("--grid", default="32x144,32x1040")
+  parser.add_argument("--filled", type=int, default=100)
+  parser.add_argument("--repeats", type=int, default=20)
   args = parser.parse_args()
-  model = init_model(ArchConfig(), jax.random.key(0))
+  model = init_model(BENCH_ARCH, jax.random.key(0))
   results = {}
   for cell in args.grid.split(","):
     slots, max_len = map(int, cell.split("x"))
-    engine = Engine(model.transformer, max_slots=slots, max_len=max_len, max_prompt_len=16)
-    state = engine.init_decode_state()
-    state = state.replace(active=jnp.ones((slots,), bool), sampling=state.sampling.replace(
-        temperature=jnp.ones((slots,)), max_new_tokens=jnp.full((slots,), 10**6, jnp.int32)))
-    state, step = engine.generate(model.params, state)  # compile
-    jax.block_until_ready(step.tokens)
-    times = []
-    for _ in range(args.repeats):
-      started = time.perf_counter()
-      state, step = engine.generate(model.params, state)
-      jax.block_until_ready(step.tokens)
-      times.append(time.perf_counter() - started)
-    results[cell] = round(1000 * statistics.median(times), 2)
-  print(json.dumps({"device": jax.devices()[0].device_kind, "ms_per_decode_step": results}, indent=2))
+    single = Engine(model.transformer, max_slots=slots, max_len=max_len, max_prompt_len=16,
+                    decode_steps=1)
+    chunked = Engine(model.transformer, max_slots=slots, max_len=max_len, max_prompt_len=16)
+    results[cell] = {
+        "single_step_whole_cache": per_token_ms(single, model.params, args.filled, None, args.repeats),
+        "single_step": per_token_ms(single, model.params, args.filled,
+                                    single.attend_bucket(args.filled), args.repeats),
+        "chunk": per_token_ms(chunked, model.params, args.filled,
+                              chunked.attend_bucket(args.filled), args.repeats),
+        "decode_steps": chunked.decode_steps}
+  print(json.dumps({"device": jax.devices()[0].device_kind, "filled": args.filled,
+                    "ms_per_decode_step": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -125,12 +125,14 @@ class RolloutConfig:
   """Nucleus sampling mass; 1 disables it."""
   top_k: int = 0
   """Keep the k most likely tokens; 0 disables it."""
+  decode_steps: int = 16
+  """Tokens every slot decodes per dispatch (one host round trip per chunk); 1 is the single-step path. 16 was fastest in benchmarks/rollout_throughput.py."""
 
   def __post_init__(self):
     _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
     _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
-    for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size"):
+    for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size", "decode_steps"):
       _check(getattr(self, name) > 0, f"rollout.{name}", "must be positive")
 
 

@@ -13,7 +13,10 @@ key/value heads, E head_dim, F mlp width, V vocab, L layers.
 Padding: a ``mask`` [B, T] marks real tokens (False = padding, left or right).
 Positions count real tokens only, and padded keys are never attended to.
 
-KV cache: ``{"k", "v": [L, B, S, K, E], "valid": [B, S] bool, "index": [B]}``.
+KV cache: ``{"k", "v": [L, B, K, S, E], "valid": [B, S] bool, "index": [B]}``,
+heads-major: for every row and kv head the S positions are contiguous, which is
+the layout both attention matmuls read (batch dims leading, E or S minor), so the
+compiled decode step neither transposes nor copies the cache on any backend.
 A call with a cache writes the T new keys of row b at slots ``index[b] ..
 index[b] + T - 1`` and attends causally in slot order; prefill and one-token
 decode are the same call. The caller keeps ``index + T <= S``.
@@ -165,6 +168,20 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
   return out.reshape(B, T, H, E).astype(v.dtype)
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax attention over a heads-major cache. q [B,T,H,E], k/v [B,K,S,E], mask [B,T,S].
+
+  Both matmuls take (B, K) as leading batch dims, so the cache is read in its own layout."""
+  B, T, H, E = q.shape
+  K = k.shape[1]
+  q = q.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, E] (small)
+  scores = jnp.einsum("bkgte,bkse->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask[:, None, None], scores / math.sqrt(E), -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bkse->bkgte", probs, v, preferred_element_type=jnp.float32)
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v.dtype)
+
+
 def fused_attention(q, k, v, mask: jax.Array | None) -> jax.Array:
   """``jax.nn.dot_product_attention``; with ``mask=None`` it is plain causal, which lets
   the GPU use cuDNN flash attention."""
@@ -195,7 +212,7 @@ class Transformer:
   def init_cache(self, batch: int, max_len: int) -> Cache:
     """An empty KV cache of ``max_len`` slots for ``batch`` rows."""
     a = self.arch
-    shape = (a.num_layers, batch, max_len, a.num_kv_heads, a.head_dim)
+    shape = (a.num_layers, batch, a.num_kv_heads, max_len, a.head_dim)
     return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype),
             "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((batch,), jnp.int32)}
 
@@ -242,9 +259,10 @@ class Transformer:
     x = params["embed"].astype(self.dtype)[tokens]
     inv_freq = rope_inv_freq(a)
 
-    def attention_block(x, p, write_kv):
+    def attention_block(x, p, write_kv, attend):
       """Pre-norm attention. ``write_kv(k, v) -> (keys, values, written)`` stores the new keys
-      and values and gives what to attend to; ``written`` is returned alongside the output."""
+      and values and gives what ``attend(q, keys, values)`` attends to; ``written`` is returned
+      alongside the output."""
       h = rms_norm(x, p["attn_norm"], a.rms_norm_eps)
       q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(self.dtype))
       k = jnp.einsum("btd,dke->btke", h, p["k"].astype(self.dtype))
@@ -256,10 +274,7 @@ class Transformer:
         q, k = rms_norm(q, p["q_norm"], a.rms_norm_eps), rms_norm(k, p["k_norm"], a.rms_norm_eps)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
       keys, values, written = write_kv(k, v)
-      if self.attention == "reference":
-        out = reference_attention(q, keys, values, attn_mask)
-      else:
-        out = fused_attention(q, keys, values, None if use_causal_only else attn_mask)
+      out = attend(q, keys, values)
       attn = jnp.einsum("bthe,hed->btd", out, p["o"].astype(self.dtype))
       if a.o_bias:
         attn = attn + p["o_bias"].astype(self.dtype)
@@ -272,8 +287,13 @@ class Transformer:
       return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down"].astype(self.dtype))
 
     if cache is None:
+      def attend(q, k, v):
+        if self.attention == "reference":
+          return reference_attention(q, k, v, attn_mask)
+        return fused_attention(q, k, v, None if use_causal_only else attn_mask)
+
       def layer(x, p):
-        x, _ = attention_block(x, p, lambda k, v: (k, v, None))
+        x, _ = attention_block(x, p, lambda k, v: (k, v, None), attend)
         return mlp_block(x, p), None
 
       if self.remat != "none":
@@ -281,20 +301,25 @@ class Transformer:
       x, _ = jax.lax.scan(layer, x, params["layers"])
       return rms_norm(x, params["final_norm"], a.rms_norm_eps), None
 
-    # With a cache, the whole [L, B, S, K, E] cache is the scan's carry and each layer writes
+    # With a cache, the whole [L, B, K, S, E] cache is the scan's carry and each layer writes
     # its new keys and values into it in place: a decode step never copies the cache.
-    rows, write_slots = jnp.arange(B)[:, None], query_slots
+    rows = jnp.arange(B)[:, None, None]
+    heads = jnp.arange(a.num_kv_heads)[None, :, None]
+    write_slots = query_slots[:, None, :]  # [B, 1, T]
 
     def cached_layer(carry, xs):
       x, cache_k, cache_v = carry
       p, l = xs
 
       def write_kv(k, v):
-        k_all = cache_k.at[l, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
-        v_all = cache_v.at[l, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
-        return k_all[l, :, :A], v_all[l, :, :A], (k_all, v_all)
+        # [B, T, K, E] -> [B, K, T, E], written at (l, b, head, index[b] + t).
+        put = lambda cache, new: cache.at[l, rows, heads, write_slots].set(
+            new.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+        k_all, v_all = put(cache_k, k), put(cache_v, v)
+        return k_all[l, :, :, :A], v_all[l, :, :, :A], (k_all, v_all)
 
-      x, (cache_k, cache_v) = attention_block(x, p, write_kv)
+      attend = lambda q, k, v: cached_attention(q, k, v, attn_mask)
+      x, (cache_k, cache_v) = attention_block(x, p, write_kv, attend)
       return (mlp_block(x, p), cache_k, cache_v), None
 
     (x, new_k, new_v), _ = jax.lax.scan(

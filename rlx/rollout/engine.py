@@ -43,7 +43,7 @@ NO_STOP = -1
 
 @struct.dataclass
 class Prefix:
-  """Prefilled prompts: their KV cache [L, P, B, K, E], last-token logits [P, V] and lengths [P]."""
+  """Prefilled prompts: their KV cache [L, P, K, B, E], last-token logits [P, V] and lengths [P]."""
 
   cache: Cache
   logits: jax.Array
@@ -169,8 +169,8 @@ class Engine:
     S, a = self.max_slots, self.transformer.arch
     cache = self.transformer.init_cache(S, self.max_len)
     if self.mesh is not None:
-      kv = self._sharding((None, a.num_layers), ("data", S), (None, self.max_len),
-                          ("tensor", a.num_kv_heads), (None, a.head_dim))
+      kv = self._sharding((None, a.num_layers), ("data", S), ("tensor", a.num_kv_heads),
+                          (None, self.max_len), (None, a.head_dim))
       cache = dict(cache, k=jax.device_put(cache["k"], kv), v=jax.device_put(cache["v"], kv))
     # Distinct buffers for every field: the state is donated to each step.
     zeros_f = lambda: jnp.zeros((S,), jnp.float32)
@@ -225,12 +225,12 @@ def _prefill(transformer: Transformer, params: Params, tokens, true_length) -> P
 @functools.partial(jax.jit, donate_argnums=1)
 def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: SamplingParams):
   M = state.cache["valid"].shape[1]
-  B = prefix.cache["k"].shape[2]
+  B = prefix.cache["k"].shape[3]
   length = prefix.true_length[rows]
   put = lambda target, values: target.at[slots].set(values, mode="drop")
   cache = dict(state.cache)
-  cache["k"] = cache["k"].at[:, slots, :B].set(prefix.cache["k"][:, rows], mode="drop")
-  cache["v"] = cache["v"].at[:, slots, :B].set(prefix.cache["v"][:, rows], mode="drop")
+  cache["k"] = cache["k"].at[:, slots, :, :B].set(prefix.cache["k"][:, rows], mode="drop")
+  cache["v"] = cache["v"].at[:, slots, :, :B].set(prefix.cache["v"][:, rows], mode="drop")
   cache["valid"] = put(cache["valid"], jnp.arange(M)[None, :] < length[:, None])
   cache["index"] = put(cache["index"], length)
   first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))

@@ -118,7 +118,8 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   r = config.rollout
   engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
                           max_len=r.max_prompt_len + r.max_new_tokens,
-                          max_prompt_len=r.max_prompt_len, mesh=meshes.generation)
+                          max_prompt_len=r.max_prompt_len, mesh=meshes.generation,
+                          decode_steps=r.decode_steps)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
   # versions a reader may still be restoring stay on storage: k + 2 of them
   sync = (OrbaxSync(workdir / "policy_versions", shardings,
