@@ -433,6 +433,8 @@ class TrainerConfig:
   """Also sample each held-out prompt this many times (at rollout.temperature) for eval/pass@N and eval/sampled_accuracy; 0 only answers greedily."""
   max_skipped_steps: int = 5
   """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
+  compile_cache: str = "~/.cache/rlx/jax"
+  """JAX's persistent compilation cache: a second run of the same programs loads them instead of compiling; '' turns it off."""
 
   def __post_init__(self):
     _positive(self, "trainer", "steps", "ppo_epochs", "mini_batches", "warmup_sft_learning_rate",

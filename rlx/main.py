@@ -43,6 +43,9 @@ def start_jax(config: RunConfig):
     from rlx import distributed
 
     distributed.initialize()
+  from rlx import compilation
+
+  compilation.start(config.trainer.compile_cache)
   return jax
 
 
@@ -77,6 +80,13 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   seconds = summary["seconds"]
   say(f"rlx: time: start-up {seconds['start-up']:.0f}s, warm-up {seconds['warm-up']:.0f}s, "
       f"RL loop {seconds['RL loop']:.0f}s, held-out evals {seconds['evals']:.0f}s")
+  from rlx import compilation
+
+  compiled = compilation.totals()
+  cache = config.trainer.compile_cache
+  say(f"rlx: compiling: {compiled['seconds']:.0f}s for {compiled['programs']} programs"
+      + (f", {compiled['from_cache']} of them loaded from the cache in {cache}" if cache
+         else " (trainer.compile_cache is off)"))
   if summary["eval_accuracy_after"] is not None:
     before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
     change = "" if before is None else f" ({100 * (after - before):+.1f} points)"
