@@ -24,8 +24,10 @@ class RolloutBatch:
   """bool [B, T] True on response tokens that enter the loss."""
   advantages: jax.Array
   """float32 [B, T] per-token advantages (0 outside the response)."""
-  old_logprobs: jax.Array
-  """float32 [B, T] log-probs of the old (proximal) policy, recomputed by the learner."""
+  old_logprobs: jax.Array | None
+  """float32 [B, T] log-probs of the old (proximal) policy, recomputed by the learner; None when
+  the batch gets exactly one update: the params being updated are then the old policy, and the
+  loss takes its own log-probs (without gradient) instead of a second forward pass."""
   behaviour_logprobs: jax.Array
   """float32 [B, T] log-probs of the policy that sampled the tokens (from the rollout engine)."""
   policy_version: jax.Array

@@ -167,10 +167,11 @@ def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batc
                 kl_coef: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Per-token loss [B, T] of the configured algorithm, and per-token diagnostics."""
   algo = config.algorithm
+  old = jax.lax.stop_gradient(logprobs) if batch.old_logprobs is None else batch.old_logprobs
   loss, diagnostics = algorithms.POLICY_LOSSES[algo.loss](
-      logprobs, batch.old_logprobs, batch.advantages, batch.response_mask, algo)
-  weights = algorithms.off_policy_weights(batch.old_logprobs, batch.behaviour_logprobs,
-                                          algo.off_policy, algo.tis_cap)
+      logprobs, old, batch.advantages, batch.response_mask, algo)
+  weights = algorithms.off_policy_weights(old, batch.behaviour_logprobs, algo.off_policy,
+                                          algo.tis_cap)
   diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights,
                      kl_behaviour=algorithms.kl_estimate(logprobs, batch.behaviour_logprobs, "k3"))
   loss = weights * loss

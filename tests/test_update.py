@@ -285,3 +285,24 @@ def test_a_typed_loss_choice_runs_what_its_preset_runs(model):
   chex.assert_trees_all_close(run(typed), run(preset))
   plain = run(_config(name="grpo", clip_eps_low=3e-4, clip_eps_high=4e-4))
   assert float(plain[0]) != pytest.approx(float(run(preset)[0]))  # the choice matters
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "cispo"])
+def test_one_update_without_old_logprobs_equals_one_with_them(model, name):
+  # One update per batch: the old policy is the params being updated, so the update may take
+  # its own log-probs (no gradient) instead of the prepared ones. Same params and metrics.
+  config = _config(name=name, kl_coef=0.05, off_policy="tis")
+  batch = _batch(model, config)
+  exact = batch.replace(old_logprobs=update.make_logprobs_fn(config, model.transformer)(
+      model.params, batch.tokens, batch.attention_mask))
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=10)
+  results = []
+  for b in (exact, batch.replace(old_logprobs=None)):
+    state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                    jax.random.key(0))
+    results.append(update.make_update_step(config, model.transformer, optimizer, schedule)(state, b))
+  (with_old, metrics_old), (without, metrics) = results
+  chex.assert_trees_all_close(without.params, with_old.params, rtol=1e-5, atol=1e-6)
+  for key in ("loss", "policy/loss", "policy/ratio_mean", "policy/is_weight_mean", "optim/grad_norm"):
+    np.testing.assert_allclose(metrics[key], metrics_old[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  assert not np.allclose(without.params["embed"], model.params["embed"])  # it did move

@@ -196,11 +196,14 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
   # chunks of the update's micro-batch size: B / (mini-batches x micro-batches) rows
   chunks = config.trainer.mini_batches * config.optimizer.micro_batches
   logprobs = functools.partial(update.policy_logprobs, config, transformer, rows=batch_sharding)
+  # One update per batch: the params about to be updated are the old policy, and the update
+  # takes the old log-probs from its own forward pass (GAE still needs them here).
+  skip_old = config.trainer.ppo_epochs * config.trainer.mini_batches == 1 and not algo.uses_critic
 
   def prepare(params: Params, ref_params: Params | None, critic_params: Params | None,
               sampled: Sampled, kl_coef: jax.Array) -> RolloutBatch:
     inputs = (sampled.tokens, sampled.attention_mask, sampled.response_mask)
-    old = _by_micro_batch(functools.partial(logprobs, params), chunks, *inputs)
+    old = None if skip_old else _by_micro_batch(functools.partial(logprobs, params), chunks, *inputs)
     ref = (None if ref_params is None else
            _by_micro_batch(functools.partial(logprobs, ref_params), chunks, *inputs))
     returns = values = None
