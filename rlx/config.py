@@ -400,9 +400,24 @@ class LoggingConfig:
   """Write TensorBoard event files under WORKDIR/tb."""
   progress_bar: bool = True
   """Show a console progress bar."""
+  profile_steps: str = ""
+  """'A:B' writes a jax.profiler trace of training steps A .. B-1 (counted from 0) to WORKDIR/profile (one folder per process; open it in TensorBoard or Perfetto); '' never."""
 
   def __post_init__(self):
     _positive(self, "logging", "every_steps")
+    if self.profile_steps:
+      parts = self.profile_steps.split(":")
+      _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+             and int(parts[0]) < int(parts[1]), "logging.profile_steps",
+             f"must be 'A:B' with whole numbers A < B (steps A .. B-1), got {self.profile_steps!r}")
+
+  @property
+  def profile_window(self) -> tuple[int, int] | None:
+    """(first step, step after the last) to trace, or None."""
+    if not self.profile_steps:
+      return None
+    first, end = self.profile_steps.split(":")
+    return int(first), int(end)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

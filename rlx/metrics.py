@@ -113,3 +113,44 @@ class MetricsSink:
 
   def __exit__(self, *exc):
     self.close()
+
+
+class ProfileWindow:
+  """Traces the training steps of ``logging.profile_steps`` with ``jax.profiler``: call
+  ``at(step)`` before each step with the number of steps done; the trace starts at the
+  window's first step and stops after its last (or when the loop ends, on ``close``)."""
+
+  def __init__(self, config: LoggingConfig, directory: pathlib.Path, process: int = 0,
+               say=print):
+    self.window = config.profile_window
+    self.directory = pathlib.Path(directory) / f"process_{process}"
+    self.say = say
+    self.tracing = False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def at(self, step: int) -> None:
+    if self.window is None:
+      return
+    import jax
+
+    first, end = self.window
+    if not self.tracing and first <= step < end:
+      jax.profiler.start_trace(str(self.directory))
+      self.tracing = True
+    elif self.tracing and step >= end:
+      self.close()
+
+  def close(self) -> None:
+    if self.tracing:
+      import jax
+
+      jax.profiler.stop_trace()
+      self.tracing = False
+      self.say(f"rlx: profile of steps {self.window[0]}..{self.window[1] - 1} written to "
+               f"{self.directory}")
+

@@ -29,7 +29,7 @@ import jax
 
 from rlx import distributed
 from rlx.checkpoint import StopSignal
-from rlx.metrics import MetricsSink
+from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer.common import Say, collect, evaluate, evaluation_due
 from rlx.trainer.learner import begin, finish
 
@@ -48,8 +48,10 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
   step = start or 0
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
-  with StopSignal(say=say) as stop, sink:
+  with StopSignal(say=say) as stop, sink, ProfileWindow(
+      config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
     while step < config.trainer.steps and not stop.agreed:
+      profile.at(step)
       started = time.perf_counter()
       try:
         draw = collect(run, functools.partial(tuple, (params, version)),

@@ -32,7 +32,7 @@ import jax
 from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
-from rlx.metrics import MetricsSink
+from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer.common import Draw, Say, collect, evaluate, evaluation_due, prepare
 from rlx.trainer.learner import begin, finish
 from rlx.trainer.exchange import RolloutFiles
@@ -60,9 +60,11 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
   try:
-    with StopSignal(say=say) as stop, sink:
+    with StopSignal(say=say) as stop, sink, ProfileWindow(
+        config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
       waited_since = time.perf_counter()
       while step < config.trainer.steps and not stop.agree():
+        profile.at(step)
         # process 0 looks for the file, and every process of the job follows its answer
         if not distributed.agree(files.path(index).is_file()):
           if time.perf_counter() - waited_since > NOTICE_S:

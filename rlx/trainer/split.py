@@ -36,7 +36,7 @@ import jax
 
 from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
-from rlx.metrics import MetricsSink
+from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer.common import Draw, Run, Say, collect, evaluate, evaluation_due
 from rlx.trainer.learner import begin, finish
 
@@ -180,9 +180,11 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
   data_state = run.stream.get_state()
   generator.start()
   loop_started = time.perf_counter()
-  with StopSignal(say=say) as stop, sink:
+  with StopSignal(say=say) as stop, sink, ProfileWindow(
+      config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
     try:
       while step < config.trainer.steps and not stop.requested:
+        profile.at(step)
         started = time.perf_counter()
         try:
           produced = generator.next(timeout=0.5)

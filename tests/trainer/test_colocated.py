@@ -48,3 +48,16 @@ def test_resumed_run_equals_straight_run(tmp_path):
               "time/sync_s", "throughput/tokens_per_s"):
     assert key in a[0]
   assert (tmp_path / "straight" / "checkpoints").is_dir()
+
+
+def test_profile_window_traces_the_steps_asked_for(tmp_path):
+  config = _config(3)
+  config = dataclasses.replace(config, logging=dataclasses.replace(config.logging,
+                                                                   profile_steps="1:2"))
+  said = []
+  train_colocated(config, tmp_path, say=said.append)
+  traces = list((tmp_path / "profile" / "process_0").rglob("*.xplane.pb"))
+  assert len(traces) == 1
+  assert any("profile of steps 1..1" in line for line in said)
+  with pytest.raises(Exception, match="profile_steps"):
+    dataclasses.replace(config.logging, profile_steps="3:1")
