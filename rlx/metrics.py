@@ -16,6 +16,7 @@ import json
 import math
 import sys
 import pathlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,8 +84,9 @@ class MetricsSink:
     if not self.write_files or step % self.config.every_steps:
       return values
     if self._jsonl is not None:
-      record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                 for k, v in values.items()}}
+      record = {"step": step, "time/timestamp": round(time.time(), 3),  # for plots by wall clock
+                **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                   for k, v in values.items()}}
       self._jsonl.write(json.dumps(record) + "\n")
       self._jsonl.flush()
     if self._tensorboard is not None:
