@@ -156,3 +156,22 @@ class ProfileWindow:
       self.say(f"rlx: profile of steps {self.window[0]}..{self.window[1] - 1} written to "
                f"{self.directory}")
 
+
+class BusyWindow:
+  """Busy fractions over the last ``window`` steps, from cumulative busy seconds: what each
+  side is doing now, where the cumulative fraction since the start only drifts."""
+
+  def __init__(self, window: int = 10):
+    self.window = window
+    self._history: list[tuple[float, dict[str, float]]] = []
+
+  def update(self, wall: float, busy: Mapping[str, float]) -> dict[str, float]:
+    """``wall``: seconds since the loop started; ``busy``: {metric name: cumulative busy
+    seconds}. Returns {metric name: busy fraction over the window}."""
+    self._history.append((wall, dict(busy)))
+    self._history = self._history[-(self.window + 1):]
+    then, before = self._history[0] if len(self._history) > 1 else (0.0, dict.fromkeys(busy, 0.0))
+    span = max(wall - then, 1e-9)
+    return {name: min(max((seconds - before.get(name, 0.0)) / span, 0.0), 1.0)
+            for name, seconds in busy.items()}
+

@@ -1,6 +1,7 @@
 """The metrics sink: JSONL lines, TensorBoard events, resume truncation, scalar checks."""
 
 import json
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,10 +69,23 @@ def test_every_steps_and_quiet_processes(tmp_path):
 def test_progress_bar_runs(tmp_path):
   with MetricsSink(tmp_path, LoggingConfig(tensorboard=False), total_steps=2) as sink:
     sink.write(1, {"reward/mean": 0.5})
-  assert _lines(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
+  (line,) = _lines(tmp_path / "metrics.jsonl")
+  assert abs(line.pop("time/timestamp") - time.time()) < 60  # when it was written, for plots
+  assert line == {"step": 1, "reward/mean": 0.5}
 
 
 def test_non_scalars_are_refused(tmp_path):
   with MetricsSink(tmp_path, LoggingConfig(progress_bar=False, tensorboard=False)) as sink:
     with pytest.raises(TypeError, match="metrics must be scalars"):
       sink.write(1, {"loss": "high"})
+
+
+def test_busy_window_follows_the_recent_steps():
+  from rlx.metrics import BusyWindow
+  window = BusyWindow(window=2)
+  # busy all the time for 10 s, then idle: the cumulative fraction drifts, the window drops
+  assert window.update(5.0, {"gen": 5.0}) == {"gen": 1.0}
+  assert window.update(10.0, {"gen": 10.0}) == {"gen": 1.0}
+  assert window.update(15.0, {"gen": 10.0}) == {"gen": pytest.approx(0.5)}
+  assert window.update(20.0, {"gen": 10.0}) == {"gen": 0.0}
+  assert window.update(25.0, {"gen": 12.5}) == {"gen": pytest.approx(0.25)}

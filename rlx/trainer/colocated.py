@@ -30,7 +30,7 @@ import jax
 from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink, ProfileWindow
-from rlx.trainer.common import Say, collect, evaluate, evaluation_due
+from rlx.trainer.common import Say, collect, device_memory, evaluate, evaluation_due
 from rlx.trainer.learner import begin, finish
 
 
@@ -71,7 +71,8 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
           "time/step_s": elapsed, "time/generate_s": draw.generate_seconds,
           "time/learn_s": learned - learn_started, "time/sync_s": time.perf_counter() - learned,
           "throughput/tokens_per_s": tokens / elapsed,
-          "throughput/samples_per_s": len(draw.completions) / elapsed})
+          "throughput/samples_per_s": len(draw.completions) / elapsed,
+          **device_memory()})
       stopping = stop.agree()  # every process stops after the same step
       if config.mesh.check_agreement:
         distributed.check_same(

@@ -232,6 +232,19 @@ def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> path
   return directory
 
 
+def device_memory() -> dict[str, float]:
+  """``device/memory_in_use_gib`` and ``device/memory_peak_gib``: the fullest local device,
+  where the backend reports memory (GPU, TPU); nothing on CPU."""
+  stats = [d.memory_stats() for d in jax.local_devices()]
+  stats = [s for s in stats if s and "bytes_in_use" in s]
+  if not stats:
+    return {}
+  gib = 1024 ** 3
+  return {"device/memory_in_use_gib": max(s["bytes_in_use"] for s in stats) / gib,
+          "device/memory_peak_gib": max(s.get("peak_bytes_in_use", s["bytes_in_use"])
+                                        for s in stats) / gib}
+
+
 def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
   """Whether the loop evaluates after ``step`` (never once the run is stopping)."""
   every = config.trainer.eval_every

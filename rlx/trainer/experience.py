@@ -128,6 +128,9 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
     response_mask = np.asarray(algorithms.overlong_filter(jnp.asarray(response_mask),
                                                           jnp.asarray(truncated)))
   lengths = np.array([len(c.response_tokens) for c in completions])
+  group = config.rollout.group_size
+  groups = (np.asarray(shaped).reshape(-1, group) if len(shaped) % group == 0
+            else np.asarray(shaped)[None])
   sampled = Sampled(tokens=arrays["tokens"], attention_mask=arrays["attention_mask"],
                     response_mask=response_mask,
                     behaviour_logprobs=arrays["behaviour_logprobs"], rewards=shaped,
@@ -138,6 +141,8 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
       "response/length_mean": float(lengths.mean()),
       "response/length_max": int(lengths.max()),
       "response/truncated_frac": float(truncated.mean()),
+      # groups whose samples all scored alike: a group-relative advantage of 0, no signal
+      "advantage/zero_groups_frac": float(np.mean(groups.max(1) == groups.min(1))),
   }
   return sampled, stats
 

@@ -33,7 +33,7 @@ from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.metrics import MetricsSink, ProfileWindow
-from rlx.trainer.common import Draw, Say, collect, evaluate, evaluation_due, prepare
+from rlx.trainer.common import Draw, Say, collect, device_memory, evaluate, evaluation_due, prepare
 from rlx.trainer.learner import begin, finish
 from rlx.trainer.exchange import RolloutFiles
 from rlx.trainer.split import expired
@@ -92,6 +92,7 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
         finished = time.perf_counter()
         elapsed = finished - waited_since
         tokens = sum(len(c.response_tokens) for c in draw.completions)
+        metrics.update(device_memory())
         metrics.update({
             "rollout/index": index - 1, "rollout/dropped_batches": dropped,
             # prompts the generator had drawn after this batch: consecutive batches never

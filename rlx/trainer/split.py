@@ -20,8 +20,8 @@ sub-meshes, or an Orbax checkpoint). Staleness is bounded by
   recomputed old log-probs against the behaviour log-probs of the engine).
 
 Metrics add the policy lag (mean, max), dropped batches, the busy fraction of
-each side (cumulative since the loop started), the sync seconds of each side and
-the tokens/s of each side.
+each side (cumulative since the loop started, and over the last 10 steps), the sync
+seconds of each side and the tokens/s of each side.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import jax
 
 from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
-from rlx.metrics import MetricsSink, ProfileWindow
-from rlx.trainer.common import Draw, Run, Say, collect, evaluate, evaluation_due
+from rlx.metrics import BusyWindow, MetricsSink, ProfileWindow
+from rlx.trainer.common import (Draw, Run, Say, collect, device_memory, evaluate,
+                                 evaluation_due)
 from rlx.trainer.learner import begin, finish
 
 
@@ -177,6 +178,7 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
   dropped_batches, learn_seconds, learn_tokens = 0, 0.0, 0
+  busy = BusyWindow(window=10)
   data_state = run.stream.get_state()
   generator.start()
   loop_started = time.perf_counter()
@@ -221,6 +223,9 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
             "time/generator_wait_s": produced.waited_seconds,
             "time/generation_busy_frac": min(generator.busy_seconds / wall, 1.0),
             "time/learning_busy_frac": min(learn_seconds / wall, 1.0),
+            **busy.update(wall, {"time/generation_busy_frac_window": generator.busy_seconds,
+                                 "time/learning_busy_frac_window": learn_seconds}),
+            **device_memory(),
             "throughput/tokens_per_s": tokens / elapsed,
             "throughput/samples_per_s": len(draw.completions) / elapsed,
             "throughput/generation_tokens_per_s": generator.tokens / max(generator.busy_seconds,

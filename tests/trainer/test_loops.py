@@ -25,8 +25,11 @@ def test_each_config_runs_a_few_steps(name, tmp_path):
   assert all(np.isfinite(row["loss"]) for row in rows)
   if name == "ppo_colocated":
     assert "critic/value_mse" in rows[-1]
+  assert 0 <= rows[-1]["advantage/zero_groups_frac"] <= 1
   if name == "dapo_split":
-    assert "time/generation_busy_frac" in rows[-1] and "time/learning_busy_frac" in rows[-1]
+    for side in ("generation", "learning"):
+      assert 0 <= rows[-1][f"time/{side}_busy_frac"] <= 1
+      assert 0 <= rows[-1][f"time/{side}_busy_frac_window"] <= 1
   assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "warmup" / "config.json").is_file()
 
 
