@@ -9,8 +9,7 @@ For logits ``z`` [S, V] of S slots, each with its own temperature ``tau``, ``k``
 3. top-p (nucleus): of what is left, keep the most likely tokens, in order,
    until their probability reaches ``p`` (the token that crosses ``p`` is kept;
    ties at the boundary are all kept); ``p = 1`` keeps all;
-4. draw from the softmax of the kept logits (by inverting its cumulative distribution at
-   one uniform number per slot).
+4. draw from the softmax of the kept logits.
 
 ``behaviour_logprob`` is the log-prob of the drawn token under exactly that
 distribution (step 4): the probability with which it was sampled, which the
@@ -90,23 +89,11 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
     (tokens int32 [S], behaviour_logprobs [S], policy_logprobs [S]).
   """
   truncated = truncate_logits(logits, temperature, top_k, top_p)
-  log_probs = jax.nn.log_softmax(truncated, axis=-1)
-  drawn = _inverse_cdf(keys, jnp.exp(log_probs))
+  drawn = jax.vmap(jax.random.categorical)(keys, truncated)
   greedy = jnp.argmax(logits, axis=-1)
   is_greedy = temperature <= 0
   tokens = jnp.where(is_greedy, greedy, drawn).astype(jnp.int32)
-  behaviour = jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
+  behaviour = jnp.take_along_axis(jax.nn.log_softmax(truncated, axis=-1), tokens[:, None], -1)[:, 0]
   policy = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
                                tokens[:, None], -1)[:, 0]
   return tokens, jnp.where(is_greedy, 0.0, behaviour), policy
-
-
-def _inverse_cdf(keys: jax.Array, probs: jax.Array) -> jax.Array:
-  """One draw per row of ``probs`` [S, V] from one uniform per row: the first token whose
-  cumulative probability reaches ``u * total`` with ``u`` in (0, 1]. A token of probability 0
-  is never drawn (the running sum does not rise there). One random number per slot instead of
-  V Gumbel draws: the sampler's cost on CPU was mostly the random bits."""
-  u = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
-  cdf = jnp.cumsum(probs, axis=-1)
-  target = u[:, None] * cdf[:, -1:]
-  return jnp.minimum(jnp.sum(cdf < target, axis=-1), probs.shape[-1] - 1)
