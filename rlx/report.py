@@ -222,10 +222,12 @@ def figures(runs: list[Run], out: pathlib.Path) -> list[tuple[str, str]]:
   ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   drew = False
   for run, color in zip(runs, colors):
-    drew |= _plot_series(axes[1], run, "time/generation_busy_frac", color,
-                         label=f"{run.label}: generation")
-    drew |= _plot_series(axes[1], run, "time/learning_busy_frac", color, style="--",
-                         label=f"{run.label}: learning")
+    for side, style in (("generation", "-"), ("learning", "--")):
+      # over the last 10 steps where the run recorded it, else cumulative since the start
+      windowed = run.has(f"time/{side}_busy_frac_window")
+      key = f"time/{side}_busy_frac" + ("_window" if windowed else "")
+      drew |= _plot_series(axes[1], run, key, color, style=style,
+                           label=f"{run.label}: {side}" + ("" if windowed else " (cumulative)"))
   axes[1].set_ylim(0, 1.05)
   _mark_events(axes[1], runs, colors)
   _finish(axes[1], "Busy fraction of each side", "step", drew)
