@@ -48,7 +48,8 @@ class Run:
 
   def minutes(self) -> dict[int, float]:
     """Wall-clock minutes since the first recorded step, by step."""
-    stamps = [(r["step"], r["time/timestamp"]) for r in self.rows if _finite(r.get("time/timestamp"))]
+    stamps = [(r["step"], r["time/timestamp"]) for r in self.rows
+              if _finite(r.get("time/timestamp"))]
     if stamps:
       first = stamps[0][1] - self.rows[0].get("time/step_s", 0.0)
       return {step: (stamp - first) / 60 for step, stamp in stamps}
@@ -248,18 +249,13 @@ def figures(runs: list[Run], out: pathlib.Path) -> list[tuple[str, str]]:
 
 # --- the summary and the page -----------------------------------------------------------------
 
-def _mean_of_tail(points: list[tuple[float, float]], fraction: float = 0.1) -> float | None:
+def _mean_of_part(points: list[tuple[float, float]], first: bool,
+                  fraction: float = 0.1) -> float | None:
+  """Mean value over the first (or last) ``fraction`` of the points."""
   if not points:
     return None
   count = max(1, int(len(points) * fraction))
-  return statistics.fmean(v for _, v in points[-count:])
-
-
-def _mean_of_head(points: list[tuple[float, float]], fraction: float = 0.1) -> float | None:
-  if not points:
-    return None
-  count = max(1, int(len(points) * fraction))
-  return statistics.fmean(v for _, v in points[:count])
+  return statistics.fmean(v for _, v in (points[:count] if first else points[-count:]))
 
 
 def summary(run: Run) -> dict[str, object]:
@@ -277,8 +273,8 @@ def summary(run: Run) -> dict[str, object]:
       "algorithm": algorithm,
       "steps": run.rows[-1]["step"],
       "wall clock (min)": max(minutes.values()) if minutes else None,
-      "reward, first 10%": _mean_of_head(run.column("reward/mean")),
-      "reward, last 10%": _mean_of_tail(run.column("reward/mean")),
+      "reward, first 10%": _mean_of_part(run.column("reward/mean"), first=True),
+      "reward, last 10%": _mean_of_part(run.column("reward/mean"), first=False),
       "held-out accuracy, last": evals[-1][1] if evals else None,
       "tokens/s (median)": statistics.median(throughput) if throughput else None,
       "policy lag (mean)": statistics.fmean(lag) if lag else None,
@@ -307,7 +303,8 @@ def page(runs: list[Run], images: list[tuple[str, str]]) -> str:
   sources = "".join(f"<li>{html.escape(run.label)}: <code>{html.escape(str(run.workdir))}"
                     "</code></li>" for run in runs)
   return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>rlx report: {html.escape(', '.join(r.label for r in runs))}</title>
+<html><head><meta charset="utf-8">
+<title>rlx report: {html.escape(', '.join(r.label for r in runs))}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; }}
 table {{ border-collapse: collapse; margin: 1em 0; }}
@@ -328,7 +325,8 @@ figcaption {{ color: #555; font-size: 0.9em; }}
 """
 
 
-def write_report(workdirs: list[str | pathlib.Path], out: str | pathlib.Path | None = None) -> pathlib.Path:
+def write_report(workdirs: list[str | pathlib.Path],
+                 out: str | pathlib.Path | None = None) -> pathlib.Path:
   """Writes ``report.html`` and its figures; returns the page's path."""
   runs = _labelled([load(w) for w in workdirs])
   if out is None:
@@ -348,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                                    description="Plots and a summary of rlx runs, as an HTML page.")
   parser.add_argument("workdirs", nargs="+", help="workdirs of rlx runs (their metrics.jsonl)")
   parser.add_argument("--out", default=None,
-                      help="folder of the report (default WORKDIR/report, or ./rlx-report for several)")
+                      help="folder of the report (default WORKDIR/report, or ./rlx-report for "
+                      "several)")
   args = parser.parse_args(argv)
   try:
     path = write_report(args.workdirs, args.out)

@@ -79,14 +79,14 @@ class DecodeState:
 
 @struct.dataclass
 class StepResult:
-  """What one ``generate`` step produced, per slot."""
+  """What one ``generate`` call produced, per decode step and slot: [decode_steps, S]."""
 
-  tokens: jax.Array  # int [S]
-  logprobs: jax.Array  # [S] behaviour log-probs
-  policy_logprobs: jax.Array  # [S]
-  emitted: jax.Array  # bool [S] the slot produced a token this step
-  finished: jax.Array  # bool [S] that token ended its request
-  stopped: jax.Array  # bool [S] ... on a stop token
+  tokens: jax.Array  # int
+  logprobs: jax.Array  # behaviour log-probs
+  policy_logprobs: jax.Array
+  emitted: jax.Array  # bool: the slot produced a token at this step
+  finished: jax.Array  # bool: that token ended its request
+  stopped: jax.Array  # bool: ... on a stop token
 
 
 def _buckets(limit: int, smallest: int) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ def truncate_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     logits: [S, V]; temperature, top_p: float [S]; top_k: int [S].
   """
   V = logits.shape[-1]
-  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  scaled = _scaled(logits, temperature)
   k_on = (top_k > 0) & (top_k < V)
   fast_k = min(FAST_TOP_K, V)
 
@@ -60,8 +60,12 @@ def truncate_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 def sorted_truncation(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                       top_p: jax.Array) -> jax.Array:
   """The reference of ``truncate_logits``: sorts the whole vocabulary of every slot."""
-  scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  return _sorted_truncation(scaled, top_k, top_p)
+  return _sorted_truncation(_scaled(logits, temperature), top_k, top_p)
+
+
+def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """Float32 logits [S, V] divided by each slot's temperature (greedy slots: by 1)."""
+  return logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
 
 def _sorted_truncation(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

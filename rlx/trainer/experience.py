@@ -128,9 +128,6 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
     response_mask = np.asarray(algorithms.overlong_filter(jnp.asarray(response_mask),
                                                           jnp.asarray(truncated)))
   lengths = np.array([len(c.response_tokens) for c in completions])
-  group = config.rollout.group_size
-  groups = (np.asarray(shaped).reshape(-1, group) if len(shaped) % group == 0
-            else np.asarray(shaped)[None])
   sampled = Sampled(tokens=arrays["tokens"], attention_mask=arrays["attention_mask"],
                     response_mask=response_mask,
                     behaviour_logprobs=arrays["behaviour_logprobs"], rewards=shaped,
@@ -141,9 +138,11 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
       "response/length_mean": float(lengths.mean()),
       "response/length_max": int(lengths.max()),
       "response/truncated_frac": float(truncated.mean()),
-      # groups whose samples all scored alike: a group-relative advantage of 0, no signal
-      "advantage/zero_groups_frac": float(np.mean(groups.max(1) == groups.min(1))),
   }
+  if len(shaped) % config.rollout.group_size == 0:  # whole groups (they never cross processes)
+    groups = np.asarray(shaped).reshape(-1, config.rollout.group_size)
+    # groups whose samples all scored alike: a group-relative advantage of 0, no signal
+    stats["advantage/zero_groups_frac"] = float(np.mean(groups.max(1) == groups.min(1)))
   return sampled, stats
 
 
@@ -208,7 +207,8 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
   def prepare(params: Params, ref_params: Params | None, critic_params: Params | None,
               sampled: Sampled, kl_coef: jax.Array) -> RolloutBatch:
     inputs = (sampled.tokens, sampled.attention_mask, sampled.response_mask)
-    old = None if skip_old else _by_micro_batch(functools.partial(logprobs, params), chunks, *inputs)
+    old = (None if skip_old else
+           _by_micro_batch(functools.partial(logprobs, params), chunks, *inputs))
     ref = (None if ref_params is None else
            _by_micro_batch(functools.partial(logprobs, ref_params), chunks, *inputs))
     returns = values = None
