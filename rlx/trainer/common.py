@@ -402,7 +402,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
   config, group = run.config, run.config.rollout.group_size
   max_draws = config.algorithm.dynamic_sampling_max_draws
   wanted = config.data.prompts_per_step * group // jax.process_count()
-  completions, rewards, correct, draws, dropped = [], [], [], 0, 0
+  completions, rewards, correct, draws, dropped, alike = [], [], [], 0, 0, 0
   counts: dict[str, int] = {}
   sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
   parts: dict[str, list[float]] = {}  # a reward's named components: [sum, count]
@@ -429,8 +429,9 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
       given = values[~np.isnan(values)]
       part = parts.setdefault(name, [0.0, 0])
       part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
-    keep = (np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
-            if config.algorithm.dynamic_sampling else np.ones(len(scores), bool))
+    varied = np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
+    alike += int((~varied).sum()) // group  # groups with a zero group-relative advantage
+    keep = varied if config.algorithm.dynamic_sampling else np.ones(len(scores), bool)
     dropped += int((~keep).sum()) // group
     completions += [drawn[i] for i in np.flatnonzero(keep)]
     rewards += [scores[i] for i in np.flatnonzero(keep)]
@@ -439,17 +440,19 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
   keys = sorted(counts)  # the pool's counts (the same keys on every process)
   names = distributed.union_over_processes(parts)  # components may differ between processes
   totals = distributed.sum_over_processes(
-      [sampled_reward, sampled_correct, sampled, dropped, *(counts[key] for key in keys),
+      [sampled_reward, sampled_correct, sampled, dropped, alike, *(counts[key] for key in keys),
        *(value for name in names for value in parts.get(name, (0.0, 0)))])
-  counts = {key: int(total) for key, total in zip(keys, totals[4:4 + len(keys)])}
+  counts = {key: int(total) for key, total in zip(keys, totals[5:5 + len(keys)])}
   for i, name in enumerate(names):
-    part_sum, part_count = totals[4 + len(keys) + 2 * i:6 + len(keys) + 2 * i]
+    part_sum, part_count = totals[5 + len(keys) + 2 * i:7 + len(keys) + 2 * i]
     if part_count:
       counts[_component_key(name)] = float(part_sum / part_count)
   counts.update({"rollout/dropped_groups": int(totals[3]), "rollout/draws": draws,
             # what the sampling policy produced, before dynamic sampling dropped any group
             "reward/mean": float(totals[0] / totals[2]),
-            "reward/accuracy": float(totals[1] / totals[2])})
+            "reward/accuracy": float(totals[1] / totals[2]),
+            # of every group drawn: samples that all scored alike give no gradient
+            "advantage/zero_groups_frac": float(totals[4] * group / totals[2])})
   return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state())

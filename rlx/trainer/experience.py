@@ -139,10 +139,6 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
       "response/length_max": int(lengths.max()),
       "response/truncated_frac": float(truncated.mean()),
   }
-  if len(shaped) % config.rollout.group_size == 0:  # whole groups (they never cross processes)
-    groups = np.asarray(shaped).reshape(-1, config.rollout.group_size)
-    # groups whose samples all scored alike: a group-relative advantage of 0, no signal
-    stats["advantage/zero_groups_frac"] = float(np.mean(groups.max(1) == groups.min(1)))
   return sampled, stats
 
 

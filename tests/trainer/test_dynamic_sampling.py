@@ -32,6 +32,9 @@ def test_kept_groups_have_varied_rewards_and_fill_the_batch(tmp_path):
   assert draw.counts["rollout/draws"] >= 1
   # every draw is 2 prompts; what was not kept (beyond the batch) was dropped
   assert draw.counts["rollout/dropped_groups"] <= 2 * draw.counts["rollout/draws"] - 2
+  # the zero-advantage fraction is over every group drawn, so dynamic sampling does not hide it
+  drawn = 2 * draw.counts["rollout/draws"]
+  assert draw.counts["advantage/zero_groups_frac"] == draw.counts["rollout/dropped_groups"] / drawn
 
 
 def test_groups_that_never_vary_stop_the_run_with_a_clear_error(tmp_path):
@@ -51,3 +54,4 @@ def test_a_raising_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
   run.sync.publish(run.model.params, 0)
   draw = collect(run, run.sync.latest, seed=0)
   assert np.all(draw.rewards == 0) and draw.counts["reward/errors"] == 2 * 4
+  assert draw.counts["advantage/zero_groups_frac"] == 1.0  # kept anyway (no dynamic sampling)
