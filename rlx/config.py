@@ -121,6 +121,8 @@ class RolloutConfig:
   """Samples per prompt (the GRPO group, n)."""
   temperature: float = 1.0
   """Sampling temperature; 0 is greedy."""
+  temperature_max: float = 1.5
+  """Highest temperature the entropy-floor controller may raise sampling to (algorithm.entropy_floor, entropy_control='temperature')."""
   top_p: float = 1.0
   """Nucleus sampling mass; 1 disables it."""
   top_k: int = 0
@@ -130,6 +132,8 @@ class RolloutConfig:
 
   def __post_init__(self):
     _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _check(self.temperature_max >= self.temperature, "rollout.temperature_max",
+           f"must be >= rollout.temperature={self.temperature}")
     _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
     for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size", "decode_steps"):
@@ -183,7 +187,15 @@ class AlgorithmConfig:
   off_policy: Literal["none", "tis", "decoupled"] = "tis"
   """Correction of stale data: truncated importance sampling, or AReaL's decoupled objective."""
   tis_cap: float = 2.0
-  """Truncation of the behaviour importance weight (tis)."""
+  """Truncation of the behaviour importance weight (tis); policy/is_clip_frac counts the tokens whose weight exceeds it."""
+  max_is_clip_frac: float | None = None
+  """Split mode: when the mean policy/is_clip_frac over mesh.control_window batches exceeds this, the controller lowers the effective staleness k (rlx.trainer.control); None disables it."""
+  entropy_floor: float | None = None
+  """When the mean policy/entropy over mesh.control_window steps falls below this, the controller raises entropy_control's knob one step, and lowers it again once entropy is back above 1.25 x the floor; None disables it."""
+  entropy_control: Literal["temperature", "clip_eps_high"] = "temperature"
+  """The knob the entropy floor moves: the sampling temperature (up to rollout.temperature_max) or the upper clip range (up to clip_eps_high_max)."""
+  clip_eps_high_max: float = 0.4
+  """Highest upper clip range the entropy-floor controller may raise clip_eps_high to."""
 
   @property
   def advantage_estimator(self) -> str:
@@ -220,6 +232,12 @@ class AlgorithmConfig:
     _check(self.value_clip is None or self.value_clip > 0, "algorithm.value_clip",
            "must be > 0 (or None to disable it)")
     _positive(self, "algorithm", "kl_horizon", "tis_cap")
+    _check(self.max_is_clip_frac is None or 0 <= self.max_is_clip_frac < 1,
+           "algorithm.max_is_clip_frac", "must be in [0, 1) (or None to disable it)")
+    _check(self.entropy_floor is None or self.entropy_floor > 0, "algorithm.entropy_floor",
+           "must be > 0 (or None to disable it)")
+    _check(self.clip_eps_high_max >= self.clip_eps_high, "algorithm.clip_eps_high_max",
+           f"must be >= algorithm.clip_eps_high={self.clip_eps_high}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -273,6 +291,10 @@ class MeshConfig:
   """Tensor-parallel size of the generation (sub-)mesh; the rest of it is data-parallel."""
   max_staleness: int = 1
   """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
+  lag_threshold: int | None = None
+  """Split mode: a batch holding a rollout more than this many versions old is expired (dropped and counted), and when the mean lag over control_window batches exceeds it the controller lowers the effective staleness bound below max_staleness, raising it again when healthy (rlx.trainer.control); None disables both."""
+  control_window: int = 4
+  """Batches (or steps) each controller decision looks back over; after a change it waits this many before the next."""
   weight_sync: Literal["reshard", "orbax"] = "reshard"
   """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
   role: Literal["both", "learner", "generator"] = "both"
@@ -300,6 +322,9 @@ class MeshConfig:
       _check(getattr(self, name) > 0, f"mesh.{name}", "must be positive")
     _check(self.fsdp == -1 or self.fsdp > 0, "mesh.fsdp", "must be positive or -1")
     _check(self.max_staleness >= 0, "mesh.max_staleness", "must be >= 0")
+    _check(self.lag_threshold is None or self.lag_threshold >= 0, "mesh.lag_threshold",
+           "must be >= 0 (or None to disable it)")
+    _check(self.control_window >= 1, "mesh.control_window", "must be >= 1")
     _check(self.generation_devices >= 0, "mesh.generation_devices", "must be >= 0")
 
 
@@ -323,11 +348,15 @@ class DataConfig:
   """A malformed row either stops the run (naming file and line) or is skipped and counted."""
   eval_fraction: float = 0.1
   """Fraction of problems held out for evaluation (never trained on): of a built-in task, or of a data file when there is no eval_source (rows are assigned by a hash of their prompt)."""
+  max_age_s: float | None = None
+  """Split mode: a batch sampled longer ago than this many seconds when the learner takes it is expired (dropped and counted as rollout/expired_batches); None disables it."""
   eval_source: str | None = None
   """A .jsonl / .parquet file of held-out rows (same fields as source) for eval/accuracy; None holds out eval_fraction of the source instead."""
 
   def __post_init__(self):
     _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
+    _check(self.max_age_s is None or self.max_age_s > 0, "data.max_age_s",
+           "must be > 0 (or None to disable it)")
     _check(0 < self.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)")
     _check(self.num_epochs is None or self.num_epochs >= 1, "data.num_epochs",
            "must be >= 1 (or None to repeat forever)")
@@ -527,6 +556,14 @@ def check(config: RunConfig) -> RunConfig:
          f"must exceed reward.code_timeout_s={reward.code_timeout_s} by more than 1s (a call "
          "runs the program, then judges it)")
   mesh = config.mesh
+  for key, value in (("mesh.lag_threshold", mesh.lag_threshold),
+                     ("data.max_age_s", config.data.max_age_s),
+                     ("algorithm.max_is_clip_frac", algorithm.max_is_clip_frac)):
+    _check(value is None or mesh.mode == "split", key, "bounds the staleness of a split run "
+           "(colocated data is never stale); set config.mesh.mode=split or leave it None")
+  _check(algorithm.entropy_floor is None or algorithm.entropy_control != "temperature"
+         or rollout.temperature > 0, "algorithm.entropy_floor", "cannot raise the temperature "
+         "of greedy sampling (rollout.temperature=0); use algorithm.entropy_control=clip_eps_high")
   if mesh.role != "both":
     _check(mesh.mode == "split", "mesh.role", f"{mesh.role!r} is one side of a split run; "
            "set config.mesh.mode=split (or role=both)")

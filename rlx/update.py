@@ -172,7 +172,10 @@ def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batc
       logprobs, old, batch.advantages, batch.response_mask, algo)
   weights = algorithms.off_policy_weights(old, batch.behaviour_logprobs, algo.off_policy,
                                           algo.tis_cap)
-  diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights,
+  # tokens whose behaviour importance weight pi_old / pi_behav exceeds the cap (truncated by
+  # tis): how far the data's sampler has drifted from the policy, whatever the correction
+  is_clip = (old - batch.behaviour_logprobs > math.log(algo.tis_cap)).astype(jnp.float32)
+  diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights, is_clip=is_clip,
                      kl_behaviour=algorithms.kl_estimate(logprobs, batch.behaviour_logprobs, "k3"))
   loss = weights * loss
   if batch.ref_logprobs is not None:
@@ -332,6 +335,7 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "policy/ratio_mean": sums["ratio"] / tokens,
         "policy/ratio_max": ratio_max,
         "policy/is_weight_mean": sums["is_weight"] / tokens,
+        "policy/is_clip_frac": sums["is_clip"] / tokens,
         "optim/grad_norm": grad_norm,
         "train/skipped": jnp.logical_not(finite).astype(jnp.int32),
         "optim/lr": jnp.asarray(schedule(state.step) if schedule else jnp.nan, jnp.float32),

@@ -384,15 +384,21 @@ class Draw:
   """Metrics of the draw: reward mean and accuracy, errors, dropped groups, components..."""
   generate_seconds: float
   data_state: dict
+  temperature: float | None = None
+  """The sampling temperature, when not rollout.temperature (an entropy controller's)."""
+  born: float = 0.0
+  """Wall-clock time (``time.time()``) sampling started: the data's age is measured from it."""
 
 
-def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) -> Draw:
+def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
+            temperature: float | None = None) -> Draw:
   """``prompts_per_step`` groups of ``group_size`` samples. With dynamic sampling, groups whose
   rewards are all equal are dropped and more prompts drawn (at most
   ``algorithm.dynamic_sampling_max_draws`` draws).
 
   ``params_fn()`` gives the (params, version) to sample with; it is asked before every
-  draw, so a refill uses the newest policy the generator has.
+  draw, so a refill uses the newest policy the generator has. ``temperature`` overrides
+  ``rollout.temperature`` (the entropy controller's).
 
   With several processes, every process draws the same prompt batches and samples its own
   contiguous share of them (groups never cross processes); they draw again as long as any
@@ -406,7 +412,8 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
   counts: dict[str, int] = {}
   sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
   parts: dict[str, list[float]] = {}  # a reward's named components: [sum, count]
-  started = time.perf_counter()
+  started, born = time.perf_counter(), time.time()
+  temperature = config.rollout.temperature if temperature is None else temperature
   while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
       raise DynamicSamplingError(
@@ -417,8 +424,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
     rows, first = distributed.local_share(next(run.stream), "prompts per step")
     params, version = params_fn()
     drawn, scored = generate_and_score(
-        run, params, rows, n=group, temperature=config.rollout.temperature,
-        seed=seed * max_draws + draws, version=version, first_prompt_index=first)
+        run, params, rows, n=group, temperature=temperature, seed=seed * max_draws + draws, version=version, first_prompt_index=first)
     scores = scored.rewards
     sampled_reward += float(np.sum(scores))
     sampled_correct += float(np.sum(scored.correct))
@@ -455,4 +461,5 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int) ->
             "advantage/zero_groups_frac": float(totals[4] * group / totals[2])})
   return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
-              time.perf_counter() - started, run.stream.get_state())
+              time.perf_counter() - started, run.stream.get_state(),
+              None if temperature == config.rollout.temperature else temperature, born)

@@ -8,13 +8,15 @@
 Batch ``index`` is the file ``{index:08d}.rollout``: msgpack of the completions'
 tokens, behaviour log-probs and policy versions (flat arrays with offsets), the
 rewards and verdicts, the counts, the data-stream position after the batch, the
-seed and the generator's timings. A file is written under a name that starts
+seed, the sampling temperature and start time, and the generator's timings. A file is written under a name that starts
 with ``.`` and renamed when complete, so a reader never sees half a file; a
 writer killed mid-write leaves only a hidden name, removed at the next start.
 
 ``progress.json`` is the learner's side: how many batches it has finished
 (trained or dropped), and the data position after the last one. The generator
 gates on it (staleness), and resumes from it, or from its newest file.
+``control.json`` holds the learner's controller settings (the effective staleness k,
+the sampling temperature) that the generator follows.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def encode(draw: Draw, extra: dict | None = None) -> bytes:
       rewards=np.asarray(draw.rewards, np.float32), correct=np.asarray(draw.correct, bool))
   meta = {"finish_reason": [x.finish_reason for x in c], "counts": draw.counts,
           "generate_seconds": draw.generate_seconds, "data_state": draw.data_state,
-          **(extra or {})}
+          "temperature": draw.temperature, "born": draw.born, **(extra or {})}
   return serialization.msgpack_serialize({"arrays": arrays, "meta": json.dumps(meta)})
 
 
@@ -75,7 +77,8 @@ def decode(data: bytes) -> tuple[Draw, dict]:
                  prompt_index=int(a["prompt_index"][i]), sample_index=int(a["sample_index"][i]))
       for i in range(len(meta["finish_reason"]))]
   draw = Draw(completions, np.asarray(a["rewards"], np.float32), np.asarray(a["correct"], bool),
-              meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"))
+              meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"),
+              meta.pop("temperature", None), meta.pop("born", 0.0))
   meta.pop("finish_reason")
   return draw, meta
 
@@ -131,6 +134,17 @@ class RolloutFiles:
     partial.write_text(json.dumps(record))
     os.replace(partial, self.directory / "progress.json")
     self.path(index).unlink(missing_ok=True)
+
+  def write_control(self, settings: dict) -> None:
+    """The learner's controller settings for the generator job (``control.json``)."""
+    partial = self.directory / ".control.json.partial"
+    partial.write_text(json.dumps(settings))
+    os.replace(partial, self.directory / "control.json")
+
+  def control(self) -> dict | None:
+    """The newest controller settings the learner wrote, or None."""
+    path = self.directory / "control.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
   def expire_below(self, index: int) -> int:
     """Deletes complete files below ``index`` (consumed before a restart); returns how many."""

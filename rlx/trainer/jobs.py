@@ -19,11 +19,16 @@ deleted (counted as ``rollout/expired_files``). A restarted generator continues 
 newest complete file (or after the learner's last finished batch), from that file's data
 position, so no batch is generated twice or lost. The learner writes ``rollouts/DONE``
 when it stops for good; the generator exits when it sees it.
+
+The learner's controller (``rlx.trainer.control``) runs as in one process: it expires
+batches past the lag or age limit, and hands its effective k and sampling temperature to
+the generator job through ``rollouts/control.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import time
 
@@ -34,9 +39,10 @@ from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer.common import Draw, Say, collect, device_memory, evaluate, evaluation_due, prepare
+from rlx.trainer.control import Controller
 from rlx.trainer.learner import begin, finish
 from rlx.trainer.exchange import RolloutFiles
-from rlx.trainer.split import expired
+from rlx.trainer.split import apply, expired, lag
 
 POLL_S = 0.1
 NOTICE_S = 60.0
@@ -55,7 +61,24 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
   if expired_files:
     say(f"rlx: learner: deleted {expired_files} rollout file(s) consumed before the restart")
   k = config.mesh.max_staleness
-  step, dropped = start or 0, 0
+  step, dropped, expired_batches = start or 0, 0, 0
+  controller = Controller.from_config(config)
+  controller.restore(learner.restored_meta.get("control"))
+  setting = int(learner.restored_meta.get("control_setting", 0))
+
+  def tell_generator():
+    if distributed.lead():
+      files.write_control({"k": controller.k, "temperature": controller.temperature,
+                           "setting": setting})
+
+  def react(events):
+    nonlocal setting
+    setting += any(event.knob == "k" for event in events)
+    apply(events, controller, say)
+    if events:
+      tell_generator()
+
+  tell_generator()
   data_state = run.stream.get_state()
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
@@ -73,14 +96,23 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
           time.sleep(POLL_S)
           continue
         draw, extra = _read(files, index)
+        lag_mean, lag_max = lag(draw, learner.version)  # of the whole batch: the same everywhere
+        # only batches started under the current k tell the controller about it
+        current = extra.get("setting", 0) == setting
         draw = _local_share(draw)
         received = time.perf_counter()
-        if expired(draw, learner.version, k):
-          dropped += 1
+        too_old = distributed.agree(  # clocks differ between hosts: process 0 decides
+            bool(controller.expired(lag_max, time.time() - draw.born)))
+        if expired(draw, learner.version, k) or too_old:
+          dropped += not too_old
+          expired_batches += too_old
           if distributed.lead():
             files.finish(index, draw.data_state)
           index += 1
+          if too_old and current:
+            react(controller.observe(step, lag_mean=lag_mean))
           continue
+        learner.clip_eps_high = controller.clip_eps_high
         metrics = learner.learn(draw)
         learned = time.perf_counter()
         sync_seconds = learner.publish()
@@ -92,9 +124,14 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
         finished = time.perf_counter()
         elapsed = finished - waited_since
         tokens = sum(len(c.response_tokens) for c in draw.completions)
+        react(controller.observe(step, lag_mean=lag_mean if current else None,
+                                 is_clip_frac=metrics["policy/is_clip_frac"],
+                                 entropy=metrics["policy/entropy"]))
+        metrics.update(controller.metrics())
         metrics.update(device_memory())
         metrics.update({
             "rollout/index": index - 1, "rollout/dropped_batches": dropped,
+            "rollout/expired_batches": expired_batches,
             # prompts the generator had drawn after this batch: consecutive batches never
             # repeat or skip prompts, across generator restarts too
             "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
@@ -109,16 +146,19 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
           metrics.update(evaluate(run, learner.generation_params()))
         sink.write(step, metrics)
         if learner.checkpoint_due(step, stop.agreed):
-          learner.save(step, data_state, rollout_index=index)
+          learner.save(step, data_state, rollout_index=index, control=controller.state(),
+                       control_setting=setting)
         learner.export_due(step)
       summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
                        accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say,
-                       save_meta={"rollout_index": index})
+                       save_meta={"rollout_index": index, "control": controller.state(),
+                                  "control_setting": setting})
   finally:
     run.close()
   if not summary["stopped"] and distributed.lead():
     files.mark_done()  # the generator job exits; a stopped learner's generator waits for it
-  return dict(summary, dropped_batches=dropped)
+  return dict(summary, dropped_batches=dropped, expired_batches=expired_batches,
+              control_events=[str(event) for event in controller.events])
 
 
 def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
@@ -136,13 +176,16 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
   if index:
     say(f"rlx: generator: resuming at rollout {index}")
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.model.params)
-  k = config.mesh.max_staleness
   params, version, written, sync_seconds = None, -1, 0, 0.0
   waited_since = time.perf_counter()
   try:
     with StopSignal(say=say) as stop:
       while not files.done() and not stop.requested:
-        gate_open = files.progress()["done"] >= index - k
+        # the learner's progress and controller settings, as process 0 reads them
+        seen = json.loads(distributed.agree(json.dumps(
+            {"done": files.progress()["done"], "control": files.control() or {}})))
+        k = seen["control"].get("k", config.mesh.max_staleness)
+        gate_open = seen["done"] >= index - k
         newest = _latest(run, version, like) if gate_open else None
         if newest is not None:
           (params, version), sync_seconds = newest, run.sync.last_seconds
@@ -155,11 +198,13 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
           continue
         try:
           draw = collect(run, lambda: (params, version),
-                         seed=config.trainer.seed * 1_000_003 + index)
+                         seed=config.trainer.seed * 1_000_003 + index,
+                         temperature=seen["control"].get("temperature"))
         except StopIteration:
           say(f"rlx: generator: the data ran out after {config.data.num_epochs} epoch(s)")
           break
-        files.write(index, draw, extra={"index": index, "generator_sync_s": sync_seconds})
+        files.write(index, draw, extra={"index": index, "generator_sync_s": sync_seconds,
+                                        "setting": seen["control"].get("setting", 0)})
         index, written = index + 1, written + 1
         waited_since = time.perf_counter()
   finally:

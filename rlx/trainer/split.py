@@ -19,7 +19,13 @@ sub-meshes, or an Orbax checkpoint). Staleness is bounded by
   weights (``algorithm.off_policy``: truncated importance sampling of the
   recomputed old log-probs against the behaviour log-probs of the engine).
 
-Metrics add the policy lag (mean, max), dropped batches, the busy fraction of
+A controller (``rlx.trainer.control``) closes the loop when configured: it expires batches
+past ``mesh.lag_threshold`` versions or ``data.max_age_s`` seconds, lowers the effective k
+while the lag or the importance weights' clip fraction stay too high (and raises it again
+when healthy), and raises the sampling temperature or the clip-high while entropy is under
+``algorithm.entropy_floor``; every change is said and logged as a ``control/*`` metric.
+
+Metrics add the policy lag (mean, max), dropped and expired batches, the busy fraction of
 each side (cumulative since the loop started, and over the last 10 steps), the sync
 seconds of each side and the tokens/s of each side.
 """
@@ -33,12 +39,14 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import BusyWindow, MetricsSink, ProfileWindow
 from rlx.trainer.common import (Draw, Run, Say, collect, device_memory, evaluate,
                                  evaluation_due)
+from rlx.trainer import control
 from rlx.trainer.learner import begin, finish
 
 
@@ -47,6 +55,8 @@ class _Produced:
   draw: Draw
   sync_seconds: float
   waited_seconds: float
+  setting: int
+  """How many staleness changes the generator had taken when it started this batch."""
 
 
 class Generator(threading.Thread):
@@ -65,8 +75,14 @@ class Generator(threading.Thread):
                delay_s: float = 0.0, collect_fn=collect):
     super().__init__(name="rlx-generator", daemon=True)
     self.job, self.like, self.delay_s, self.collect_fn = run, like, delay_s, collect_fn
-    self.k = run.config.mesh.max_staleness
-    self.ahead = self.k // versions_per_step  # batches it may start before the learner is done
+    self.versions_per_step = versions_per_step
+    self.ahead = run.config.mesh.max_staleness // versions_per_step
+    """Batches it may start before the learner is done (the controller may lower it)."""
+    self.setting = 0
+    """Staleness changes taken so far (a batch started before the last one is not evidence
+    about the current k)."""
+    self.temperature: float | None = None
+    """The sampling temperature, when a controller overrides rollout.temperature."""
     self.first_step = first_step
     self.queue: queue.Queue[_Produced | BaseException] = queue.Queue(maxsize=self.ahead + 1)
     self._progress = threading.Condition()
@@ -81,6 +97,13 @@ class Generator(threading.Thread):
     """The learner is done with one more batch (trained and published, or dropped)."""
     with self._progress:
       self._finished += 1
+      self._progress.notify_all()
+
+  def set_staleness(self, k: int) -> None:
+    """From now on, start a batch only while the learner is at most ``k`` versions behind."""
+    with self._progress:
+      self.ahead = k // self.versions_per_step
+      self.setting += 1
       self._progress.notify_all()
 
   def stop(self) -> None:
@@ -104,6 +127,7 @@ class Generator(threading.Thread):
         with self._progress:
           while self._finished < index - self.ahead and not self._halt.is_set():
             self._progress.wait(timeout=0.5)
+          setting = self.setting
         if self._halt.is_set():
           return
         waited = time.perf_counter() - wait_started
@@ -116,12 +140,12 @@ class Generator(threading.Thread):
 
         started = time.perf_counter()
         draw = self.collect_fn(self.job, params, seed=self.job.config.trainer.seed * 1_000_003
-                               + self.first_step + index)
+                               + self.first_step + index, temperature=self.temperature)
         if self.delay_s:
           time.sleep(self.delay_s)
         self.busy_seconds += time.perf_counter() - started
         self.tokens += sum(len(c.response_tokens) for c in draw.completions)
-        self._hand_over(_Produced(draw, sync_seconds, waited))
+        self._hand_over(_Produced(draw, sync_seconds, waited, setting))
         index += 1
     except BaseException as error:  # noqa: BLE001 - handed to the learner, which raises it
       self._hand_over(error)
@@ -146,6 +170,23 @@ class Generator(threading.Thread):
 def expired(draw: Draw, version: int, max_staleness: int) -> bool:
   """Whether ``draw`` holds a rollout more than ``max_staleness`` versions behind ``version``."""
   return any(version - c.policy_version > max_staleness for c in draw.completions)
+
+
+def lag(draw: Draw, version: int) -> tuple[float, int]:
+  """(mean, max) policy lag of ``draw``'s rollouts, were the learner to train on them at
+  ``version``."""
+  versions = np.array([c.policy_version for c in draw.completions])
+  return float(np.mean(version - versions)), int(np.max(version - versions))
+
+
+def apply(events: list[control.Event], controller: control.Controller, say: Say,
+          generator: Generator | None = None) -> None:
+  """Announces a controller's changes and hands the new knobs to the generator thread."""
+  for event in events:
+    say(f"rlx: control: {event}")
+  if events and generator is not None:
+    generator.set_staleness(controller.k)
+    generator.temperature = controller.temperature
 
 
 def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print, *,
@@ -175,6 +216,11 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
   generator = Generator(run, like=learner.abstract_params, first_step=step,
                         versions_per_step=1, delay_s=generator_delay_s)
   k = config.mesh.max_staleness
+  controller = control.Controller.from_config(config)
+  controller.restore(learner.restored_meta.get("control"))
+  generator.set_staleness(controller.k)
+  generator.temperature = controller.temperature
+  expired_batches = 0
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
   dropped_batches, learn_seconds, learn_tokens = 0, 0.0, 0
@@ -197,10 +243,20 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
           break
         received = time.perf_counter()
         draw = produced.draw
+        lag_mean, lag_max = lag(draw, learner.version)
+        # only batches started under the current k tell the controller about it
+        current = produced.setting == generator.setting
         if expired(draw, learner.version, k):
           dropped_batches += 1
           generator.finished()
           continue
+        if controller.expired(lag_max, time.time() - draw.born):
+          expired_batches += 1
+          generator.finished()
+          if current:
+            apply(controller.observe(step, lag_mean=lag_mean), controller, say, generator)
+          continue
+        learner.clip_eps_high = controller.clip_eps_high
         metrics = learner.learn(draw)
         if learner_delay_s:
           time.sleep(learner_delay_s)
@@ -215,8 +271,12 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
         learn_tokens += tokens
         wall = finished - loop_started
         elapsed = finished - started
+        apply(controller.observe(step, lag_mean=lag_mean if current else None,
+                                 is_clip_frac=metrics["policy/is_clip_frac"],
+                                 entropy=metrics["policy/entropy"]), controller, say, generator)
+        metrics.update(controller.metrics())
         metrics.update({
-            "rollout/dropped_batches": dropped_batches,
+            "rollout/dropped_batches": dropped_batches, "rollout/expired_batches": expired_batches,
             "time/step_s": elapsed, "time/wait_for_data_s": received - started,
             "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
             "time/sync_s": sync_seconds, "time/generator_sync_s": produced.sync_seconds,
@@ -235,11 +295,13 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
           metrics.update(evaluate(run, learner.generation_params()))
         sink.write(step, metrics)
         if learner.checkpoint_due(step, stop.requested):
-          learner.save(step, data_state)
+          learner.save(step, data_state, control=controller.state())
         learner.export_due(step)
     finally:
       generator.stop()
       generator.join(timeout=30)
     summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
-                     accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say)
-  return dict(summary, dropped_batches=dropped_batches)
+                     accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say,
+                     save_meta={"control": controller.state()})
+  return dict(summary, dropped_batches=dropped_batches, expired_batches=expired_batches,
+              control_events=[str(event) for event in controller.events])

@@ -72,8 +72,11 @@ def _steps(workdir: pathlib.Path) -> int:
 
 def test_learner_and_generator_jobs_with_a_generator_restart(tmp_path):
   steps = 8
-  learner = _start("learner", tmp_path, f"--config.trainer.steps={steps}")
-  generator = _start("generator", tmp_path)
+  # an entropy floor no policy reaches: the learner's controller raises the sampling
+  # temperature every 2 steps, and the generator job follows it through control.json
+  control = ("--config.algorithm.entropy_floor=100", "--config.mesh.control_window=2")
+  learner = _start("learner", tmp_path, f"--config.trainer.steps={steps}", *control)
+  generator = _start("generator", tmp_path, *control)
   processes = [learner, generator]
   try:
     deadline = time.monotonic() + 180
@@ -82,7 +85,7 @@ def test_learner_and_generator_jobs_with_a_generator_restart(tmp_path):
       time.sleep(0.2)
     os.killpg(generator.pid, signal.SIGKILL)  # mid-run, maybe mid-write
     generator.wait(timeout=30)
-    generator = _start("generator", tmp_path)
+    generator = _start("generator", tmp_path, *control)
     processes.append(generator)
     learner_out, _ = learner.communicate(timeout=240)
     generator_out, _ = generator.communicate(timeout=60)  # exits when the learner is done
@@ -101,6 +104,12 @@ def test_learner_and_generator_jobs_with_a_generator_restart(tmp_path):
   assert max(row["rollout/policy_lag_max"] for row in rows) <= 1
   assert any(row["rollout/policy_lag_max"] == 1 for row in rows)  # the jobs did overlap
   assert rows[-1]["time/sync_s"] > 0 and rows[-1]["time/generator_sync_s"] > 0
+  settings = [row["control/temperature"] for row in rows]
+  assert settings == sorted(settings) and settings[-1] == 1.5, settings
+  sampled = [row["rollout/temperature"] for row in rows]
+  assert sampled[0] == 1.0 and max(sampled) > 1.0, sampled  # the generator job followed
+  # a batch is sampled at a setting the learner had already made (it lags by the queue)
+  assert all(s <= t for s, t in zip(sampled, settings)), (sampled, settings)
   rollouts = tmp_path / "rollouts"
   assert not list(rollouts.glob(".*")) and (rollouts / "DONE").is_file()
   assert json.loads((rollouts / "progress.json").read_text())["done"] == steps

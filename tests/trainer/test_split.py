@@ -78,7 +78,7 @@ def test_no_deadlock_and_no_lag_past_k_under_random_delays_and_drops(k, versions
       mesh=types.SimpleNamespace(max_staleness=k), trainer=types.SimpleNamespace(seed=0)))
   generator_rng = np.random.default_rng(1000 + k)
 
-  def collect_stub(job, params_fn, seed):
+  def collect_stub(job, params_fn, seed, temperature=None):
     _, version = params_fn()
     time.sleep(generator_rng.uniform(0, 0.001))
     return _draw([version] * 2)
