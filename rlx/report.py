@@ -213,10 +213,17 @@ def figures(runs: list[Run], out: pathlib.Path) -> list[tuple[str, str]]:
                          label=f"{run.label}: mean")
     drew |= _plot_series(ax, run, "rollout/policy_lag_max", color, style="--", smooth=False,
                          label=f"{run.label}: max")
-    bound = run.config.get("mesh", {}).get("max_staleness")
-    if run.config.get("mesh", {}).get("mode") == "split" and bound is not None:
+    mesh = run.config.get("mesh", {})
+    bound, threshold = mesh.get("max_staleness"), mesh.get("lag_threshold")
+    if run.has("control/k"):  # the controller's effective bound, step by step
+      drew |= _plot_series(ax, run, "control/k", color, style="-.", smooth=False,
+                           label=f"{run.label}: effective k")
+    elif mesh.get("mode") == "split" and bound is not None:
       ax.axhline(bound, color=color, linestyle="-.", linewidth=1.0,
                  label=f"{run.label}: bound k = {bound}")
+    if threshold is not None:
+      ax.axhline(threshold, color=color, linestyle=":", linewidth=1.2,
+                 label=f"{run.label}: lag threshold {threshold}")
   _mark_events(ax, runs, colors)
   _finish(ax, "Policy lag (versions)", "step", drew)
   ax.set_ylim(-0.2, max(1.0, ax.get_ylim()[1]) + 0.3)

@@ -1,0 +1,365 @@
+"""The deployment advisor: measures a config's generation and learning on this machine with a
+short probe, models every deployment from those measurements, and recommends one.
+
+    python -m rlx.advise --config configs/dapo_split.py [--devices N] [--steps 3]
+        [--out advise.json] [--config.a.b=value ...]
+
+**Probe** (minutes at most). For colocated on all N devices, and for split at a few device
+splits g (generation) + N - g (learning), it builds the run exactly as ``rlx.main`` would
+(same model, engine, learner, weight sync; the built-in task's warm-up once, shared by all
+of them), compiles, then times ``--steps`` rollout batches and updates:
+
+- alone, one after the other: generation seconds per batch G, learning seconds per batch L
+  (the update and the publish of the new weights), the sync seconds S;
+- for split, also at the same time (a generator thread and a learner thread, as the split
+  loop runs them): Gc and Lc, which include whatever the two sides take from each other
+  (on a CPU they share the host's cores; on accelerators they barely interact).
+
+**Model**, per batch of B samples:
+
+- colocated: step = G + L (both phases on every device, in turn); lag 0;
+- split, k = 0: step = G + L on the split's own devices (the sides take turns); lag 0;
+- split, k >= 1: step = max(Gc, Lc) (the sides overlap); the lag is k when learning is the
+  slower side (the generator runs ahead to the bound) and about 1 when generation is
+  (each batch is sampled while the learner trains the one before); a larger k only adds lag.
+
+Splits not probed are interpolated (log-log in the device count) from those that were. The
+advisor ranks deployments by predicted samples/s (ties go to less lag), prints the table,
+the recommended overrides and the reasons, and writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from rlx import cli
+from rlx.config import ConfigError, RunConfig, check
+
+
+@dataclasses.dataclass
+class Probe:
+  """What one deployment measured: seconds per batch (medians)."""
+
+  name: str
+  generation_devices: int
+  learning_devices: int
+  generate_s: float
+  learn_s: float
+  sync_s: float
+  generate_concurrent_s: float | None = None
+  learn_concurrent_s: float | None = None
+  tokens_per_batch: float = 0.0
+
+
+@dataclasses.dataclass
+class Prediction:
+  mode: str
+  generation_devices: int
+  learning_devices: int
+  k: int
+  samples_per_s: float
+  step_s: float
+  policy_lag: float
+  generation_busy_frac: float
+  learning_busy_frac: float
+  basis: str
+  """'measured' (this split was probed) or 'interpolated'."""
+
+  def overrides(self) -> list[str]:
+    if self.mode == "colocated":
+      return ["--config.mesh.mode=colocated"]
+    return ["--config.mesh.mode=split", f"--config.mesh.generation_devices={self.generation_devices}",
+            f"--config.mesh.max_staleness={self.k}"]
+
+  @property
+  def label(self) -> str:
+    if self.mode == "colocated":
+      return f"colocated ({self.generation_devices} devices)"
+    return f"split {self.generation_devices}+{self.learning_devices}, k={self.k}"
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def _interpolate(points: dict[int, float], devices: int) -> float:
+  """Seconds at ``devices`` from seconds measured at other device counts: a power law through
+  the two nearest measured counts (the one measured count's value when there is one)."""
+  if devices in points:
+    return points[devices]
+  counts = sorted(points)
+  if len(counts) == 1:
+    return points[counts[0]] * counts[0] / devices  # perfect scaling: the only guess
+  below = [c for c in counts if c < devices]
+  above = [c for c in counts if c > devices]
+  a, b = ((below[-1], above[0]) if below and above else
+          (counts[0], counts[1]) if not below else (counts[-2], counts[-1]))
+  slope = math.log(points[b] / points[a]) / math.log(b / a)
+  return points[a] * (devices / a) ** slope
+
+
+def predict(probes: list[Probe], devices: int, batch: int, max_k: int = 2) -> list[Prediction]:
+  """Every deployment of ``devices`` devices, best first (see the module docstring)."""
+  colocated = next((p for p in probes if p.name == "colocated"), None)
+  splits = {p.generation_devices: p for p in probes if p.name != "colocated"}
+  generate = {p.generation_devices: p.generate_s for p in probes}
+  learn = {p.learning_devices: p.learn_s for p in probes}
+  predictions = []
+  if colocated is not None:
+    step = colocated.generate_s + colocated.learn_s
+    predictions.append(Prediction("colocated", devices, devices, 0, batch / step, step, 0.0,
+                                  colocated.generate_s / step, colocated.learn_s / step,
+                                  "measured"))
+  for g in range(1, devices):
+    probed = splits.get(g)
+    G = probed.generate_s if probed else _interpolate(generate, g)
+    L = probed.learn_s if probed else _interpolate(learn, devices - g)
+    # how much slower each side runs beside the other: measured, or the nearest probe's
+    near = probed or (min(splits.values(), key=lambda p: abs(p.generation_devices - g))
+                      if splits else None)
+    g_slow = near.generate_concurrent_s / near.generate_s if near else 1.0
+    l_slow = near.learn_concurrent_s / near.learn_s if near else 1.0
+    basis = "measured" if probed else "interpolated"
+    step = G + L
+    predictions.append(Prediction("split", g, devices - g, 0, batch / step, step, 0.0,
+                                  G / step, L / step, basis))
+    Gc, Lc = G * g_slow, L * l_slow
+    step = max(Gc, Lc)
+    for k in range(1, max_k + 1):
+      lag = float(k) if Lc >= Gc else 1.0
+      predictions.append(Prediction("split", g, devices - g, k, batch / step, step, lag,
+                                    Gc / step, Lc / step, basis))
+  # best first; among (nearly) equal speeds, the least lag, then measured over interpolated
+  return sorted(predictions, key=lambda p: (-round(p.samples_per_s, 2), p.policy_lag,
+                                            p.basis != "measured", p.k))
+
+
+def reasons(best: Prediction, predictions: list[Prediction], probes: list[Probe]) -> list[str]:
+  """One line per reason the advisor gives for ``best``."""
+  lines = []
+  colocated = next((p for p in predictions if p.mode == "colocated"), None)
+  half = {p.generation_devices: p for p in probes if p.name != "colocated"}
+  if half:
+    probe = half[min(half, key=lambda g: abs(g - best.generation_devices))]
+    ratio = probe.learn_s / probe.generate_s
+    slower = "learning" if ratio >= 1 else "generation"
+    lines.append(f"at {probe.generation_devices}+{probe.learning_devices} devices {slower} is "
+                 f"{max(ratio, 1 / ratio):.2f}x slower than the other side "
+                 f"(generate {probe.generate_s:.2f}s, learn {probe.learn_s:.2f}s per batch)")
+    if probe.generate_concurrent_s:
+      lines.append(f"running both at once slows generation {probe.generate_concurrent_s / probe.generate_s:.2f}x "
+                   f"and learning {probe.learn_concurrent_s / probe.learn_s:.2f}x (shared "
+                   "host or interconnect)")
+  if best.mode == "colocated":
+    split = next((p for p in predictions if p.mode == "split" and p.k >= 1), None)
+    if split is not None:
+      lines.append(f"colocated is on-policy and {best.samples_per_s / split.samples_per_s:.2f}x "
+                   f"the best split ({split.label}): overlapping the sides does not pay here")
+  else:
+    if colocated is not None:
+      lines.append(f"{best.label} is {best.samples_per_s / colocated.samples_per_s:.2f}x "
+                   f"colocated's samples/s, at a policy lag of about {best.policy_lag:g}")
+    if best.k >= 1:
+      lines.append(f"k={best.k}: the sides overlap; a larger k only adds lag (the slower side "
+                   "sets the pace)")
+    if best.basis == "interpolated":
+      lines.append("this split was not probed: its times are interpolated from the probed ones")
+  return lines
+
+
+# --- the probe -----------------------------------------------------------------------------------
+
+
+def _quiet(message: str) -> None:
+  pass
+
+
+def _median_seconds(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    started = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - started)
+  return statistics.median(times)
+
+
+def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
+          say=print) -> Probe:
+  """Builds the run ``config`` describes and times its generation and learning."""
+  from rlx.trainer.common import collect, prepare
+  from rlx.trainer.learner import Learner
+
+  run = prepare(config, workdir, _quiet)
+  try:
+    learner = Learner(run, _quiet)
+    learner.publish()
+    seeds = iter(range(10**6))
+    params = [run.sync.latest(like=learner.abstract_params)]
+    draws = []
+
+    def generate():
+      params[0] = run.sync.latest(like=learner.abstract_params) or params[0]
+      draws.append(collect(run, lambda: params[0], seed=next(seeds)))
+
+    def learn():
+      learner.learn(draws[-1])
+      learner.publish()
+
+    say(f"rlx: advise: {name}: compiling")
+    generate(), learn()  # compiles
+    generate_s = _median_seconds(generate, steps)
+    learn_s = _median_seconds(learn, steps)
+    sync_s = _median_seconds(learner.publish, steps)
+    tokens = statistics.mean(sum(len(c.response_tokens) for c in d.completions) for d in draws)
+    result = Probe(name, len(run.meshes.generation.devices.flat),
+                   len(run.meshes.learning.devices.flat), generate_s, learn_s, sync_s,
+                   tokens_per_batch=tokens)
+    if config.mesh.mode == "split":
+      result.generate_concurrent_s, result.learn_concurrent_s = _concurrent(
+          generate, learn, max(generate_s, learn_s) * (steps + 1))
+    say(f"rlx: advise: {name}: generate {result.generate_s:.2f}s, learn {result.learn_s:.2f}s"
+        + (f"; at once: generate {result.generate_concurrent_s:.2f}s, learn "
+           f"{result.learn_concurrent_s:.2f}s" if result.generate_concurrent_s else "")
+        + " per batch")
+    return result
+  finally:
+    run.close()
+
+
+def _concurrent(generate, learn, seconds: float) -> tuple[float, float]:
+  """Seconds per call of each of ``generate`` and ``learn`` while both run at once, each in its
+  own thread, for about ``seconds``: the calls that finished while the other side was still
+  working, averaged."""
+  deadline = time.perf_counter() + seconds
+  done = {}
+
+  def loop(name, fn):
+    times = []
+    while True:
+      started = time.perf_counter()
+      fn()
+      finished = time.perf_counter()
+      times.append(finished - started)
+      if finished > deadline and len(times) >= 2:
+        break
+    done[name] = times
+
+  threads = [threading.Thread(target=loop, args=("generate", generate)),
+             threading.Thread(target=loop, args=("learn", learn))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  # the last call of the side that finished first ran partly alone: leave out each side's last
+  return (statistics.mean(done["generate"][:-1] or done["generate"]),
+          statistics.mean(done["learn"][:-1] or done["learn"]))
+
+
+def splits_to_probe(devices: int) -> list[int]:
+  """A few generation-device counts: half, and a quarter and three quarters when distinct."""
+  candidates = {devices // 2, devices // 4, devices - devices // 4}
+  return sorted(g for g in candidates if 0 < g < devices)
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def _table(predictions: list[Prediction], top: int) -> str:
+  header = (f"{'deployment':<28} {'samples/s':>9} {'step s':>7} {'lag':>5} "
+            f"{'gen busy':>8} {'learn busy':>10}  basis")
+  rows = [f"{p.label:<28} {p.samples_per_s:>9.2f} {p.step_s:>7.2f} {p.policy_lag:>5.1f} "
+          f"{p.generation_busy_frac:>8.0%} {p.learning_busy_frac:>10.0%}  {p.basis}"
+          for p in predictions[:top]]
+  return "\n".join([header, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m rlx.advise", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True, help="a config file, e.g. configs/dapo_split.py")
+  parser.add_argument("--devices", type=int, default=None,
+                      help="devices to plan for (default: all this machine has; on CPU, "
+                           "config.mesh.cpu_devices)")
+  parser.add_argument("--steps", type=int, default=3, help="batches timed per measurement")
+  parser.add_argument("--max-k", type=int, default=2, help="largest staleness bound to model")
+  parser.add_argument("--out", default="advise.json", help="where the JSON goes")
+  parser.add_argument("--workdir", default=None, help="probe runs' directory (default: temporary)")
+  args, overrides = parser.parse_known_args(argv)
+  unknown = [a for a in overrides if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like "
+                 "--config.a.b=value)")
+  try:
+    config = check(cli.apply_overrides(cli.load_config_file(args.config), overrides))
+    devices = args.devices or config.mesh.cpu_devices
+    if devices < 2:
+      raise ConfigError("--devices must be >= 2: a split needs a device for each side")
+    config = cli.apply_overrides(config, [
+        f"--config.mesh.cpu_devices={devices}", "--config.mesh.role=both",
+        "--config.mesh.weight_sync=reshard", "--config.logging.progress_bar=false",
+        "--config.logging.tensorboard=false", "--config.checkpoint.every_steps=0",
+        "--config.mesh.lag_threshold=None", "--config.data.max_age_s=None",
+        "--config.algorithm.max_is_clip_frac=None"])
+  except ConfigError as error:
+    print(f"rlx: advise: {error}", file=sys.stderr)
+    return 2
+  from rlx.main import start_jax
+
+  jax = start_jax(config)
+  if jax.default_backend() != "cpu" and jax.device_count() != devices:
+    print(f"rlx: advise: --devices {devices} but this machine has {jax.device_count()} "
+          f"{jax.default_backend()} devices; plan for all of them, or hide some "
+          "(CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS)", file=sys.stderr)
+    return 2
+  from rlx.trainer.common import warms_up
+
+  root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="rlx-advise-"))
+  started = time.perf_counter()
+  print(f"rlx: advise: probing {config.name} on {devices} {jax.default_backend()} devices "
+        f"({args.steps} batches of {config.samples_per_step} samples per measurement)")
+  probes, warm = [], []
+  plans = [("colocated", ["--config.mesh.mode=colocated"])] + [
+      (f"split {g}+{devices - g}", ["--config.mesh.mode=split",
+                                    f"--config.mesh.generation_devices={g}",
+                                    f"--config.mesh.max_staleness={max(args.max_k, 1)}"])
+      for g in splits_to_probe(devices)]
+  for i, (name, extra) in enumerate(plans):
+    workdir = root / name.replace(" ", "_").replace("+", "_")
+    variant = cli.apply_overrides(config, [*extra, *warm])
+    if i == 0 and warms_up(variant):
+      print(f"rlx: advise: the built-in warm-up first ({config.trainer.warmup_sft_steps} "
+            "steps), so that response lengths are a trained model's")
+    probes.append(probe(variant, name, workdir, args.steps))
+    if not warm and (workdir / "warmup").is_dir():
+      warm = [f"--config.model.path={workdir / 'warmup'}"]
+  predictions = predict(probes, devices, config.samples_per_step, args.max_k)
+  best = predictions[0]
+  why = reasons(best, predictions, probes)
+  print(f"\nrlx: advise: predicted, best first (batch of {config.samples_per_step} samples):")
+  print(_table(predictions, top=12))
+  print(f"\nrecommended: {best.label}\n  " + " ".join(best.overrides()))
+  for line in why:
+    print(f"  - {line}")
+  result = {"config": args.config, "devices": devices, "backend": jax.default_backend(),
+            "batch_samples": config.samples_per_step, "probe_seconds": time.perf_counter() - started,
+            "probes": [dataclasses.asdict(p) for p in probes],
+            "predictions": [dict(dataclasses.asdict(p), label=p.label, overrides=p.overrides())
+                            for p in predictions],
+            "recommended": dict(dataclasses.asdict(best), label=best.label,
+                                overrides=best.overrides()),
+            "reasons": why}
+  out = pathlib.Path(args.out)
+  out.write_text(json.dumps(result, indent=1))
+  print(f"rlx: advise: written to {out} ({result['probe_seconds']:.0f}s of probing)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
