@@ -137,9 +137,10 @@ def predict(probes: list[Probe], devices: int, batch: int, max_k: int = 2) -> li
       lag = float(k) if Lc >= Gc else 1.0
       predictions.append(Prediction("split", g, devices - g, k, batch / step, step, lag,
                                     Gc / step, Lc / step, basis))
-  # best first; among (nearly) equal speeds, the least lag, then measured over interpolated
+  # best first; among (nearly) equal speeds, the least lag, then colocated (one program, no
+  # second side to keep busy), then measured over interpolated
   return sorted(predictions, key=lambda p: (-round(p.samples_per_s, 2), p.policy_lag,
-                                            p.basis != "measured", p.k))
+                                            p.mode != "colocated", p.basis != "measured", p.k))
 
 
 def reasons(best: Prediction, predictions: list[Prediction], probes: list[Probe]) -> list[str]:
@@ -313,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
   from rlx.main import start_jax
 
   jax = start_jax(config)
-  if jax.default_backend() != "cpu" and jax.device_count() != devices:
-    print(f"rlx: advise: --devices {devices} but this machine has {jax.device_count()} "
+  if jax.device_count() != devices:
+    print(f"rlx: advise: --devices {devices} but this process has {jax.device_count()} "
           f"{jax.default_backend()} devices; plan for all of them, or hide some "
           "(CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS)", file=sys.stderr)
     return 2
