@@ -329,6 +329,22 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class BufferConfig:
+  """Split mode: a replay buffer of scored groups between generator and learner (rlx.trainer.buffer)."""
+
+  enabled: bool = False
+  """Train from a buffer of groups: the learner takes a batch whenever prompts_per_step usable groups are buffered, without waiting for the generator's next batch; groups past the lag bound (mesh.lag_threshold, else mesh.max_staleness) or data.max_age_s are evicted."""
+  reuse: int = 1
+  """Updates a group may be used in while it is fresh; 1 trains on every group once."""
+  capacity: int = 64
+  """Most groups held; the oldest are evicted first."""
+
+  def __post_init__(self):
+    _check(self.reuse >= 1, "buffer.reuse", "must be >= 1")
+    _check(self.capacity >= 1, "buffer.capacity", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
   """Where prompts come from."""
 
@@ -505,6 +521,8 @@ class RunConfig:
   """The device mesh and deployment mode."""
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   """The prompt source."""
+  buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
+  """Split mode: the replay buffer between generator and learner."""
   reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   """The reward functions."""
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -564,6 +582,16 @@ def check(config: RunConfig) -> RunConfig:
   _check(algorithm.entropy_floor is None or algorithm.entropy_control != "temperature"
          or rollout.temperature > 0, "algorithm.entropy_floor", "cannot raise the temperature "
          "of greedy sampling (rollout.temperature=0); use algorithm.entropy_control=clip_eps_high")
+  buffer = config.buffer
+  if buffer.enabled:
+    _check(mesh.mode == "split" and mesh.role == "both", "buffer.enabled",
+           "needs a one-process split run (mesh.mode=split, mesh.role=both); the learner and "
+           "generator jobs exchange rollout files without a buffer")
+    _check(buffer.capacity >= config.data.prompts_per_step, "buffer.capacity",
+           f"must hold at least one batch (data.prompts_per_step={config.data.prompts_per_step} "
+           "groups)")
+  _check(buffer.enabled or buffer.reuse == 1, "buffer.reuse",
+         "reuses buffered groups: set buffer.enabled=true")
   if mesh.role != "both":
     _check(mesh.mode == "split", "mesh.role", f"{mesh.role!r} is one side of a split run; "
            "set config.mesh.mode=split (or role=both)")

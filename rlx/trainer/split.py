@@ -47,6 +47,7 @@ from rlx.metrics import BusyWindow, MetricsSink, ProfileWindow
 from rlx.trainer.common import (Draw, Run, Say, collect, device_memory, evaluate,
                                  evaluation_due)
 from rlx.trainer import control
+from rlx.trainer.buffer import ReplayBuffer
 from rlx.trainer.learner import begin, finish
 
 
@@ -221,6 +222,10 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
   generator.set_staleness(controller.k)
   generator.temperature = controller.temperature
   expired_batches = 0
+  buffer = ReplayBuffer.from_config(config) if config.buffer.enabled else None
+  if buffer is not None:
+    buffer.restore(learner.restored_meta.get("buffer"))
+  starved = True  # the buffer could not make a batch: wait for the generator
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
   dropped_batches, learn_seconds, learn_tokens = 0, 0.0, 0
@@ -234,18 +239,30 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
       while step < config.trainer.steps and not stop.requested:
         profile.at(step)
         started = time.perf_counter()
-        try:
-          produced = generator.next(timeout=0.5)
+        try:  # with a buffer that can make a batch, only take what has already arrived
+          produced = generator.next(timeout=0.5 if buffer is None or starved else 0.0)
         except queue.Empty:  # checks for a stop signal twice a second
-          continue
+          produced = None
+          if buffer is None:
+            continue
         except StopIteration:  # a finite data.num_epochs is used up
           say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
           break
         received = time.perf_counter()
-        draw = produced.draw
+        if buffer is not None:
+          if produced is not None:
+            buffer.put(produced.draw)
+            generator.finished()
+            data_state = produced.draw.data_state  # the buffer's groups are saved with it
+          draw = buffer.take(learner.version, time.time())
+          starved = draw is None
+          if draw is None:
+            continue
+        else:
+          draw = produced.draw
         lag_mean, lag_max = lag(draw, learner.version)
         # only batches started under the current k tell the controller about it
-        current = produced.setting == generator.setting
+        current = produced is None or produced.setting == generator.setting
         if expired(draw, learner.version, k):
           dropped_batches += 1
           generator.finished()
@@ -262,10 +279,11 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
           time.sleep(learner_delay_s)
         learned = time.perf_counter()
         sync_seconds = learner.publish()
-        generator.finished()
+        if buffer is None:
+          generator.finished()
+          data_state = draw.data_state
         finished = time.perf_counter()
         step += 1
-        data_state = draw.data_state
         learn_seconds += finished - received
         tokens = sum(len(c.response_tokens) for c in draw.completions)
         learn_tokens += tokens
@@ -275,12 +293,16 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
                                  is_clip_frac=metrics["policy/is_clip_frac"],
                                  entropy=metrics["policy/entropy"]), controller, say, generator)
         metrics.update(controller.metrics())
+        if buffer is not None:
+          metrics.update(buffer.metrics(time.time()))
         metrics.update({
             "rollout/dropped_batches": dropped_batches, "rollout/expired_batches": expired_batches,
             "time/step_s": elapsed, "time/wait_for_data_s": received - started,
-            "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
-            "time/sync_s": sync_seconds, "time/generator_sync_s": produced.sync_seconds,
-            "time/generator_wait_s": produced.waited_seconds,
+            "time/learn_s": learned - received, "time/sync_s": sync_seconds,
+            # of the batch that arrived this step (none may have, with a buffer)
+            "time/generate_s": produced.draw.generate_seconds if produced else 0.0,
+            "time/generator_sync_s": produced.sync_seconds if produced else 0.0,
+            "time/generator_wait_s": produced.waited_seconds if produced else 0.0,
             "time/generation_busy_frac": min(generator.busy_seconds / wall, 1.0),
             "time/learning_busy_frac": min(learn_seconds / wall, 1.0),
             **busy.update(wall, {"time/generation_busy_frac_window": generator.busy_seconds,
@@ -295,13 +317,15 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
           metrics.update(evaluate(run, learner.generation_params()))
         sink.write(step, metrics)
         if learner.checkpoint_due(step, stop.requested):
-          learner.save(step, data_state, control=controller.state())
+          learner.save(step, data_state, control=controller.state(),
+                       buffer=None if buffer is None else buffer.state())
         learner.export_due(step)
     finally:
       generator.stop()
       generator.join(timeout=30)
     summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
                      accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say,
-                     save_meta={"control": controller.state()})
+                     save_meta={"control": controller.state(),
+                                "buffer": None if buffer is None else buffer.state()})
   return dict(summary, dropped_batches=dropped_batches, expired_batches=expired_batches,
               control_events=[str(event) for event in controller.events])
