@@ -38,6 +38,8 @@ ALLOWED = {
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
                 "rollout", "sync", "rewards", "data", "checkpoint", "metrics", "distributed"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation"},
+    # the deployment advisor: probes runs as main builds them, and models deployments
+    "advise": {"trainer", "config", "cli", "main"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
 NO_JAX = {"config", "cli", "report"}

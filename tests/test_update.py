@@ -52,6 +52,10 @@ def _batch(model, config, seed=0, advantages=None):
       policy_version=jnp.zeros(B, jnp.int32), ref_logprobs=old - noise)
 
 
+# compiled: eager execution of a whole loss and gradient takes tens of seconds per call
+_loss_and_grads = jax.jit(update.loss_and_grads, static_argnames=("config", "transformer"))
+
+
 @pytest.fixture(scope="module")
 def model():
   return init_model(ARCH, jax.random.key(0))
@@ -63,12 +67,12 @@ def model():
 def test_microbatch_accumulation_equals_full_batch(model, loss_agg, name):
   config = _config(name=name, loss_agg=loss_agg, kl_coef=0.1, entropy_coef=0.01, off_policy="tis")
   batch = _batch(model, config)
-  full = update.loss_and_grads(model.params, batch, jnp.float32(0.1), config=config,
-                               transformer=model.transformer)
+  full = _loss_and_grads(model.params, batch, jnp.float32(0.1), config=config,
+                         transformer=model.transformer)
   micro_config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer,
                                                                            micro_batches=4))
-  micro = update.loss_and_grads(model.params, batch, jnp.float32(0.1), config=micro_config,
-                                transformer=model.transformer)
+  micro = _loss_and_grads(model.params, batch, jnp.float32(0.1), config=micro_config,
+                          transformer=model.transformer)
   chex.assert_trees_all_close(micro[0], full[0], rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(micro[1], full[1], rtol=1e-4, atol=1e-7)
   chex.assert_trees_all_close(micro[2], full[2], rtol=1e-5, atol=1e-6)
@@ -105,11 +109,11 @@ def test_one_step_moves_the_policy_the_right_way(model, sign):
   optimizer, _ = update.make_optimizer(config.optimizer, total_steps=1)
   state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer, jax.random.key(0))
   step = update.make_update_step(config, model.transformer, optimizer)
-  before = float(update.loss_and_grads(state.params, batch, jnp.float32(0), config=config,
-                                       transformer=model.transformer)[0])
+  loss = lambda params: float(_loss_and_grads(params, batch, jnp.float32(0), config=config,
+                                              transformer=model.transformer)[0])
+  before = loss(state.params)
   state, _ = step(state, batch)
-  after = float(update.loss_and_grads(state.params, batch, jnp.float32(0), config=config,
-                                      transformer=model.transformer)[0])
+  after = loss(state.params)
   assert after < before
   new_logprobs = update.make_logprobs_fn(config, model.transformer)(
       state.params, batch.tokens, batch.attention_mask)
@@ -280,8 +284,8 @@ def test_a_typed_loss_choice_runs_what_its_preset_runs(model):
   preset = _config(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4)
   typed = _config(name="grpo", policy_loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4)
   batch = _batch(model, preset)
-  run = lambda config: update.loss_and_grads(model.params, batch, jnp.float32(0), config=config,
-                                             transformer=model.transformer)
+  run = lambda config: _loss_and_grads(model.params, batch, jnp.float32(0), config=config,
+                                       transformer=model.transformer)
   chex.assert_trees_all_close(run(typed), run(preset))
   plain = run(_config(name="grpo", clip_eps_low=3e-4, clip_eps_high=4e-4))
   assert float(plain[0]) != pytest.approx(float(run(preset)[0]))  # the choice matters
