@@ -18,7 +18,6 @@ compiler's error.
 import argparse
 import json
 import os
-import pathlib
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -28,15 +27,14 @@ os.environ.setdefault("TPU_WORKER_ID", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from rlx import update  # noqa: E402
+from rlx.aot import PLATFORM, compile_one, devices, placed as _placed  # noqa: E402
 from rlx.config import (AlgorithmConfig, ArchConfig, ModelConfig, OptimizerConfig,  # noqa: E402
                         RunConfig, TrainerConfig)
-from rlx.kernels import compiling_for  # noqa: E402
 from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa: E402
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
 from rlx.mesh import MESH_AXES  # noqa: E402
@@ -44,57 +42,12 @@ from rlx.models import Transformer, param_shardings  # noqa: E402
 from rlx.rollout.engine import Engine, _generate_chunk, _generate_one  # noqa: E402
 from rlx.types import RolloutBatch  # noqa: E402
 
-TARGETS = pathlib.Path(__file__).parent / "targets"
 # (name, model width D, vocabulary V) of real models
 MODELS = [("qwen2.5-0.5b", 896, 151936), ("qwen2.5-1.5b", 1536, 151936),
           ("qwen2.5-7b", 3584, 152064), ("llama-3-8b", 4096, 128256)]
-PLATFORM = {"v5e": "tpu", "v6e": "tpu", "h100": "cuda", "a100": "cuda"}
 QWEN_05B = ArchConfig(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                       num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True,
                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=32768)
-
-
-def devices(target: str, count: int = 1):
-  """Compile-only devices of ``target``."""
-  if PLATFORM[target] == "tpu":
-    shape = {1: "1x1", 8: "2x4"}[count]
-    return topologies.get_topology_desc(
-        platform="tpu", topology_name=f"{target}:{shape}", chip_config_name="default",
-        chips_per_host_bounds=(1, 1, 1) if count == 1 else (2, 2, 1), num_slices=1,
-        wrap=(False, False, False)).devices
-  config = (TARGETS / f"{target}.txtpb").read_text()
-  return topologies.get_topology_desc(platform="cuda", target_config=config,
-                                      topology=f"1x1x{count}").devices
-
-
-def _mib(value) -> float:
-  return round(value / 2**20, 1)
-
-
-def _placed(tree, sharding):
-  """Abstract values of ``tree`` with ``sharding`` (one, or a matching tree of them)."""
-  if isinstance(sharding, jax.sharding.Sharding):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
-                      sharding)
-
-
-def compile_one(fn, args, device=None, platform=None) -> dict:
-  """Compiles ``fn`` (jitted, or jitted here) on abstract ``args`` (placed on ``device`` when
-  given, else already placed)."""
-  if device is not None:
-    args = _placed(list(args), jax.sharding.SingleDeviceSharding(device))
-  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-  try:
-    with compiling_for(platform or "cpu"):
-      compiled = jitted.trace(*args).lower().compile()
-  except Exception as error:  # noqa: BLE001 - the compiler's verdict is the result
-    first = next((line for line in str(error).splitlines() if line.strip()), repr(error))
-    return {"status": "failed", "error": first[:300]}
-  memory = compiled.memory_analysis()
-  return {"status": "ok", "argument_mib": _mib(memory.argument_size_in_bytes),
-          "output_mib": _mib(memory.output_size_in_bytes),
-          "temp_mib": _mib(memory.temp_size_in_bytes)}
 
 
 def logprob_programs(target: str, tokens: list[int]):

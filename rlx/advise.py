@@ -19,13 +19,24 @@ of them), compiles, then times ``--steps`` rollout batches and updates:
 
 - colocated: step = G + L (both phases on every device, in turn); lag 0;
 - split, k = 0: step = G + L on the split's own devices (the sides take turns); lag 0;
-- split, k >= 1: step = max(Gc, Lc) (the sides overlap); the lag is k when learning is the
-  slower side (the generator runs ahead to the bound) and about 1 when generation is
-  (each batch is sampled while the learner trains the one before); a larger k only adds lag.
+- split, k >= 1: the sides overlap, each on its own batch. While both run, each is slowed by
+  the factor measured at once (sg = Gc / G, sl = Lc / L); the faster side finishes its batch
+  and waits (for the learner's next version, or for the next batch), and the slower one runs
+  the rest alone at full speed: step = G sg + (L - G sg / sl) when generation finishes first,
+  L sl + (G - L sl / sg) otherwise. The lag is k when learning is the slower side (the
+  generator runs ahead to the bound) and about 1 when generation is (each batch is sampled
+  while the learner trains the one before); a larger k only adds lag.
 
 Splits not probed are interpolated (log-log in the device count) from those that were. The
 advisor ranks deployments by predicted samples/s (ties go to less lag), prints the table,
 the recommended overrides and the reasons, and writes the same as JSON.
+
+**Memory** (``--target h100 v5e ...``): each probed deployment's learner step and decode chunk
+are compiled for the target by its real compiler, without the device (``rlx.aot``), and the
+per-device peak is reported; the recommendation is the fastest deployment that fits (90% of
+the device's memory).
+
+    JAX_PLATFORMS=cpu python -m rlx.advise --config configs/dapo_split.py --devices 8 --target h100
 """
 
 from __future__ import annotations
@@ -73,6 +84,19 @@ class Prediction:
   learning_busy_frac: float
   basis: str
   """'measured' (this split was probed) or 'interpolated'."""
+  memory: dict = dataclasses.field(default_factory=dict)
+  """Per target accelerator (``--target``): per-device GiB of this deployment, and whether it fits."""
+
+  @property
+  def fits(self) -> bool:
+    """False when a target's compiler found this deployment too big (unknown counts as fitting)."""
+    return all(m.get("fits", True) for m in self.memory.values())
+
+  @property
+  def name(self) -> str:
+    """The deployment without k (what memory depends on)."""
+    return "colocated" if self.mode == "colocated" else (
+        f"split {self.generation_devices}+{self.learning_devices}")
 
   def overrides(self) -> list[str]:
     if self.mode == "colocated":
@@ -106,6 +130,16 @@ def _interpolate(points: dict[int, float], devices: int) -> float:
   return points[a] * (devices / a) ** slope
 
 
+def overlapped(generate_s: float, learn_s: float, generate_slowdown: float,
+               learn_slowdown: float) -> tuple[float, bool]:
+  """(seconds per batch, whether generation finishes first) when each side works on its own
+  batch at once: both slowed while both run, then the slower side alone at full speed."""
+  G, L, sg, sl = generate_s, learn_s, generate_slowdown, learn_slowdown
+  if G * sg / sl <= L:  # generation's batch is done while learning still has work left
+    return G * sg + (L - G * sg / sl), True
+  return L * sl + (G - L * sl / sg), False
+
+
 def predict(probes: list[Probe], devices: int, batch: int, max_k: int = 2) -> list[Prediction]:
   """Every deployment of ``devices`` devices, best first (see the module docstring)."""
   colocated = next((p for p in probes if p.name == "colocated"), None)
@@ -131,12 +165,13 @@ def predict(probes: list[Probe], devices: int, batch: int, max_k: int = 2) -> li
     step = G + L
     predictions.append(Prediction("split", g, devices - g, 0, batch / step, step, 0.0,
                                   G / step, L / step, basis))
-    Gc, Lc = G * g_slow, L * l_slow
-    step = max(Gc, Lc)
+    step, generation_first = overlapped(G, L, g_slow, l_slow)
+    generation_busy = G * g_slow / step if generation_first else 1.0
+    learning_busy = 1.0 if generation_first else L * l_slow / step
     for k in range(1, max_k + 1):
-      lag = float(k) if Lc >= Gc else 1.0
+      lag = float(k) if generation_first else 1.0
       predictions.append(Prediction("split", g, devices - g, k, batch / step, step, lag,
-                                    Gc / step, Lc / step, basis))
+                                    generation_busy, learning_busy, basis))
   # best first; among (nearly) equal speeds, the least lag, then colocated (one program, no
   # second side to keep busy), then measured over interpolated
   return sorted(predictions, key=lambda p: (-round(p.samples_per_s, 2), p.policy_lag,
@@ -210,22 +245,37 @@ def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
       params[0] = run.sync.latest(like=learner.abstract_params) or params[0]
       draws.append(collect(run, lambda: params[0], seed=next(seeds)))
 
-    def learn():
-      learner.learn(draws[-1])
+    batches = iter(())
+
+    def learn():  # over the batches drawn here, in turn: their shapes compile once each
+      nonlocal batches
+      draw = next(batches, None)
+      if draw is None:
+        batches = iter(list(draws))
+        draw = next(batches)
+      learner.learn(draw)
       learner.publish()
 
     say(f"rlx: advise: {name}: compiling")
-    generate(), learn()  # compiles
+    generate()  # compiles
     generate_s = _median_seconds(generate, steps)
+    for _ in draws:  # compiles each batch's length bucket
+      learn()
     learn_s = _median_seconds(learn, steps)
     sync_s = _median_seconds(learner.publish, steps)
-    tokens = statistics.mean(sum(len(c.response_tokens) for c in d.completions) for d in draws)
+    drawn = list(draws)
+
+    def generate_more():  # beside the learner: its batches are not the learner's
+      params[0] = run.sync.latest(like=learner.abstract_params) or params[0]
+      collect(run, lambda: params[0], seed=next(seeds))
+
+    tokens = statistics.mean(sum(len(c.response_tokens) for c in d.completions) for d in drawn)
     result = Probe(name, len(run.meshes.generation.devices.flat),
                    len(run.meshes.learning.devices.flat), generate_s, learn_s, sync_s,
                    tokens_per_batch=tokens)
     if config.mesh.mode == "split":
       result.generate_concurrent_s, result.learn_concurrent_s = _concurrent(
-          generate, learn, max(generate_s, learn_s) * (steps + 1))
+          generate_more, learn, max(generate_s, learn_s) * (steps + 1))
     say(f"rlx: advise: {name}: generate {result.generate_s:.2f}s, learn {result.learn_s:.2f}s"
         + (f"; at once: generate {result.generate_concurrent_s:.2f}s, learn "
            f"{result.learn_concurrent_s:.2f}s" if result.generate_concurrent_s else "")
@@ -237,8 +287,8 @@ def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
 
 def _concurrent(generate, learn, seconds: float) -> tuple[float, float]:
   """Seconds per call of each of ``generate`` and ``learn`` while both run at once, each in its
-  own thread, for about ``seconds``: the calls that finished while the other side was still
-  working, averaged."""
+  own thread, for about ``seconds``: the median of the calls that finished while the other
+  side was still working."""
   deadline = time.perf_counter() + seconds
   done = {}
 
@@ -260,8 +310,8 @@ def _concurrent(generate, learn, seconds: float) -> tuple[float, float]:
   for t in threads:
     t.join()
   # the last call of the side that finished first ran partly alone: leave out each side's last
-  return (statistics.mean(done["generate"][:-1] or done["generate"]),
-          statistics.mean(done["learn"][:-1] or done["learn"]))
+  return (statistics.median(done["generate"][:-1] or done["generate"]),
+          statistics.median(done["learn"][:-1] or done["learn"]))
 
 
 def splits_to_probe(devices: int) -> list[int]:
@@ -273,11 +323,22 @@ def splits_to_probe(devices: int) -> list[int]:
 # --- the command -------------------------------------------------------------------------------
 
 
-def _table(predictions: list[Prediction], top: int) -> str:
+def _table(predictions: list[Prediction], top: int, targets: list[str]) -> str:
   header = (f"{'deployment':<28} {'samples/s':>9} {'step s':>7} {'lag':>5} "
-            f"{'gen busy':>8} {'learn busy':>10}  basis")
+            f"{'gen busy':>8} {'learn busy':>10}  {'basis':<12}"
+            + "".join(f" {t + ' GiB/dev':>13}" for t in targets))
+
+  def memory(p: Prediction, target: str) -> str:
+    m = p.memory.get(target)
+    if m is None:
+      return f" {'-':>13}"
+    if m["status"] != "ok":
+      return f" {'fails':>13}"
+    return f" {m['peak_gib']:>9.1f}{'' if m['fits'] else ' !':<4}"
+
   rows = [f"{p.label:<28} {p.samples_per_s:>9.2f} {p.step_s:>7.2f} {p.policy_lag:>5.1f} "
-          f"{p.generation_busy_frac:>8.0%} {p.learning_busy_frac:>10.0%}  {p.basis}"
+          f"{p.generation_busy_frac:>8.0%} {p.learning_busy_frac:>10.0%}  {p.basis:<12}"
+          + "".join(memory(p, t) for t in targets)
           for p in predictions[:top]]
   return "\n".join([header, *rows])
 
@@ -292,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--max-k", type=int, default=2, help="largest staleness bound to model")
   parser.add_argument("--out", default="advise.json", help="where the JSON goes")
   parser.add_argument("--workdir", default=None, help="probe runs' directory (default: temporary)")
+  parser.add_argument("--target", nargs="+", default=[], choices=["h100", "a100", "v5e", "v6e"],
+                      help="also compile each deployment for these accelerators (without them) "
+                           "and report per-device memory; needs the target's plugin (the "
+                           "aot-cuda / aot-tpu extras) and JAX_PLATFORMS=cpu on a CPU machine")
   args, overrides = parser.parse_known_args(argv)
   unknown = [a for a in overrides if not a.startswith("--config.")]
   if unknown:
@@ -313,7 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   from rlx.main import start_jax
 
+  if args.target:
+    from rlx import aot
+
+    aot.environment()
   jax = start_jax(config)
+  for target in args.target:  # a missing compiler is reported before minutes of probing
+    try:
+      aot.devices(target, 1)
+    except aot.TargetUnavailable as error:
+      print(f"rlx: advise: {error}", file=sys.stderr)
+      return 2
   if jax.device_count() != devices:
     print(f"rlx: advise: --devices {devices} but this process has {jax.device_count()} "
           f"{jax.default_backend()} devices; plan for all of them, or hide some "
@@ -341,10 +416,19 @@ def main(argv: list[str] | None = None) -> int:
     if not warm and (workdir / "warmup").is_dir():
       warm = [f"--config.model.path={workdir / 'warmup'}"]
   predictions = predict(probes, devices, config.samples_per_step, args.max_k)
-  best = predictions[0]
+  for target in args.target:
+    print(f"rlx: advise: compiling each deployment for {target}")
+    memory = aot.deployment_memory(config, target, devices, splits_to_probe(devices))
+    for p in predictions:
+      if p.name in memory:
+        p.memory[target] = memory[p.name]
+  best = next((p for p in predictions if p.fits), predictions[0])
   why = reasons(best, predictions, probes)
   print(f"\nrlx: advise: predicted, best first (batch of {config.samples_per_step} samples):")
-  print(_table(predictions, top=12))
+  print(_table(predictions, top=12, targets=args.target))
+  if not best.fits:
+    print("rlx: advise: no deployment fits the target's memory (! marks those that do not); "
+          "use more devices, a smaller batch or bf16 params")
   print(f"\nrecommended: {best.label}\n  " + " ".join(best.overrides()))
   for line in why:
     print(f"  - {line}")

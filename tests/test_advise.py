@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlx.advise import Probe, _interpolate, predict, reasons, splits_to_probe
+from rlx.advise import Probe, _interpolate, overlapped, predict, reasons, splits_to_probe
 from tests.trainer import tiny
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -26,17 +26,20 @@ def test_a_slower_learner_makes_split_with_k_1_the_best_and_its_lag_k():
   predictions = predict(_probes(concurrent_slowdown=1.2), devices=2, batch=64, max_k=2)
   by_label = {p.label: p for p in predictions}
   assert predictions[0].label == "split 1+1, k=1"
-  assert predictions[0].samples_per_s == pytest.approx(64 / 1.8)  # max(1.2, 1.8)
+  # generation's batch takes 1.2 s beside learning, which meanwhile does 1.2 / 1.2 = 1 s of its
+  # 1.5 s; the last 0.5 s it runs alone
+  assert predictions[0].samples_per_s == pytest.approx(64 / 1.7)
   assert predictions[0].policy_lag == 1.0 and by_label["split 1+1, k=2"].policy_lag == 2.0
   assert by_label["split 1+1, k=0"].samples_per_s == pytest.approx(64 / 2.5)  # turns: 1 + 1.5
   assert by_label["colocated (2 devices)"].samples_per_s == pytest.approx(64 / 3.0)
   assert by_label["colocated (2 devices)"].learning_busy_frac == pytest.approx(2 / 3)
-  assert predictions[0].generation_busy_frac == pytest.approx(1.2 / 1.8)
+  assert predictions[0].generation_busy_frac == pytest.approx(1.2 / 1.7)
+  assert predictions[0].learning_busy_frac == 1.0
   assert predictions[0].overrides() == ["--config.mesh.mode=split",
                                         "--config.mesh.generation_devices=1",
                                         "--config.mesh.max_staleness=1"]
   lines = reasons(predictions[0], predictions, _probes(concurrent_slowdown=1.2))
-  assert "learning is 1.50x slower" in lines[0] and "1.67x colocated" in lines[2]
+  assert "learning is 1.50x slower" in lines[0] and "1.76x colocated" in lines[2]
 
 
 def test_when_the_sides_slow_each_other_down_enough_colocated_wins():
@@ -52,6 +55,14 @@ def test_a_faster_learner_gives_a_lag_of_about_one_whatever_k():
   predictions = predict(probes, devices=2, batch=10, max_k=3)
   assert [p.policy_lag for p in predictions if p.k >= 1] == [1.0, 1.0, 1.0]
   assert predictions[0].k == 1  # the same speed for every k >= 1: the least lag wins
+
+
+def test_overlap_slows_both_sides_only_while_both_run():
+  assert overlapped(1.0, 1.0, 1.0, 1.0) == (1.0, True)  # no interference: the slower side's time
+  assert overlapped(1.0, 3.0, 2.0, 1.0) == (3.0, True)  # 2 s slowed generation, 1 s alone
+  assert overlapped(1.0, 1.0, 2.0, 2.0)[0] == pytest.approx(2.0)  # both slowed all the way
+  step, generation_first = overlapped(3.0, 1.0, 1.5, 2.0)  # learning done after 2 s, then 5/3 s
+  assert not generation_first and step == pytest.approx(2.0 + (3.0 - 2.0 / 1.5))
 
 
 def test_splits_not_probed_are_interpolated_as_a_power_law():

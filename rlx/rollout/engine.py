@@ -184,6 +184,23 @@ class Engine:
                                 max_new_tokens=zeros_i(),
                                 stop_ids=jnp.full((S, self.max_stop_tokens), NO_STOP, jnp.int32)))
 
+  def abstract_decode_state(self) -> DecodeState:
+    """The decode state's shapes, dtypes and shardings, without memory (for compiling ahead of
+    time): the KV cache as ``init_decode_state`` lays it out, the rest replicated."""
+    S, a = self.max_slots, self.transformer.arch
+    shapes = jax.eval_shape(self.init_decode_state)
+    if self.mesh is None:
+      return shapes
+    kv = self._sharding((None, a.num_layers), ("data", S), ("tensor", a.num_kv_heads),
+                        (None, self.max_len), (None, a.head_dim))
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                          shapes)
+    cache = dict(placed.cache, **{name: jax.ShapeDtypeStruct(shapes.cache[name].shape,
+                                                             shapes.cache[name].dtype, sharding=kv)
+                                  for name in ("k", "v")})
+    return placed.replace(cache=cache)
+
   # --- the contract --------------------------------------------------------------------------
 
   def prefill(self, params: Params, tokens: jax.Array, true_length: jax.Array) -> Prefix:

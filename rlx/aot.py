@@ -1,0 +1,220 @@
+"""Compiling rlx's programs for a GPU or TPU that is not here: compile-only devices of a target,
+and the per-device memory of a deployment's programs as the target's real compiler lays them out.
+
+    devices("h100", 4)                            # compile-only devices (needs the target's plugin)
+    deployment_memory(config, "h100", devices=4)  # {"colocated": {...}, "split 2+2": {...}, ...}
+
+The target's jaxlib plugin must be installed at jax's version (``pip install -e ".[aot-cuda]"``
+or ``".[aot-tpu]"``), and the process must run with ``JAX_PLATFORMS=cpu``. A compile proves
+that a program lowers and what memory it needs per device; it says nothing about speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlx import update
+from rlx.config import RunConfig
+from rlx.kernels import compiling_for
+from rlx.mesh import make_meshes
+from rlx.models import Transformer, param_shardings
+from rlx.rollout.engine import Engine, _generate_chunk, _generate_one
+from rlx.types import RolloutBatch
+
+PLATFORM = {"v5e": "tpu", "v6e": "tpu", "h100": "cuda", "a100": "cuda"}
+MEMORY_GIB = {"v5e": 16, "v6e": 32, "h100": 80, "a100": 80}
+"""Device memory of each target (HBM)."""
+TPU_SHAPES = {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4"}
+PLUGIN = {"tpu": "libtpu", "cuda": "jax_cuda12_plugin"}
+
+
+class TargetUnavailable(RuntimeError):
+  """The target's compiler is not installed in this environment."""
+
+
+def environment() -> None:
+  """Sets what libtpu needs to compile with no TPU and no metadata server (before JAX starts)."""
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_WORKER_ID", "0")
+
+
+def devices(target: str, count: int = 1) -> list:
+  """Compile-only devices of ``target``; raises TargetUnavailable without its plugin."""
+  platform = PLATFORM[target]
+  try:
+    if platform == "tpu":
+      if count not in TPU_SHAPES:
+        raise ValueError(f"{target}: compile-only TPU slices of {sorted(TPU_SHAPES)} chips, "
+                         f"not {count}")
+      shape = TPU_SHAPES[count]
+      bounds = (1, 1, 1) if count == 1 else (2, 2, 1) if count >= 4 else (1, 2, 1)
+      return list(topologies.get_topology_desc(
+          platform="tpu", topology_name=f"{target}:{shape}", chip_config_name="default",
+          chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices)
+    spec = importlib.resources.files("rlx").joinpath(f"targets/{target}.txtpb").read_text()
+    return list(topologies.get_topology_desc(platform="cuda", target_config=spec,
+                                             topology=f"1x1x{count}").devices)
+  except (RuntimeError, NotImplementedError) as error:
+    # what jax says without the plugin: "topology not implemented for cuda", "JAX TPU support
+    # not installed"
+    if isinstance(error, NotImplementedError) or "not installed" in str(error):
+      raise TargetUnavailable(
+          f"compiling for {target} needs {PLUGIN[platform]} at jax's version: pip install -e "
+          f"'.[aot-{'tpu' if platform == 'tpu' else 'cuda'}]' (and run with JAX_PLATFORMS=cpu)"
+      ) from error
+    raise
+
+
+def placed(tree, sharding):
+  """Abstract values of ``tree`` with ``sharding`` (one, or a matching tree of them)."""
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      sharding)
+
+
+def _mib(value) -> float:
+  return round(value / 2**20, 1)
+
+
+def compile_one(fn, args, device=None, platform: str | None = None) -> dict:
+  """Compiles ``fn`` (jitted, or jitted here) on abstract ``args`` (placed on ``device`` when
+  given, else already placed); returns the status and per-device memory in MiB."""
+  if device is not None:
+    args = placed(list(args), jax.sharding.SingleDeviceSharding(device))
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+  try:
+    with compiling_for(platform or "cpu"):
+      compiled = jitted.trace(*args).lower().compile()
+  except Exception as error:  # noqa: BLE001 - the compiler's verdict is the result
+    first = next((line for line in str(error).splitlines() if line.strip()), repr(error))
+    return {"status": "failed", "error": first[:300]}
+  memory = compiled.memory_analysis()
+  return {"status": "ok", "argument_mib": _mib(memory.argument_size_in_bytes),
+          "output_mib": _mib(memory.output_size_in_bytes),
+          "temp_mib": _mib(memory.temp_size_in_bytes)}
+
+
+def model_arch(config: RunConfig):
+  """The architecture a run trains: the checkpoint's (``model.path``), else ``model.arch``."""
+  if config.model.path is None:
+    return config.model.arch
+  from rlx.models import hf
+
+  path = pathlib.Path(config.model.path) / "config.json"
+  return hf.arch_from_hf(json.loads(path.read_text()))
+
+
+def _transformer(config: RunConfig, remat: str) -> Transformer:
+  model = config.model
+  return Transformer(model_arch(config), jnp.dtype(model.dtype),
+                     "reference" if model.attention == "reference" else "fused", remat)
+
+
+def learner_program(config: RunConfig, mesh):
+  """The learner's update step for ``config`` on ``mesh``, at the config's batch and lengths:
+  (jitted step, abstract args). The critic's step (PPO) is not included."""
+  transformer = _transformer(config, config.model.remat)
+  arch, rules = transformer.arch, config.mesh.logical_axis_rules
+  params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
+                                                          jnp.dtype(config.model.param_dtype))),
+                  param_shardings(arch, mesh, rules))
+  updates = config.trainer.steps * config.trainer.ppo_epochs * config.trainer.mini_batches
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=updates)
+  shardings = update.train_state_shardings(params, optimizer)
+  state = placed(jax.eval_shape(lambda p: update.TrainState(
+      step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
+      key=jax.random.key(0), policy_version=jnp.zeros((), jnp.int32)), params), shardings)
+  rows = config.samples_per_step
+  rows_sharding = update.batch_sharding(mesh, rules, rows)
+  shape = (rows, config.rollout.max_prompt_len + config.rollout.max_new_tokens)
+  floats = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding)
+  one_update = (config.trainer.ppo_epochs * config.trainer.mini_batches == 1
+                and not config.algorithm.uses_critic)
+  batch = RolloutBatch(
+      tokens=jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sharding),
+      attention_mask=jax.ShapeDtypeStruct(shape, bool, sharding=rows_sharding),
+      response_mask=jax.ShapeDtypeStruct(shape, bool, sharding=rows_sharding),
+      advantages=floats, old_logprobs=None if one_update else floats,
+      behaviour_logprobs=floats,
+      policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_sharding),
+      ref_logprobs=floats if config.algorithm.uses_reference else None)
+  step = update.make_update_step(config, transformer, optimizer, schedule,
+                                 state_shardings=shardings, batch_shardings=rows_sharding)
+  coefficient = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  return step.jitted, (state, batch, coefficient)
+
+
+def decode_program(config: RunConfig, mesh):
+  """The engine's decode chunk for ``config`` on ``mesh`` (every slot, the whole cache):
+  (jitted function, abstract args)."""
+  r = config.rollout
+  transformer = _transformer(config, "none")
+  engine = Engine(transformer, max_slots=r.max_slots, max_len=r.max_prompt_len + r.max_new_tokens,
+                  max_prompt_len=r.max_prompt_len, mesh=mesh, decode_steps=r.decode_steps)
+  params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
+                                                          jnp.dtype(config.model.dtype))),
+                  param_shardings(transformer.arch, mesh, config.mesh.logical_axis_rules))
+  state = engine.abstract_decode_state()
+  if r.decode_steps == 1:
+    return _generate_one, (transformer, params, state, None)
+  return _generate_chunk, (transformer, params, state, r.decode_steps, None)
+
+
+def deployment_memory(config: RunConfig, target: str, devices_total: int,
+                      generation_devices: list[int]) -> dict[str, dict]:
+  """Per-device memory (GiB) on ``target`` of colocated and of each split ``g`` +
+  ``devices_total - g``, from the learner step and decode chunk compiled for it.
+
+  Colocated devices hold the learner's state throughout, and in turn the learner's temporaries
+  or the generation params, cache and temporaries; a split's devices hold one side's.
+  """
+  platform = PLATFORM[target]
+  target_devices = devices(target, devices_total)
+  results: dict[str, dict] = {}
+  cache: dict[tuple, dict] = {}
+
+  def compiled(kind: str, count: int) -> dict:
+    if (kind, count) not in cache:
+      mode = dict(mode="colocated") if count == devices_total else dict(
+          mode="split", generation_devices=count if kind == "decode" else devices_total - count)
+      meshes = make_meshes(dataclasses.replace(config.mesh, **mode), target_devices)
+      mesh = meshes.generation if kind == "decode" else meshes.learning
+      fn, args = (decode_program if kind == "decode" else learner_program)(config, mesh)
+      cache[kind, count] = compile_one(fn, args, platform=platform)
+    return cache[kind, count]
+
+  def gib(program: dict, *parts: str) -> float:
+    return sum(program[f"{part}_mib"] for part in parts) / 1024
+
+  def entry(name, learn: dict, decode: dict, colocated: bool) -> None:
+    failed = [p for p in (learn, decode) if p["status"] != "ok"]
+    if failed:
+      results[name] = {"status": "failed", "error": failed[0]["error"]}
+      return
+    if colocated:  # the train state stays while generation runs
+      peak = gib(learn, "argument") + max(gib(learn, "temp"), gib(decode, "argument", "temp"))
+      per = {"peak_gib": peak}
+    else:
+      per = {"learning_gib": gib(learn, "argument", "temp"),
+             "generation_gib": gib(decode, "argument", "temp")}
+      peak = max(per.values())
+      per["peak_gib"] = peak
+    results[name] = dict(per, status="ok", fits=peak <= 0.9 * MEMORY_GIB[target],
+                         memory_gib=MEMORY_GIB[target])
+
+  entry("colocated", compiled("learn", devices_total), compiled("decode", devices_total), True)
+  for g in generation_devices:
+    entry(f"split {g}+{devices_total - g}", compiled("learn", devices_total - g),
+          compiled("decode", g), False)
+  return results
