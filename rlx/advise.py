@@ -334,7 +334,7 @@ def _table(predictions: list[Prediction], top: int, targets: list[str]) -> str:
       return f" {'-':>13}"
     if m["status"] != "ok":
       return f" {'fails':>13}"
-    return f" {m['peak_gib']:>9.1f}{'' if m['fits'] else ' !':<4}"
+    return f" {m['peak_gib']:>9.2f}{'' if m['fits'] else ' !':<4}"
 
   rows = [f"{p.label:<28} {p.samples_per_s:>9.2f} {p.step_s:>7.2f} {p.policy_lag:>5.1f} "
           f"{p.generation_busy_frac:>8.0%} {p.learning_busy_frac:>10.0%}  {p.basis:<12}"

@@ -20,11 +20,12 @@ def test_a_missing_compiler_is_named_with_the_extra_that_installs_it():
 
 
 @pytest.mark.skipif(not (HAS_CUDA or HAS_TPU), reason="needs jax's cuda12 plugin or libtpu")
-def test_each_deployment_of_a_tiny_config_compiles_and_reports_memory():
+def test_each_deployment_of_the_default_config_compiles_and_reports_memory():
+  # the built-in default, not the tiny test model: XLA:GPU finds no tiling for its 32-wide dots
   target = "h100" if HAS_CUDA else "v5e"
-  config = tiny.config("dapo_split")
-  memory = aot.deployment_memory(config, target, 4, [2])
-  assert set(memory) == {"colocated", "split 2+2"}
+  memory = aot.deployment_memory(tiny.config("dapo_split", *[
+      o for o in tiny.OVERRIDES if not o.startswith("--config.model.arch")]), target, 2, [1])
+  assert set(memory) == {"colocated", "split 1+1"}
   assert all(m["status"] == "ok" and m["fits"] for m in memory.values()), memory
-  assert memory["split 2+2"]["peak_gib"] == max(memory["split 2+2"]["learning_gib"],
-                                                memory["split 2+2"]["generation_gib"])
+  split = memory["split 1+1"]
+  assert split["peak_gib"] == max(split["learning_gib"], split["generation_gib"]) > 0
