@@ -47,6 +47,7 @@ def main() -> None:
   jax.config.update("jax_num_cpu_devices", 8)
   from rlx import cli
   from rlx.config import check
+  from rlx.main import write_config
   from rlx.trainer import train_split
 
   root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="rlx-control-"))
@@ -62,6 +63,7 @@ def main() -> None:
     config = check(cli.apply_overrides(
         cli.load_config_file(str(ROOT / "configs" / "dapo_split.py")),
         (*common, *warm, *extra)))
+    write_config(config, workdir)  # the report reads the bound and the threshold from it
     said: list[str] = []
     started = time.perf_counter()
     summary = train_split(config, workdir, learner_delay_s=args.learner_delay,

@@ -138,3 +138,15 @@ def test_a_slow_learner_gets_k_lowered_until_the_lag_is_under_the_threshold(tmp_
   # each step down waited for batches started under the new k: no overshoot to 0
   assert [e.split(": ", 1)[1][:16] for e in summary["control_events"]] == [
       "control/k 3 -> 2", "control/k 2 -> 1"], summary["control_events"]
+
+
+def test_an_entropy_floor_on_clip_high_moves_the_learners_clip_range(tmp_path):
+  config = tiny.config("dapo_split", "--config.algorithm.dynamic_sampling=false",
+                       "--config.checkpoint.every_steps=0", "--config.trainer.steps=3",
+                       "--config.algorithm.entropy_floor=100", "--config.mesh.control_window=1",
+                       "--config.algorithm.entropy_control=clip_eps_high")
+  train_split(config, tmp_path, say=lambda m: None)
+  rows = tiny.metrics(tmp_path)
+  # the setting after each step; each step trained with the one before (from 0.28)
+  assert [row["control/clip_eps_high"] for row in rows] == pytest.approx([0.31, 0.34, 0.37])
+  assert "control/temperature" not in rows[-1] and "rollout/temperature" not in rows[-1]
