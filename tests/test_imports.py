@@ -38,8 +38,10 @@ ALLOWED = {
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
                 "rollout", "sync", "rewards", "data", "checkpoint", "metrics", "distributed"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation"},
+    # compiling the learner step and decode for an accelerator that is not here
+    "aot": {"update", "config", "kernels", "mesh", "models", "rollout", "types"},
     # the deployment advisor: probes runs as main builds them, and models deployments
-    "advise": {"trainer", "config", "cli", "main"},
+    "advise": {"trainer", "config", "cli", "main", "aot"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
 NO_JAX = {"config", "cli", "report"}

@@ -161,6 +161,18 @@ def test_sharded_engine_gives_the_same_greedy_output(model):
   assert [c.response_tokens for c in sharded] == [c.response_tokens for c in single]
 
 
+def test_the_abstract_decode_state_is_laid_out_like_the_real_one(model):
+  mesh = mesh_lib.make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
+  engine = Engine(model.transformer, max_slots=8, max_len=32, max_prompt_len=16, mesh=mesh)
+  real, abstract = engine.init_decode_state(), engine.abstract_decode_state()
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), real) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), abstract)
+  for name in ("k", "v"):  # the cache as placed; the small fields are replicated on the mesh
+    assert real.cache[name].sharding.is_equivalent_to(abstract.cache[name].sharding, 5)
+  assert abstract.cache["k"].sharding.spec[1] == "data"  # slots split over the mesh
+  assert abstract.active.sharding.mesh == mesh
+
+
 def test_bad_requests_are_refused(model):
   with pytest.raises(ValueError, match="longer than max_prompt_len"):
     rollout.generate(Engine(model.transformer, max_slots=2, max_len=24, max_prompt_len=8),
