@@ -125,8 +125,8 @@ def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Arra
   """
   hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
   B, T, D = hidden.shape
-  if rows is not None and B % _ways(rows):
-    rows = None
+  if rows is not None and B % _ways(rows):  # not split after all: every device has every row
+    rows = NamedSharding(rows.mesh, PartitionSpec())
   mask = None if response_mask is None else response_mask[:, 1:].reshape(-1)
   logprobs, entropy = fused_logprobs(
       hidden[:, :-1].reshape(B * (T - 1), D), transformer.unembedding(params),

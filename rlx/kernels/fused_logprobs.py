@@ -146,11 +146,12 @@ def xla_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
 
 def _over_rows(kernel, rows: NamedSharding, hidden, unembed, targets, mask):
   """``kernel`` under ``shard_map``: tokens split as ``rows`` says, the unembedding whole."""
-  split = PartitionSpec(rows.spec[0])
+  axis = rows.spec[0] if rows.spec else None  # None: every device takes every token
+  split = PartitionSpec(axis)
   if mask is None:
     mask = jnp.ones(targets.shape, bool)
   mapped = jax.shard_map(kernel, mesh=rows.mesh,
-                         in_specs=(PartitionSpec(rows.spec[0], None), PartitionSpec(), split, split),
+                         in_specs=(PartitionSpec(axis, None), PartitionSpec(), split, split),
                          out_specs=(split, split), check_vma=False)
   return mapped(hidden, unembed, targets, mask)
 
@@ -224,9 +225,10 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
     chunk: tokens per chunk of the 'xla' implementation.
     interpret: run the Pallas kernels in the interpreter (tests on CPU).
     rows: how the tokens are split over a mesh (a ``NamedSharding`` of dimension 0, e.g.
-      the learner's batch rows over ``(data, fsdp)``). The Pallas kernels cannot be
-      partitioned by XLA, so with ``rows`` they run under ``shard_map``: each device on
-      its own tokens, with the whole unembedding (gathered once).
+      the learner's batch rows over ``(data, fsdp)``, or replicated). The Pallas kernels
+      cannot be partitioned by XLA, so with ``rows`` on several devices they run under
+      ``shard_map``: each device on its own tokens (all of them when replicated), with the
+      whole unembedding (gathered once).
     **block_sizes: ``block_t`` / ``block_v`` of the Pallas kernels.
   """
   if hidden.ndim != 2 or unembed.ndim != 2 or targets.ndim != 1:
@@ -248,7 +250,9 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
                        "to run the kernels in Pallas' interpreter)")
     kernel = functools.partial(pallas_logprobs, variant=variant, temperature=temperature,
                                interpret=interpret, **block_sizes)
-    if rows is None or all(axis is None for axis in rows.spec):
+    # XLA cannot partition a Pallas kernel: on a mesh of several devices it always runs under
+    # shard_map, on each device's rows (on every row, when the rows are replicated)
+    if rows is None or rows.mesh.size == 1:
       return kernel(hidden, unembed, targets, mask)
     return _over_rows(kernel, rows, hidden, unembed, targets, mask)
   else:
