@@ -182,6 +182,11 @@ class Controller:
     """The upper clip range the learner should use now."""
     return self.entropy.value if self.entropy.knob == "clip_eps_high" else self._clip_eps_high
 
+  @property
+  def expires(self) -> bool:
+    """Whether batches can expire (a lag threshold or an age limit is set)."""
+    return self.lag_threshold is not None or self.max_age_s is not None
+
   def expired(self, lag_max: int, age_s: float) -> str | None:
     """Why a batch is too old to train on ('lag' or 'age'), or None."""
     if self.lag_threshold is not None and lag_max > self.lag_threshold:

@@ -128,10 +128,11 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
                                  is_clip_frac=metrics["policy/is_clip_frac"],
                                  entropy=metrics["policy/entropy"]))
         metrics.update(controller.metrics())
+        if controller.expires:
+          metrics["rollout/expired_batches"] = expired_batches
         metrics.update(device_memory())
         metrics.update({
             "rollout/index": index - 1, "rollout/dropped_batches": dropped,
-            "rollout/expired_batches": expired_batches,
             # prompts the generator had drawn after this batch: consecutive batches never
             # repeat or skip prompts, across generator restarts too
             "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),

@@ -293,10 +293,12 @@ def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
                                  is_clip_frac=metrics["policy/is_clip_frac"],
                                  entropy=metrics["policy/entropy"]), controller, say, generator)
         metrics.update(controller.metrics())
+        if controller.expires:
+          metrics["rollout/expired_batches"] = expired_batches
         if buffer is not None:
           metrics.update(buffer.metrics(time.time()))
         metrics.update({
-            "rollout/dropped_batches": dropped_batches, "rollout/expired_batches": expired_batches,
+            "rollout/dropped_batches": dropped_batches,
             "time/step_s": elapsed, "time/wait_for_data_s": received - started,
             "time/learn_s": learned - received, "time/sync_s": sync_seconds,
             # of the batch that arrived this step (none may have, with a buffer)
