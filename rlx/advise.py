@@ -85,7 +85,8 @@ class Prediction:
   basis: str
   """'measured' (this split was probed) or 'interpolated'."""
   memory: dict = dataclasses.field(default_factory=dict)
-  """Per target accelerator (``--target``): per-device GiB of this deployment, and whether it fits."""
+  """Per target accelerator (``--target``): per-device GiB of this deployment, and whether it
+  fits."""
 
   @property
   def fits(self) -> bool:
@@ -101,7 +102,8 @@ class Prediction:
   def overrides(self) -> list[str]:
     if self.mode == "colocated":
       return ["--config.mesh.mode=colocated"]
-    return ["--config.mesh.mode=split", f"--config.mesh.generation_devices={self.generation_devices}",
+    return ["--config.mesh.mode=split",
+            f"--config.mesh.generation_devices={self.generation_devices}",
             f"--config.mesh.max_staleness={self.k}"]
 
   @property
@@ -182,16 +184,17 @@ def reasons(best: Prediction, predictions: list[Prediction], probes: list[Probe]
   """One line per reason the advisor gives for ``best``."""
   lines = []
   colocated = next((p for p in predictions if p.mode == "colocated"), None)
-  half = {p.generation_devices: p for p in probes if p.name != "colocated"}
-  if half:
-    probe = half[min(half, key=lambda g: abs(g - best.generation_devices))]
+  splits = {p.generation_devices: p for p in probes if p.name != "colocated"}
+  if splits:
+    probe = splits[min(splits, key=lambda g: abs(g - best.generation_devices))]
     ratio = probe.learn_s / probe.generate_s
     slower = "learning" if ratio >= 1 else "generation"
     lines.append(f"at {probe.generation_devices}+{probe.learning_devices} devices {slower} is "
                  f"{max(ratio, 1 / ratio):.2f}x slower than the other side "
                  f"(generate {probe.generate_s:.2f}s, learn {probe.learn_s:.2f}s per batch)")
     if probe.generate_concurrent_s:
-      lines.append(f"running both at once slows generation {probe.generate_concurrent_s / probe.generate_s:.2f}x "
+      slowed = probe.generate_concurrent_s / probe.generate_s
+      lines.append(f"running both at once slows generation {slowed:.2f}x "
                    f"and learning {probe.learn_concurrent_s / probe.learn_s:.2f}x (shared "
                    "host or interconnect)")
   if best.mode == "colocated":
@@ -241,9 +244,12 @@ def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
     params = [run.sync.latest(like=learner.abstract_params)]
     draws = []
 
-    def generate():
+    def sample():  # as the generator does: the newest published params, then a batch
       params[0] = run.sync.latest(like=learner.abstract_params) or params[0]
-      draws.append(collect(run, lambda: params[0], seed=next(seeds)))
+      return collect(run, lambda: params[0], seed=next(seeds))
+
+    def generate():
+      draws.append(sample())
 
     batches = iter(())
 
@@ -265,17 +271,13 @@ def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
     sync_s = _median_seconds(learner.publish, steps)
     drawn = list(draws)
 
-    def generate_more():  # beside the learner: its batches are not the learner's
-      params[0] = run.sync.latest(like=learner.abstract_params) or params[0]
-      collect(run, lambda: params[0], seed=next(seeds))
-
     tokens = statistics.mean(sum(len(c.response_tokens) for c in d.completions) for d in drawn)
     result = Probe(name, len(run.meshes.generation.devices.flat),
                    len(run.meshes.learning.devices.flat), generate_s, learn_s, sync_s,
                    tokens_per_batch=tokens)
     if config.mesh.mode == "split":
       result.generate_concurrent_s, result.learn_concurrent_s = _concurrent(
-          generate_more, learn, max(generate_s, learn_s) * (steps + 1))
+          sample, learn, max(generate_s, learn_s) * (steps + 1))  # beside it: not its batches
     say(f"rlx: advise: {name}: generate {result.generate_s:.2f}s, learn {result.learn_s:.2f}s"
         + (f"; at once: generate {result.generate_concurrent_s:.2f}s, learn "
            f"{result.learn_concurrent_s:.2f}s" if result.generate_concurrent_s else "")
@@ -344,7 +346,8 @@ def _table(predictions: list[Prediction], top: int, targets: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m rlx.advise", description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m rlx.advise",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True, help="a config file, e.g. configs/dapo_split.py")
   parser.add_argument("--devices", type=int, default=None,
                       help="devices to plan for (default: all this machine has; on CPU, "
@@ -433,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
   for line in why:
     print(f"  - {line}")
   result = {"config": args.config, "devices": devices, "backend": jax.default_backend(),
-            "batch_samples": config.samples_per_step, "probe_seconds": time.perf_counter() - started,
+            "batch_samples": config.samples_per_step,
+            "probe_seconds": time.perf_counter() - started,
             "probes": [dataclasses.asdict(p) for p in probes],
             "predictions": [dict(dataclasses.asdict(p), label=p.label, overrides=p.overrides())
                             for p in predictions],

@@ -31,6 +31,7 @@ from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer.common import Say, collect, device_memory, evaluate, evaluation_due
+from rlx.trainer.control import Controller
 from rlx.trainer.learner import begin, finish
 
 
@@ -46,6 +47,8 @@ def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> di
 def _loop(config, run, learner, start, accuracy_before, say) -> dict:
   params, version = run.sync.latest(like=learner.abstract_params)
   step = start or 0
+  controller = Controller.from_config(config)  # the entropy floor (data here is never stale)
+  controller.restore(learner.restored_meta.get("control"))
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
                      resume_step=start, write=jax.process_index() == 0)
   with StopSignal(say=say) as stop, sink, ProfileWindow(
@@ -55,16 +58,21 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
       started = time.perf_counter()
       try:
         draw = collect(run, functools.partial(tuple, (params, version)),
-                       seed=config.trainer.seed * 1_000_003 + step)
+                       seed=config.trainer.seed * 1_000_003 + step,
+                       temperature=controller.temperature)
       except StopIteration:  # a finite data.num_epochs is used up
         say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
         break
       learn_started = time.perf_counter()
+      learner.clip_eps_high = controller.clip_eps_high
       metrics = learner.learn(draw)
       learned = time.perf_counter()
       learner.publish()
       params, version = run.sync.latest(like=learner.abstract_params)
       step += 1
+      for event in controller.observe(step, lag_mean=None, entropy=metrics["policy/entropy"]):
+        say(f"rlx: control: {event}")
+      metrics.update(controller.metrics())
       elapsed = time.perf_counter() - started
       tokens = sum(len(c.response_tokens) for c in draw.completions)
       metrics.update({
@@ -83,8 +91,9 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
         metrics.update(evaluate(run, params))
       sink.write(step, metrics)
       if learner.checkpoint_due(step, stopping):
-        learner.save(step, draw.data_state)
+        learner.save(step, draw.data_state, control=controller.state())
       learner.export_due(step)
     return finish(run, learner, start=start, step=step, stop=stop,
                   data_state=run.stream.get_state(), accuracy_before=accuracy_before,
-                  metrics_path=sink.jsonl_path, say=say)
+                  metrics_path=sink.jsonl_path, say=say,
+                  save_meta={"control": controller.state()})

@@ -385,7 +385,7 @@ class Draw:
   generate_seconds: float
   data_state: dict
   temperature: float | None = None
-  """The sampling temperature, when not rollout.temperature (an entropy controller's)."""
+  """The sampling temperature (an entropy controller may have raised it); None: rollout.temperature."""
   born: float = 0.0
   """Wall-clock time (``time.time()``) sampling started: the data's age is measured from it."""
 
@@ -424,7 +424,8 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
     rows, first = distributed.local_share(next(run.stream), "prompts per step")
     params, version = params_fn()
     drawn, scored = generate_and_score(
-        run, params, rows, n=group, temperature=temperature, seed=seed * max_draws + draws, version=version, first_prompt_index=first)
+        run, params, rows, n=group, temperature=temperature, seed=seed * max_draws + draws,
+        version=version, first_prompt_index=first)
     scores = scored.rewards
     sampled_reward += float(np.sum(scores))
     sampled_correct += float(np.sum(scored.correct))
@@ -461,5 +462,4 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
             "advantage/zero_groups_frac": float(totals[4] * group / totals[2])})
   return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
-              time.perf_counter() - started, run.stream.get_state(),
-              None if temperature == config.rollout.temperature else temperature, born)
+              time.perf_counter() - started, run.stream.get_state(), temperature, born)

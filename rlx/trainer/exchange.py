@@ -8,9 +8,10 @@
 Batch ``index`` is the file ``{index:08d}.rollout``: msgpack of the completions'
 tokens, behaviour log-probs and policy versions (flat arrays with offsets), the
 rewards and verdicts, the counts, the data-stream position after the batch, the
-seed, the sampling temperature and start time, and the generator's timings. A file is written under a name that starts
-with ``.`` and renamed when complete, so a reader never sees half a file; a
-writer killed mid-write leaves only a hidden name, removed at the next start.
+seed, the sampling temperature and start time, and the generator's timings. A file
+is written under a name that starts with ``.`` and renamed when complete, so a reader
+never sees half a file; a writer killed mid-write leaves only a hidden name, removed at
+the next start.
 
 ``progress.json`` is the learner's side: how many batches it has finished
 (trained or dropped), and the data position after the last one. The generator

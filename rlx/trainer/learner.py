@@ -225,8 +225,7 @@ class Learner:
     temperature = config.rollout.temperature if draw.temperature is None else draw.temperature
     step_fn, prepare_fn = self.programs(temperature, self.clip_eps_high)
     batch = prepare_fn(self.state.params, self.ref_params,
-                            None if self.critic is None else self.critic.params, sampled,
-                            self.kl_coef)
+                       None if self.critic is None else self.critic.params, sampled, self.kl_coef)
     metrics = {}
     if self.critic is not None:
       self.critic, critic_metrics = self.critic_step(self.critic, batch)

@@ -5,7 +5,7 @@ threshold."""
 import pytest
 
 from rlx.config import ConfigError, check
-from rlx.trainer import train_split
+from rlx.trainer import train_colocated, train_split
 from rlx.trainer.control import KNOB_STEPS, Controller, EntropyFloor, Staleness
 from tests.trainer import tiny
 
@@ -150,3 +150,14 @@ def test_an_entropy_floor_on_clip_high_moves_the_learners_clip_range(tmp_path):
   # the setting after each step; each step trained with the one before (from 0.28)
   assert [row["control/clip_eps_high"] for row in rows] == pytest.approx([0.31, 0.34, 0.37])
   assert "control/temperature" not in rows[-1] and "rollout/temperature" not in rows[-1]
+
+
+def test_the_entropy_floor_raises_the_temperature_of_a_colocated_run(tmp_path):
+  config = tiny.config("grpo_colocated", "--config.checkpoint.every_steps=0",
+                       "--config.trainer.steps=2", "--config.algorithm.entropy_floor=100",
+                       "--config.mesh.control_window=1")
+  train_colocated(config, tmp_path, say=lambda m: None)
+  rows = tiny.metrics(tmp_path)
+  assert [row["control/temperature"] for row in rows] == [1.125, 1.25]
+  assert [row["rollout/temperature"] for row in rows] == [1.0, 1.125]  # sampled before each rise
+  assert "control/k" not in rows[-1]
