@@ -1,0 +1,117 @@
+"""The run configuration: one frozen, typed schema for everything rlx does.
+
+Every section is a frozen, keyword-only dataclass; the docstring under each
+field is its documentation (``python -m rlx.main --help`` prints them). Config
+files under ``configs/`` build a ``RunConfig`` from ``configs/base.py`` with
+``dataclasses.replace``; the command line overrides single fields with
+``--config.section.field=value`` (see ``rlx.cli``).
+
+This package is plain data: it imports only the standard library, so that a
+config can be read, validated and printed without starting JAX.
+
+The sections live in ``model`` (architecture, model, rollout), ``algorithm`` (objective,
+optimizer, presets) and ``run`` (mesh, buffer, data, rewards, checkpoints, logging, trainer);
+this module joins them into ``RunConfig``, checks what involves several of them (``check``),
+and is where every name is imported from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlx.config._checks import ConfigError, _check
+from rlx.config.algorithm import GROUP_RELATIVE, PRESETS, AlgorithmConfig, OptimizerConfig
+from rlx.config.model import ArchConfig, DType, ModelConfig, RolloutConfig
+from rlx.config.run import (BufferConfig, CheckpointConfig, DataConfig, LoggingConfig, MeshConfig,
+                            RewardConfig, TrainerConfig)
+
+__all__ = ["AlgorithmConfig", "ArchConfig", "BufferConfig", "CheckpointConfig", "ConfigError",
+           "DType", "DataConfig", "GROUP_RELATIVE", "LoggingConfig", "MeshConfig", "ModelConfig",
+           "OptimizerConfig", "PRESETS", "RewardConfig", "RolloutConfig", "RunConfig",
+           "TrainerConfig", "check"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+  """Everything one rlx run needs."""
+
+  name: str = "rlx"
+  """Name of the run (shown in logs)."""
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  """The policy model."""
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  """The generation engine and sampling."""
+  algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+  """The RL objective."""
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  """The optimizer."""
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  """The device mesh and deployment mode."""
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  """The prompt source."""
+  buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
+  """Split mode: the replay buffer between generator and learner."""
+  reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+  """The reward functions."""
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  """Checkpointing."""
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+  """Metrics output."""
+  trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  """The training loop."""
+
+  @property
+  def samples_per_step(self) -> int:
+    """Rollouts per training step: prompts times group size."""
+    return self.data.prompts_per_step * self.rollout.group_size
+
+
+def check(config: RunConfig) -> RunConfig:
+  """Checks what involves several fields (each field is checked when its section is built);
+  returns the config. The command line calls it after the last override."""
+  rollout, algorithm = config.rollout, config.algorithm
+  estimator = algorithm.advantage_estimator
+  _check(estimator not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",
+         f"must be >= 2 for the {estimator!r} advantage (algorithm.name={algorithm.name!r}): it "
+         "compares the samples of a group, and a group of 1 has no baseline")
+  _check(not algorithm.kl_in_reward or algorithm.uses_critic, "algorithm.kl_in_reward",
+         f"needs per-token returns, which only the 'gae' advantage has (this run's is "
+         f"{estimator!r}); use algorithm.kl_coef as a loss term instead")
+  mini_batches = config.trainer.mini_batches
+  _check(config.samples_per_step % mini_batches == 0, "trainer.mini_batches",
+         f"must divide the {config.samples_per_step} samples of a step "
+         "(data.prompts_per_step x rollout.group_size)")
+  _check((config.samples_per_step // mini_batches) % config.optimizer.micro_batches == 0,
+         "optimizer.micro_batches", f"must divide the {config.samples_per_step // mini_batches} "
+         f"samples of a mini-batch (data.prompts_per_step x rollout.group_size / "
+         "trainer.mini_batches)")
+  reward = config.reward
+  code = reward.name == "code" or (reward.name == "auto" and config.data.source == "code")
+  _check(not code or reward.timeout_s > reward.code_timeout_s + 1, "reward.timeout_s",
+         f"must exceed reward.code_timeout_s={reward.code_timeout_s} by more than 1s (a call "
+         "runs the program, then judges it)")
+  mesh = config.mesh
+  for key, value in (("mesh.lag_threshold", mesh.lag_threshold),
+                     ("data.max_age_s", config.data.max_age_s),
+                     ("algorithm.max_is_clip_frac", algorithm.max_is_clip_frac)):
+    _check(value is None or mesh.mode == "split", key, "bounds the staleness of a split run "
+           "(colocated data is never stale); set config.mesh.mode=split or leave it None")
+  _check(algorithm.entropy_floor is None or algorithm.entropy_control != "temperature"
+         or rollout.temperature > 0, "algorithm.entropy_floor", "cannot raise the temperature "
+         "of greedy sampling (rollout.temperature=0); use algorithm.entropy_control=clip_eps_high")
+  buffer = config.buffer
+  if buffer.enabled:
+    _check(mesh.mode == "split" and mesh.role == "both", "buffer.enabled",
+           "needs a one-process split run (mesh.mode=split, mesh.role=both); the learner and "
+           "generator jobs exchange rollout files without a buffer")
+    _check(buffer.capacity >= config.data.prompts_per_step, "buffer.capacity",
+           f"must hold at least one batch (data.prompts_per_step={config.data.prompts_per_step} "
+           "groups)")
+  _check(buffer.enabled or buffer.reuse == 1, "buffer.reuse",
+         "reuses buffered groups: set buffer.enabled=true")
+  if mesh.role != "both":
+    _check(mesh.mode == "split", "mesh.role", f"{mesh.role!r} is one side of a split run; "
+           "set config.mesh.mode=split (or role=both)")
+    _check(mesh.weight_sync == "orbax", "mesh.weight_sync", f"must be 'orbax' with "
+           f"mesh.role={mesh.role!r}: separate jobs exchange weights through the shared workdir")
+  return config

@@ -1,0 +1,132 @@
+"""The policy model and its sampling: architecture, dtypes, the generation engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from rlx.config._checks import _check, _positive
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ArchConfig:
+  """Architecture of a decoder-only transformer (Llama / Qwen2 / Qwen3 family).
+
+  Mirrors the fields of a Hugging Face ``config.json``; ``rlx.models`` reads one
+  into this class and writes this class back out.
+  """
+
+  family: Literal["llama", "qwen2", "qwen3"] = "llama"
+  """Model family; decides the Hugging Face architecture name and bias layout."""
+  vocab_size: int = 512
+  """Number of token ids."""
+  hidden_size: int = 128
+  """Width of the residual stream (D)."""
+  intermediate_size: int = 384
+  """Width of the SwiGLU MLP (F)."""
+  num_layers: int = 4
+  """Number of decoder layers (stacked and scanned)."""
+  num_heads: int = 4
+  """Number of query heads."""
+  num_kv_heads: int = 2
+  """Number of key/value heads (GQA when smaller than num_heads)."""
+  head_dim: int = 32
+  """Width of one attention head; independent of hidden_size (Qwen3)."""
+  rope_theta: float = 10000.0
+  """RoPE base frequency."""
+  rope_scaling: Literal["none", "llama3", "linear"] = "none"
+  """RoPE frequency scaling: 'llama3' (Llama 3.1+), 'linear', or none."""
+  rope_factor: float = 1.0
+  """Scaling factor of 'llama3' and 'linear' rope scaling."""
+  rope_low_freq_factor: float = 1.0
+  """'llama3' scaling: wavelengths above original_len / low_freq_factor are divided by rope_factor."""
+  rope_high_freq_factor: float = 4.0
+  """'llama3' scaling: wavelengths below original_len / high_freq_factor are kept."""
+  rope_original_max_len: int = 8192
+  """'llama3' scaling: the context length the model was pre-trained with."""
+  rms_norm_eps: float = 1e-6
+  """Epsilon of every RMSNorm."""
+  qkv_bias: bool = False
+  """Bias on the q, k and v projections (always on for Qwen2)."""
+  o_bias: bool = False
+  """Bias on the attention output projection."""
+  qk_norm: bool = False
+  """RMSNorm over each query and key head before RoPE (Qwen3)."""
+  tie_word_embeddings: bool = True
+  """Use the input embedding as the unembedding matrix."""
+  max_position_embeddings: int = 4096
+  """Longest sequence the model is meant for."""
+  bos_token_id: int | None = None
+  """Beginning-of-sequence id recorded in config.json."""
+  eos_token_ids: tuple[int, ...] = ()
+  """End-of-sequence ids recorded in config.json (Llama 3 instruct models have several)."""
+
+  def __post_init__(self):
+    _check(self.num_heads % self.num_kv_heads == 0, "model.arch.num_heads",
+           f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      _check(getattr(self, name) > 0, f"model.arch.{name}", "must be positive")
+    _check(self.head_dim % 2 == 0, "model.arch.head_dim", "must be even for RoPE")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Which policy model to train and how to run it."""
+
+  path: str | None = None
+  """Hugging Face model directory (config.json + safetensors). None builds `arch` with random weights."""
+  arch: ArchConfig = dataclasses.field(default_factory=ArchConfig)
+  """Architecture of the built-in model; ignored when `path` is set."""
+  dtype: DType = "float32"
+  """Dtype of activations and matmuls."""
+  param_dtype: DType = "float32"
+  """Dtype the parameters are stored in."""
+  attention: Literal["auto", "fused", "reference"] = "auto"
+  """Training attention: 'fused' is jax.nn.dot_product_attention (cuDNN flash on GPU when the mask allows), 'reference' plain einsum softmax, 'auto' picks fused."""
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "full"
+  """Activation checkpointing per layer: recompute everything ('full'), save matmul outputs ('dots', 'dots_no_batch'), or save all ('none')."""
+  seed: int = 0
+  """Seed of the random initialisation of the built-in model."""
+  logprob_impl: Literal["auto", "reference", "xla", "pallas"] = "auto"
+  """Fused log-prob/entropy implementation (rlx.kernels.fused_logprobs); 'auto' picks by backend."""
+  logprob_chunk: int = 128
+  """Tokens per chunk of the 'xla' fused log-prob path."""
+
+  def __post_init__(self):
+    _positive(self, "model", "logprob_chunk")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """The generation engine and sampling."""
+
+  max_slots: int = 16
+  """Number of concurrent decode slots (continuous batching)."""
+  max_prompt_len: int = 128
+  """Longest prompt, in tokens; longer prompts are refused."""
+  max_new_tokens: int = 64
+  """Longest response, in tokens; responses that reach it finish with reason 'length'."""
+  group_size: int = 8
+  """Samples per prompt (the GRPO group, n)."""
+  temperature: float = 1.0
+  """Sampling temperature; 0 is greedy."""
+  temperature_max: float = 1.5
+  """Highest temperature the entropy-floor controller may raise sampling to (algorithm.entropy_floor, entropy_control='temperature')."""
+  top_p: float = 1.0
+  """Nucleus sampling mass; 1 disables it."""
+  top_k: int = 0
+  """Keep the k most likely tokens; 0 disables it."""
+  decode_steps: int = 16
+  """Tokens every slot decodes per dispatch (one host round trip per chunk); 1 is the single-step path. 16 was fastest in benchmarks/rollout_throughput.py."""
+
+  def __post_init__(self):
+    _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _check(self.temperature_max >= self.temperature, "rollout.temperature_max",
+           f"must be >= rollout.temperature={self.temperature}")
+    _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+    for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size", "decode_steps"):
+      _check(getattr(self, name) > 0, f"rollout.{name}", "must be positive")

@@ -1,0 +1,239 @@
+"""How a run is laid out and driven: mesh and deployment, replay buffer, data, rewards,
+checkpoints, logging and the training loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from rlx.config._checks import _check, _positive
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """The device mesh and how generation and learning share it."""
+
+  mode: Literal["colocated", "split"] = "colocated"
+  """'colocated': generation and learning time-slice the same devices; 'split': disjoint sub-meshes run at once."""
+  data: int = 1
+  """Size of the pure data-parallel mesh axis."""
+  fsdp: int = -1
+  """Size of the fully sharded data-parallel axis; -1 takes the remaining devices."""
+  tensor: int = 1
+  """Size of the tensor-parallel axis."""
+  generation_devices: int = 0
+  """Split mode: devices given to generation (the rest learn); 0 gives half."""
+  generation_tensor: int = 1
+  """Tensor-parallel size of the generation (sub-)mesh; the rest of it is data-parallel."""
+  max_staleness: int = 1
+  """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
+  lag_threshold: int | None = None
+  """Split mode: a batch holding a rollout more than this many versions old is expired (dropped and counted), and when the mean lag over control_window batches exceeds it the controller lowers the effective staleness bound below max_staleness, raising it again when healthy (rlx.trainer.control); None disables both."""
+  control_window: int = 4
+  """Batches (or steps) each controller decision looks back over; after a change it waits this many before the next."""
+  weight_sync: Literal["reshard", "orbax"] = "reshard"
+  """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
+  role: Literal["both", "learner", "generator"] = "both"
+  """Split mode: 'both' runs generator and learner in this job (a thread each); 'learner' or 'generator' runs one side as its own job, the two exchanging weights (Orbax versions) and rollouts (files) through the shared workdir (see launch/local.sh --learner N --generator M)."""
+  multihost: bool = False
+  """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
+  check_agreement: bool = False
+  """Debug a multi-process run: every step, check that the processes agree on the loop's state (step, policy version, data position) and fail loudly where they diverge, instead of hanging."""
+  cpu_devices: int = 8
+  """On the CPU backend, the number of JAX devices the host CPU is split into, so sharding and split mode run on a laptop."""
+  logical_axis_rules: tuple[tuple[str, str | None], ...] = (
+      ("batch", "data_fsdp"),
+      ("embed", "fsdp"),
+      ("vocab", "tensor"),
+      ("heads", "tensor"),
+      ("kv_heads", "tensor"),
+      ("mlp", "tensor"),
+      ("layers", None),
+      ("head_dim", None),
+  )
+  """Map from the model's logical parameter axes to mesh axes ('data_fsdp' is data and fsdp together)."""
+
+  def __post_init__(self):
+    for name in ("data", "tensor", "generation_tensor", "cpu_devices"):
+      _check(getattr(self, name) > 0, f"mesh.{name}", "must be positive")
+    _check(self.fsdp == -1 or self.fsdp > 0, "mesh.fsdp", "must be positive or -1")
+    _check(self.max_staleness >= 0, "mesh.max_staleness", "must be >= 0")
+    _check(self.lag_threshold is None or self.lag_threshold >= 0, "mesh.lag_threshold",
+           "must be >= 0 (or None to disable it)")
+    _check(self.control_window >= 1, "mesh.control_window", "must be >= 1")
+    _check(self.generation_devices >= 0, "mesh.generation_devices", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BufferConfig:
+  """Split mode: a replay buffer of scored groups between generator and learner (rlx.trainer.buffer)."""
+
+  enabled: bool = False
+  """Train from a buffer of groups: the learner takes a batch whenever prompts_per_step usable groups are buffered, without waiting for the generator's next batch; groups past the lag bound (mesh.max_staleness, or mesh.lag_threshold when lower) or data.max_age_s are evicted."""
+  reuse: int = 1
+  """Updates a group may be used in while it is fresh; 1 trains on every group once."""
+  capacity: int = 64
+  """Most groups held; the oldest are evicted first."""
+
+  def __post_init__(self):
+    _check(self.reuse >= 1, "buffer.reuse", "must be >= 1")
+    _check(self.capacity >= 1, "buffer.capacity", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  """Where prompts come from."""
+
+  source: str = "arithmetic"
+  """A built-in synthetic task ('arithmetic', 'countdown', 'sort') or a path to a .jsonl / .parquet file."""
+  prompt_field: str = "prompt"
+  """Field of a row that holds the prompt."""
+  answer_field: str = "answer"
+  """Field of a row that holds the reference answer."""
+  prompts_per_step: int = 8
+  """Prompts per training step (each expanded to rollout.group_size samples)."""
+  shuffle_seed: int = 0
+  """Seed of the deterministic shuffle."""
+  num_epochs: int | None = None
+  """Passes over the data; None repeats forever."""
+  on_bad_row: Literal["error", "skip"] = "error"
+  """A malformed row either stops the run (naming file and line) or is skipped and counted."""
+  eval_fraction: float = 0.1
+  """Fraction of problems held out for evaluation (never trained on): of a built-in task, or of a data file when there is no eval_source (rows are assigned by a hash of their prompt)."""
+  max_age_s: float | None = None
+  """Split mode: a batch sampled longer ago than this many seconds when the learner takes it is expired (dropped and counted as rollout/expired_batches); None disables it."""
+  eval_source: str | None = None
+  """A .jsonl / .parquet file of held-out rows (same fields as source) for eval/accuracy; None holds out eval_fraction of the source instead."""
+
+  def __post_init__(self):
+    _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
+    _check(self.max_age_s is None or self.max_age_s > 0, "data.max_age_s",
+           "must be > 0 (or None to disable it)")
+    _check(0 < self.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)")
+    _check(self.num_epochs is None or self.num_epochs >= 1, "data.num_epochs",
+           "must be >= 1 (or None to repeat forever)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+  """How responses are scored (on the host, off the device path)."""
+
+  name: str = "auto"
+  """'math', 'arithmetic', 'countdown', 'sort', 'code' (programs run against the row's tests in a sandbox), your own function as 'package.module:function' or 'path/to/file.py:function' ((response, row) -> float or dict), or 'auto': the one that matches data.source ('math' for files)."""
+  batched: bool = False
+  """Your function takes lists (responses, rows) and returns a list; it may be async (a reward served over HTTP)."""
+  batch_size: int = 64
+  """Responses per call of a batched function (each call has its own timeout)."""
+  format_weight: float = 0.0
+  """Weight of the format reward added to the verifier's reward."""
+  num_workers: int = 2
+  """Host worker processes that score responses; 0 scores in the trainer (no timeouts, prints shown: for debugging a reward)."""
+  timeout_s: float = 5.0
+  """A reward call that runs longer scores 0 and is counted (its worker is replaced)."""
+  memory_mb: int = 4096
+  """Address space of a reward worker: a call that needs more scores 0, and a worker grown past half of it is replaced; 0 leaves it unlimited."""
+  code_tests_field: str = "tests"
+  """'code' reward: the row field with the tests: assert statements, or stdin/stdout pairs ([{"input", "output"}] or {"inputs": [...], "outputs": [...]})."""
+  code_scoring: Literal["fraction", "all"] = "fraction"
+  """'code' reward: the fraction of tests passed, or 1 only when all pass; 'correct' always means all pass."""
+  code_timeout_s: float = 3.0
+  """'code' reward: wall-clock seconds a program may run, all its tests together."""
+  code_memory_mb: int = 512
+  """'code' reward: address space a program may use."""
+
+  def __post_init__(self):
+    _check(bool(self.name.strip()), "reward.name", "must not be empty")
+    _check(self.num_workers >= 0, "reward.num_workers", "must be >= 0 (0 scores in the trainer)")
+    _check(self.format_weight >= 0, "reward.format_weight", "must be >= 0")
+    _check(self.memory_mb >= 0, "reward.memory_mb", "must be >= 0 (0 is unlimited)")
+    _positive(self, "reward", "timeout_s", "batch_size", "code_timeout_s", "code_memory_mb")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+  """Orbax checkpoints of the whole training state."""
+
+  every_steps: int = 50
+  """Save every N steps (and on SIGTERM / SIGINT); 0 saves only at the end."""
+  max_to_keep: int = 3
+  """Checkpoints kept on disk (at least 1: a run always saves its last step)."""
+  async_save: bool = True
+  """Write checkpoints in the background while training goes on."""
+  export_hf_every: int = 0
+  """Also write the policy as a Hugging Face directory (WORKDIR/hf/step_N) every N steps; 0 never."""
+
+  def __post_init__(self):
+    _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 saves only at the end)")
+    _check(self.export_hf_every >= 0, "checkpoint.export_hf_every", "must be >= 0 (0 never)")
+    _check(self.max_to_keep >= 1, "checkpoint.max_to_keep",
+           "must be >= 1: with 0 no checkpoint is kept and a rerun starts over")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+  """Where metrics go."""
+
+  every_steps: int = 1
+  """Write metrics every N steps."""
+  jsonl: bool = True
+  """Write WORKDIR/metrics.jsonl."""
+  tensorboard: bool = True
+  """Write TensorBoard event files under WORKDIR/tb."""
+  progress_bar: bool = True
+  """Show a console progress bar."""
+  profile_steps: str = ""
+  """'A:B' writes a jax.profiler trace of training steps A .. B-1 (counted from 0) to WORKDIR/profile (one folder per process; open it in TensorBoard or Perfetto); '' never."""
+
+  def __post_init__(self):
+    _positive(self, "logging", "every_steps")
+    if self.profile_steps:
+      parts = self.profile_steps.split(":")
+      _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+             and int(parts[0]) < int(parts[1]), "logging.profile_steps",
+             f"must be 'A:B' with whole numbers A < B (steps A .. B-1), got {self.profile_steps!r}")
+
+  @property
+  def profile_window(self) -> tuple[int, int] | None:
+    """(first step, step after the last) to trace, or None."""
+    if not self.profile_steps:
+      return None
+    first, end = self.profile_steps.split(":")
+    return int(first), int(end)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+  """The training loop."""
+
+  steps: int = 20
+  """Number of policy updates."""
+  seed: int = 0
+  """Seed of the run: sampling, shuffling and every other random choice derive from it."""
+  eval_every: int = 0
+  """Held-out evaluation every N steps; 0 never."""
+  ppo_epochs: int = 1
+  """Passes over each rollout batch; each pass is a fresh permutation of its sequences."""
+  mini_batches: int = 1
+  """Optimizer steps per pass: the rollout batch is cut into this many mini-batches (the old log-probs are those of the policy before the first step), so the clipped objective acts from the second step on."""
+  warmup_sft_steps: int = 0
+  """Supervised steps on the rows' SFT targets before RL (teaches a fresh model the answer format); see warmup_sft."""
+  warmup_sft: Literal["builtin", "always", "never"] = "builtin"
+  """When the supervised warm-up runs: 'builtin' only for the built-in model (no model.path) on a built-in task; 'always' for any model and data (a row's 'sft_target' field, else '<answer>{answer}</answer>', is the target); 'never'."""
+  warmup_sft_learning_rate: float = 1e-3
+  """Learning rate of the supervised warm-up."""
+  warmup_sft_batch: int = 32
+  """Examples per supervised warm-up step."""
+  eval_prompts: int = 64
+  """Held-out prompts scored (greedy) at each evaluation, before and after training; 0 evaluates never (and holds out no rows of a data file)."""
+  eval_samples: int = 0
+  """Also sample each held-out prompt this many times (at rollout.temperature) for eval/pass@N and eval/sampled_accuracy; 0 only answers greedily."""
+  max_skipped_steps: int = 5
+  """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
+  compile_cache: str = "~/.cache/rlx/jax"
+  """JAX's persistent compilation cache: a second run of the same programs loads them instead of compiling; '' turns it off."""
+
+  def __post_init__(self):
+    _positive(self, "trainer", "steps", "ppo_epochs", "mini_batches", "warmup_sft_learning_rate",
+              "warmup_sft_batch", "max_skipped_steps")
+    for name in ("eval_every", "warmup_sft_steps", "eval_prompts", "eval_samples"):
+      _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
