@@ -1,6 +1,7 @@
 """Tiny sizes for end-to-end loop tests: the shipped configs, shrunk by command-line overrides."""
 
 import json
+import os
 import pathlib
 
 from rlx import cli
@@ -21,6 +22,8 @@ OVERRIDES = (
     "--config.optimizer.learning_rate=1e-3",
     # one optimizer step per batch keeps the loop tests cheap; test_loops covers mini-batches
     "--config.trainer.mini_batches=1",
+    # the session's compilation cache (tests/conftest.py), also for runs in subprocesses
+    f"--config.trainer.compile_cache={os.environ.get('RLX_TEST_COMPILE_CACHE', '')}",
 )
 
 
