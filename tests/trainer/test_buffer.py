@@ -107,7 +107,7 @@ def test_a_split_run_trains_on_reused_groups_while_the_generator_is_slow(tmp_pat
                        "--config.trainer.steps=6", "--config.checkpoint.every_steps=3",
                        "--config.buffer.enabled=true", "--config.buffer.reuse=3",
                        "--config.mesh.max_staleness=2")
-  summary = train_split(config, tmp_path, generator_delay_s=1.0, say=lambda m: None)
+  summary = train_split(config, tmp_path, generator_delay_s=0.5, say=lambda m: None)
   rows = tiny.metrics(tmp_path)
   assert summary["steps"] == 6 and len(rows) == 6
   assert rows[-1]["buffer/reused"] > 0  # the learner did not wait for every batch

@@ -36,7 +36,7 @@ def _steps(workdir) -> list[int]:
                                        ("dapo_split", signal.SIGINT)])
 def test_a_stop_signal_to_the_process_group_saves_exits_0_and_the_rerun_finishes(
     tmp_path, name, sig):
-  steps = 150  # a tiny step takes ~20 ms: the signal lands mid-run
+  steps = 50  # a tiny step takes about 0.1 s: the signal lands mid-run
   command = _command(name, tmp_path, f"--config.trainer.steps={steps}",
                      "--config.checkpoint.every_steps=0", "--config.reward.num_workers=2")
   process = subprocess.Popen(command, cwd=tiny.ROOT, start_new_session=True,
