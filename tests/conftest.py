@@ -3,9 +3,9 @@ compilation cache for the whole session, and fixture paths.
 
 The suite compiles hundreds of small programs and runs each a few times, so compiling is most
 of its time. LLVM's optimisation passes (``xla_backend_optimization_level``) change how fast
-the compiled code runs, never what it computes; at level 0 the suite takes about half as long
-(``XLA_FLAGS`` set by hand wins). Programs compiled by one test are loaded by the next from a
-session-wide persistent cache, which ``tiny.OVERRIDES`` hands to the runs tests start as
+the compiled code runs, never what it computes; at level 0 the update-step tests take half as
+long (``XLA_FLAGS`` set by hand wins). Programs compiled by one test are loaded by the next
+from a session-wide persistent cache, which ``tiny.OVERRIDES`` hands to the runs tests start as
 subprocesses too; nothing is written under the user's home.
 """
 
@@ -17,8 +17,10 @@ import tempfile
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
-COMPILE_CACHE = os.environ.setdefault("RLX_TEST_COMPILE_CACHE",
-                                      tempfile.mkdtemp(prefix="rlx-test-compile-cache-"))
+_OWN_CACHE = "RLX_TEST_COMPILE_CACHE" not in os.environ  # else the caller's, kept
+if _OWN_CACHE:
+  os.environ["RLX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="rlx-test-compile-cache-")
+COMPILE_CACHE = os.environ["RLX_TEST_COMPILE_CACHE"]
 
 import jax  # noqa: E402 - after the flags above
 import pytest  # noqa: E402
@@ -33,7 +35,7 @@ HF_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def pytest_sessionfinish(session, exitstatus):
-  if COMPILE_CACHE.startswith(tempfile.gettempdir()) and "rlx-test-compile-cache-" in COMPILE_CACHE:
+  if _OWN_CACHE:
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
 
 
