@@ -99,11 +99,12 @@ def learner_step(target: str, count: int, tokens_per_row: int = 1024, rows: int 
       advantages=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
       old_logprobs=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
       behaviour_logprobs=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
-      policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_sharding))
+      policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_sharding),
+      temperature=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rows_sharding))
   step = update.make_update_step(config, transformer, optimizer, schedule, state_shardings=shardings,
                                  batch_shardings=rows_sharding)
-  coefficient = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  return step.jitted, (state, batch, coefficient)
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  return step.jitted, (state, batch, scalar, scalar)  # the KL coefficient, the upper clip range
 
 
 def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 1):

@@ -148,11 +148,12 @@ def learner_program(config: RunConfig, mesh):
       advantages=floats, old_logprobs=None if one_update else floats,
       behaviour_logprobs=floats,
       policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_sharding),
-      ref_logprobs=floats if config.algorithm.uses_reference else None)
+      ref_logprobs=floats if config.algorithm.uses_reference else None,
+      temperature=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rows_sharding))
   step = update.make_update_step(config, transformer, optimizer, schedule,
                                  state_shardings=shardings, batch_shardings=rows_sharding)
-  coefficient = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  return step.jitted, (state, batch, coefficient)
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  return step.jitted, (state, batch, scalar, scalar)  # the KL coefficient, the upper clip range
 
 
 def decode_program(config: RunConfig, mesh):

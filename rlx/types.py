@@ -38,6 +38,10 @@ class RolloutBatch:
   """float32 [B, T] value targets (PPO critic)."""
   old_values: jax.Array | None = None
   """float32 [B, T] critic values at sampling time (PPO value clipping)."""
+  temperature: jax.Array | None = None
+  """float32 [B] the temperature each sequence was sampled at: the learner's log-probs divide
+  the logits by it, to match the behaviour log-probs. A traced value, so that a controller
+  moving the temperature never recompiles; None takes the config's rollout.temperature."""
 
   @property
   def batch_size(self) -> int:

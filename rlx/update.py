@@ -110,21 +110,28 @@ def batch_is_split(sharding: NamedSharding) -> bool:
 
 def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
                       attention_mask: jax.Array, response_mask: jax.Array | None = None, *,
-                      impl: str = "auto", temperature: float = 1.0, chunk: int = 128,
-                      rows: NamedSharding | None = None) -> tuple[jax.Array, jax.Array]:
+                      impl: str = "auto", temperature: float | jax.Array = 1.0,
+                      chunk: int = 128, rows: NamedSharding | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy [B, T] of every target token (position 0 gets 0), via the fused path.
 
   Args:
     tokens: int [B, T]; attention_mask: bool [B, T].
     response_mask: bool [B, T] the targets that are needed (others get 0, and
       the Pallas kernels skip whole blocks of them); None computes all.
-    temperature: the sampling temperature, so that these match the behaviour log-probs.
+    temperature: the sampling temperature, so that these match the behaviour log-probs: a
+      Python float (a constant of the compiled program), or float32 [B], one per sequence
+      (traced: any temperature runs the same program). An array scales the hidden states,
+      ``(h / t) @ W == (h @ W) / t``, so the kernels see temperature 1.
     rows: how the sequences are split over the mesh (the learner's batch sharding): the
       Pallas kernels then run per device on its own rows (``fused_logprobs``), when the
       sequences split evenly.
   """
   hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
   B, T, D = hidden.shape
+  if not isinstance(temperature, (int, float)):
+    hidden = hidden / jnp.asarray(temperature, hidden.dtype)[:, None, None]
+    temperature = 1.0
   if rows is not None and B % _ways(rows):  # not split after all: every device has every row
     rows = NamedSharding(rows.mesh, PartitionSpec())
   mask = None if response_mask is None else response_mask[:, 1:].reshape(-1)
@@ -143,18 +150,27 @@ def _ways(sharding: NamedSharding) -> int:
   return int(math.prod(sharding.mesh.shape[a] for a in axes))
 
 
+def sampling_temperature(temperature: float) -> float:
+  """The temperature the learner takes log-probs at for data sampled at ``temperature``: itself,
+  or 1 for greedy data (0), whose behaviour log-probs the engine takes at 1."""
+  return temperature if temperature > 0 else 1.0
+
+
 def _temperature(config: RunConfig) -> float:
-  return config.rollout.temperature if config.rollout.temperature > 0 else 1.0
+  return sampling_temperature(config.rollout.temperature)
 
 
 def policy_logprobs(config: RunConfig, transformer: Transformer, params: Params,
                     tokens: jax.Array, attention_mask: jax.Array,
-                    response_mask: jax.Array | None = None, *,
+                    response_mask: jax.Array | None = None,
+                    temperature: jax.Array | None = None, *,
                     rows: NamedSharding | None = None) -> jax.Array:
-  """Log-probs [B, T] of the target tokens under ``params`` at the sampling temperature, through
-  the same fused path as the loss (old and reference log-probs)."""
+  """Log-probs [B, T] of the target tokens under ``params`` at the sampling temperature (float32
+  [B] per sequence, or None: the config's), through the same fused path as the loss (old and
+  reference log-probs)."""
   return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
-                           impl=config.model.logprob_impl, temperature=_temperature(config),
+                           impl=config.model.logprob_impl,
+                           temperature=_temperature(config) if temperature is None else temperature,
                            chunk=config.model.logprob_chunk, rows=rows)[0]
 
 
@@ -164,12 +180,15 @@ def make_logprobs_fn(config: RunConfig, transformer: Transformer):
 
 
 def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batch: RolloutBatch,
-                kl_coef: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Per-token loss [B, T] of the configured algorithm, and per-token diagnostics."""
+                kl_coef: jax.Array, clip_eps_high: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-token loss [B, T] of the configured algorithm, and per-token diagnostics;
+  ``clip_eps_high`` (traced) replaces the config's upper clip range when given."""
   algo = config.algorithm
   old = jax.lax.stop_gradient(logprobs) if batch.old_logprobs is None else batch.old_logprobs
+  eps_high = algo.clip_eps_high if clip_eps_high is None else clip_eps_high
   loss, diagnostics = algorithms.POLICY_LOSSES[algo.loss](
-      logprobs, old, batch.advantages, batch.response_mask, algo)
+      logprobs, old, batch.advantages, batch.response_mask, algo, eps_high)
   weights = algorithms.off_policy_weights(old, batch.behaviour_logprobs, algo.off_policy,
                                           algo.tis_cap)
   # tokens whose behaviour importance weight pi_old / pi_behav exceeds the cap (truncated by
@@ -200,14 +219,15 @@ def loss_denominator(config: RunConfig, response_mask: jax.Array) -> jax.Array:
 
 
 def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array, kl_coef: jax.Array,
-                    *, config: RunConfig, transformer: Transformer,
-                    rows: NamedSharding | None = None):
+                    clip_eps_high: jax.Array | None = None, *, config: RunConfig,
+                    transformer: Transformer, rows: NamedSharding | None = None):
   """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch."""
+  temperature = _temperature(config) if batch.temperature is None else batch.temperature
   logprobs, entropy = sequence_logprobs(
       transformer, params, batch.tokens, batch.attention_mask, batch.response_mask,
-      impl=config.model.logprob_impl, temperature=_temperature(config),
+      impl=config.model.logprob_impl, temperature=temperature,
       chunk=config.model.logprob_chunk, rows=rows)
-  loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef)
+  loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef, clip_eps_high)
   numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.loss_agg,
                                       _loss_norm(config))
   mask = batch.response_mask.astype(bool)
@@ -224,7 +244,8 @@ def _split(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
   return jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
 
 
-def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array, *, config: RunConfig,
+def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
+                   clip_eps_high: jax.Array | None = None, *, config: RunConfig,
                    transformer: Transformer, rows: NamedSharding | None = None
                    ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
   """Full-batch loss and gradient, accumulated over ``config.optimizer.micro_batches``."""
@@ -235,14 +256,15 @@ def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array, *, c
 
   def accumulate(carry, micro):
     loss_sum, grad_sum, sums = carry
-    (loss, micro_sums), grads = grad_fn(params, micro, denominator, kl_coef)
+    (loss, micro_sums), grads = grad_fn(params, micro, denominator, kl_coef, clip_eps_high)
     sums = {k: jnp.maximum(sums[k], v) if k == "ratio_max" else sums[k] + v
             for k, v in micro_sums.items()}
     return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sums), None
 
   micro_batches = _split(batch, config.optimizer.micro_batches)
   first = jax.tree.map(lambda x: x[0], micro_batches)
-  sums_shape = jax.eval_shape(lambda: grad_fn(params, first, denominator, kl_coef)[0][1])
+  sums_shape = jax.eval_shape(
+      lambda: grad_fn(params, first, denominator, kl_coef, clip_eps_high)[0][1])
   zero_sums = {k: jnp.full(v.shape, -jnp.inf if k == "ratio_max" else 0.0, v.dtype)
                for k, v in sums_shape.items()}
   zero_grads = jax.tree.map(jnp.zeros_like, params)
@@ -298,7 +320,8 @@ def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str
 def make_update_step(config: RunConfig, transformer: Transformer,
                      optimizer: optax.GradientTransformation, schedule=None, *,
                      state_shardings: Any = None, batch_shardings: Any = None):
-  """The jitted ``update_step(state, batch, kl_coef=None) -> (state, metrics)``: the whole
+  """The jitted ``update_step(state, batch, kl_coef=None, clip_eps_high=None) -> (state,
+  metrics)``: the whole
   ``trainer.ppo_epochs x trainer.mini_batches`` schedule on one rollout batch.
 
   Each pass draws a fresh permutation of the sequences from ``fold_in(state.key,
@@ -307,7 +330,9 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   policy version goes up by one per call (unless every update was skipped): the generator
   sees one new policy per rollout batch. Jitted once, the state donated, with explicit
   shardings when ``state_shardings`` (a ``TrainState`` of shardings) and ``batch_shardings`` (a
-  prefix of the batch) are given; ``kl_coef`` is a traced scalar, so an adaptive coefficient never retraces.
+  prefix of the batch) are given. ``kl_coef`` and ``clip_eps_high`` (None: the config's) are
+  traced scalars, like the batch's sampling temperatures: a controller that moves them never
+  recompiles the step.
   ``step.minibatch`` is one optimizer step on one mini-batch (the reference the schedule is
   tested against).
   """
@@ -315,9 +340,10 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   # the Pallas kernels run per device on its rows when the batch is split over the mesh
   rows = batch_shardings if isinstance(batch_shardings, NamedSharding) else None
 
-  def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
-    loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, config=config,
-                                       transformer=transformer, rows=rows)
+  def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
+                       clip_eps_high: jax.Array):
+    loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, clip_eps_high,
+                                       config=config, transformer=transformer, rows=rows)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
@@ -346,12 +372,13 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return _finite_or_unchanged(finite, updated, state), metrics
 
-  def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array):
+  def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
+                  clip_eps_high: jax.Array):
     order = minibatch_order(batch.batch_size, jax.random.fold_in(state.key, state.step),
                             epochs=epochs, mini_batches=mini_batches)
     version = state.policy_version
-    state, metrics = jax.lax.scan(lambda s, b: minibatch_update(s, b, kl_coef), state,
-                                  schedule_batches(batch, order))
+    state, metrics = jax.lax.scan(lambda s, b: minibatch_update(s, b, kl_coef, clip_eps_high),
+                                  state, schedule_batches(batch, order))
     metrics = _reduce_over_updates(metrics, epochs)
     mask = batch.response_mask.astype(bool)
     metrics["advantage/mean"] = algorithms.masked_mean(batch.advantages, mask)
@@ -364,20 +391,22 @@ def make_update_step(config: RunConfig, transformer: Transformer,
 
   if state_shardings is None:
     jitted = jax.jit(update_step, donate_argnums=0)
-  else:  # metrics and the KL coefficient replicated, like the state's scalars
+  else:  # metrics and the controller's scalars replicated, like the state's scalars
     replicated = state_shardings.step
     jitted = jax.jit(update_step, donate_argnums=0,
-                     in_shardings=(state_shardings, batch_shardings, replicated),
+                     in_shardings=(state_shardings, batch_shardings, replicated, replicated),
                      out_shardings=(state_shardings, replicated))
-  default_coef = config.algorithm.kl_coef
-  coef = lambda kl_coef: jnp.asarray(default_coef if kl_coef is None else kl_coef, jnp.float32)
+  algo = config.algorithm
+  scalar = lambda value, default: jnp.asarray(default if value is None else value, jnp.float32)
 
-  def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None):
-    return jitted(state, batch, coef(kl_coef))
+  def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None,
+           clip_eps_high: float | jax.Array | None = None):
+    return jitted(state, batch, scalar(kl_coef, algo.kl_coef),
+                  scalar(clip_eps_high, algo.clip_eps_high))
 
   step.jitted = jitted
-  step.minibatch = jax.jit(lambda state, batch, kl_coef=None: minibatch_update(
-      state, batch, coef(kl_coef)))
+  step.minibatch = jax.jit(lambda state, batch, kl_coef=None, clip_eps_high=None: minibatch_update(
+      state, batch, scalar(kl_coef, algo.kl_coef), scalar(clip_eps_high, algo.clip_eps_high)))
   return step
 
 

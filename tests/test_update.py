@@ -135,6 +135,36 @@ def test_sequence_logprobs_equal_full_logits(model):
   assert float(jnp.abs(logprobs[:, 0]).max()) == 0.0
 
 
+def test_traced_temperatures_and_clip_range_equal_the_configs_constants(model):
+  """The learner's step takes each row's sampling temperature from the batch and the upper clip
+  range as a traced scalar (a controller moving them compiles nothing): the same loss and
+  gradient as a program with both as the config's constants."""
+  constants = dataclasses.replace(_config(name="dapo", clip_eps_high=0.28),
+                                  rollout=dataclasses.replace(_config().rollout, temperature=0.7,
+                                                              max_new_tokens=T))
+  batch = _batch(model, constants)
+  expected = _loss_and_grads(model.params, batch, jnp.float32(0.1), config=constants,
+                             transformer=model.transformer)
+  traced = _loss_and_grads(model.params, batch.replace(temperature=jnp.full(B, 0.7)),
+                           jnp.float32(0.1), jnp.float32(0.28), config=_config(name="dapo"),
+                           transformer=model.transformer)
+  chex.assert_trees_all_close(traced, expected, rtol=2e-5, atol=2e-6)
+  narrower = _loss_and_grads(model.params, batch.replace(temperature=jnp.full(B, 0.7)),
+                             jnp.float32(0.1), jnp.float32(0.02), config=_config(name="dapo"),
+                             transformer=model.transformer)
+  assert float(narrower[2]["clip_high"]) > 0 and float(narrower[0]) != float(expected[0])
+
+  # one temperature per row: each row as if its program had its own constant
+  temperatures = jnp.asarray([0.5, 0.7, 1.0, 1.3] * 2, jnp.float32)
+  per_row = update.sequence_logprobs(model.transformer, model.params, batch.tokens,
+                                     batch.attention_mask, temperature=temperatures)
+  for t in (0.5, 0.7, 1.0, 1.3):
+    rows = np.flatnonzero(np.isclose(temperatures, t))
+    alone = update.sequence_logprobs(model.transformer, model.params, batch.tokens[rows],
+                                     batch.attention_mask[rows], temperature=t)
+    chex.assert_trees_all_close(tuple(x[rows] for x in per_row), alone, rtol=1e-5, atol=1e-6)
+
+
 def test_sharded_update_equals_single_device(model):
   config = _config(name="dapo", clip_eps_high=0.28)
   batch = _batch(model, config)

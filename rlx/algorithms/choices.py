@@ -2,7 +2,8 @@
 estimator table, one policy-loss table. Adding an algorithm is one function and one entry.
 
     advantages = ADVANTAGES[config.algorithm.advantage_estimator](rewards, mask, algo, group)
-    loss, diagnostics = POLICY_LOSSES[config.algorithm.loss](logprobs, old, advantages, mask, algo)
+    loss, diagnostics = POLICY_LOSSES[config.algorithm.loss](logprobs, old, advantages, mask, algo,
+                                                             eps_high)
 
 ``gae`` is not in the advantage table: its advantages need the critic's values, which the
 learner computes (``rlx.algorithms.gae``).
@@ -22,10 +23,11 @@ from rlx.config import AlgorithmConfig
 AdvantageFn = Callable[[jax.Array, jax.Array, AlgorithmConfig, int], jax.Array]
 """(rewards [B], response_mask bool [B, T], algorithm config, group size) -> advantages [B, T]."""
 
-PolicyLossFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AlgorithmConfig],
-                        tuple[jax.Array, dict[str, jax.Array]]]
-"""(logprobs, old_logprobs, advantages, response_mask [B, T], algorithm config)
--> (per-token loss [B, T], per-token diagnostics)."""
+PolicyLossFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AlgorithmConfig,
+                         float | jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+"""(logprobs, old_logprobs, advantages, response_mask [B, T], algorithm config, upper clip range)
+-> (per-token loss [B, T], per-token diagnostics). The upper clip range is passed apart from the
+config: a controller moves it, as a traced value (``algo.clip_eps_high`` is its start)."""
 
 
 def _grpo(rewards, response_mask, algo, group):
@@ -52,18 +54,16 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": _grpo, "dr_grpo": _dr_grpo, "rloo": _rloo, "reinforce_pp": _reinforce_pp}
 
 
-def _ppo_clip(logprobs, old_logprobs, advantages, response_mask, algo):
-  return ppo_clip(logprobs, old_logprobs, advantages, algo.clip_eps_low, algo.clip_eps_high,
-                  algo.dual_clip)
+def _ppo_clip(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return ppo_clip(logprobs, old_logprobs, advantages, algo.clip_eps_low, eps_high, algo.dual_clip)
 
 
-def _gspo(logprobs, old_logprobs, advantages, response_mask, algo):
-  return gspo(logprobs, old_logprobs, advantages, response_mask, algo.clip_eps_low,
-              algo.clip_eps_high)
+def _gspo(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return gspo(logprobs, old_logprobs, advantages, response_mask, algo.clip_eps_low, eps_high)
 
 
-def _cispo(logprobs, old_logprobs, advantages, response_mask, algo):
-  return cispo(logprobs, old_logprobs, advantages, algo.clip_eps_low, algo.clip_eps_high)
+def _cispo(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return cispo(logprobs, old_logprobs, advantages, algo.clip_eps_low, eps_high)
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo}

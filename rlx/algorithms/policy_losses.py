@@ -17,7 +17,7 @@ OffPolicy = Literal["none", "tis", "decoupled"]
 
 
 def ppo_clip(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-             eps_low: float, eps_high: float, dual_clip: float | None = None):
+             eps_low: float, eps_high: float | jax.Array, dual_clip: float | None = None):
   """PPO's clipped surrogate (Schulman et al. 2017) with decoupled clip ranges.
 
       loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
@@ -41,7 +41,7 @@ def ppo_clip(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array
 
 
 def gspo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-         response_mask: jax.Array, eps_low: float, eps_high: float):
+         response_mask: jax.Array, eps_low: float, eps_high: float | jax.Array):
   """GSPO (Zheng et al. 2025, arXiv 2507.18071): a sequence-level, length-normalised ratio.
 
       s_i = exp(mean_t (logprobs - old_logprobs))   over the response tokens of sequence i
@@ -66,7 +66,7 @@ def gspo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
 
 
 def cispo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
-          eps_low: float, eps_high: float):
+          eps_low: float, eps_high: float | jax.Array):
   """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by a clipped, stop-gradient
   importance ratio, so that no token's gradient is dropped.
 

@@ -111,13 +111,17 @@ class Sampled:
   """float32 [B] the task rewards, with DAPO's overlong punishment when configured."""
   policy_version: jax.Array
   """int32 [B] version of the params that generated each sequence."""
+  temperature: jax.Array | None = None
+  """float32 [B] the temperature each sequence was sampled at (the learner's log-probs are
+  taken at it); None: the config's rollout.temperature, a constant of the compiled programs."""
 
 
 def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config: RunConfig, *,
-                  pad_id: int, bucket: bool = True,
-                  lengths: tuple[int, int] = (0, 0)) -> tuple[Sampled, dict[str, float]]:
+                  pad_id: int, bucket: bool = True, lengths: tuple[int, int] = (0, 0),
+                  temperature: float | None = None) -> tuple[Sampled, dict[str, float]]:
   """The rollouts laid out in arrays (see ``layout``), and statistics of the rewards and
-  responses."""
+  responses. ``temperature`` is what they were sampled at (None: rollout.temperature); a
+  greedy draw (0) is scored at temperature 1, like the learner's log-probs of greedy data."""
   if len(completions) != len(rewards):
     raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
   arrays = layout(completions, pad_id, bucket, lengths)
@@ -131,7 +135,10 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
   sampled = Sampled(tokens=arrays["tokens"], attention_mask=arrays["attention_mask"],
                     response_mask=response_mask,
                     behaviour_logprobs=arrays["behaviour_logprobs"], rewards=shaped,
-                    policy_version=np.array([c.policy_version for c in completions], np.int32))
+                    policy_version=np.array([c.policy_version for c in completions], np.int32),
+                    temperature=np.full(len(completions), update.sampling_temperature(
+                        config.rollout.temperature if temperature is None else temperature),
+                        np.float32))
   stats = {
       "reward/kept_mean": float(np.mean(rewards)),
       "reward/shaped_mean": float(np.mean(shaped)),
@@ -203,6 +210,8 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
   def prepare(params: Params, ref_params: Params | None, critic_params: Params | None,
               sampled: Sampled, kl_coef: jax.Array) -> RolloutBatch:
     inputs = (sampled.tokens, sampled.attention_mask, sampled.response_mask)
+    if sampled.temperature is not None:  # traced, one per row: chunked with the rows
+      inputs += (sampled.temperature,)
     old = (None if skip_old else
            _by_micro_batch(functools.partial(logprobs, params), chunks, *inputs))
     ref = (None if ref_params is None else
@@ -218,7 +227,7 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
                         response_mask=sampled.response_mask, advantages=advantages,
                         old_logprobs=old, behaviour_logprobs=sampled.behaviour_logprobs,
                         policy_version=sampled.policy_version, ref_logprobs=ref,
-                        returns=returns, old_values=values)
+                        returns=returns, old_values=values, temperature=sampled.temperature)
 
   if batch_sharding is None:
     jitted = jax.jit(prepare)

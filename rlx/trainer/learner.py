@@ -107,7 +107,6 @@ class Learner:
                                          jax.random.key(config.trainer.seed))
     self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
     self.ref_params = jax.tree.map(jnp.copy, run.model.params) if algo.uses_reference else None
-    self._optimizer, self._schedule = optimizer, schedule
     self.critic = self.critic_step = None
     critic_shardings = None
     if algo.uses_critic:
@@ -123,11 +122,16 @@ class Learner:
       self.critic_step = update.make_critic_step(config, transformer, critic_optimizer,
                                                  state_shardings=critic_state_shardings,
                                                  batch_shardings=self.batch_sharding)
-    self._critic_shardings = critic_shardings
-    self._programs: dict[tuple[float, float], tuple] = {}
     self.clip_eps_high = algo.clip_eps_high
-    """The upper clip range of the next updates (the entropy controller may raise it)."""
-    self.step_fn, self.prepare_fn = self.programs(config.rollout.temperature, self.clip_eps_high)
+    """The upper clip range of the next updates (the entropy controller may raise it): a traced
+    input of the step, like each batch's sampling temperature, so neither recompiles."""
+    self.step_fn = update.make_update_step(config, transformer, optimizer, schedule,
+                                           state_shardings=self.state_shardings,
+                                           batch_shardings=self.batch_sharding)
+    self.prepare_fn = make_prepare(config, transformer,
+                                   param_shardings=self.state_shardings.params,
+                                   critic_shardings=critic_shardings,
+                                   batch_sharding=self.batch_sharding)
     self.kl_coef = algo.kl_coef
     self.skipped_steps = 0
     """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
@@ -140,26 +144,6 @@ class Learner:
     self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                         self.state.params)
     """The params' shapes and dtypes (what ``OrbaxSync.latest`` restores into)."""
-
-  def programs(self, temperature: float, clip_eps_high: float):
-    """The jitted (update step, prepare) for data sampled at ``temperature`` (the log-probs
-    must be taken at the sampler's temperature) and the clip range ``clip_eps_high``: the
-    config's own, or a controller's setting (rlx.trainer.control), compiled once each."""
-    key = (float(temperature), float(clip_eps_high))
-    if key not in self._programs:
-      base = self.config
-      config = dataclasses.replace(
-          base, rollout=dataclasses.replace(base.rollout, temperature=key[0]),
-          algorithm=dataclasses.replace(base.algorithm, clip_eps_high=key[1]))
-      transformer = self.run.model.transformer
-      step = update.make_update_step(config, transformer, self._optimizer, self._schedule,
-                                     state_shardings=self.state_shardings,
-                                     batch_shardings=self.batch_sharding)
-      prepare_fn = make_prepare(config, transformer, param_shardings=self.state_shardings.params,
-                                critic_shardings=self._critic_shardings,
-                                batch_sharding=self.batch_sharding)
-      self._programs[key] = step, prepare_fn
-    return self._programs[key]
 
   @property
   def version(self) -> int:
@@ -218,19 +202,20 @@ class Learner:
     lengths = distributed.max_over_processes(
         [max(len(c.prompt_tokens) for c in draw.completions),
          max(len(c.response_tokens) for c in draw.completions)])
+    temperature = config.rollout.temperature if draw.temperature is None else draw.temperature
     sampled, stats = sample_arrays(draw.completions, draw.rewards, config,
-                                   pad_id=self.run.tokenizer.pad_id, lengths=tuple(lengths))
+                                   pad_id=self.run.tokenizer.pad_id, lengths=tuple(lengths),
+                                   temperature=temperature)
     lag = self.version - sampled.policy_version
     sampled = distributed.global_tree(self.batch_sharding, sampled)
-    temperature = config.rollout.temperature if draw.temperature is None else draw.temperature
-    step_fn, prepare_fn = self.programs(temperature, self.clip_eps_high)
-    batch = prepare_fn(self.state.params, self.ref_params,
-                       None if self.critic is None else self.critic.params, sampled, self.kl_coef)
+    batch = self.prepare_fn(self.state.params, self.ref_params,
+                            None if self.critic is None else self.critic.params, sampled,
+                            self.kl_coef)
     metrics = {}
     if self.critic is not None:
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
-    self.state, step_metrics = step_fn(self.state, batch, self.kl_coef)
+    self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef, self.clip_eps_high)
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
     self._count_skipped(int(metrics.pop("train/skipped")))

@@ -156,7 +156,9 @@ def test_prepare_gives_a_complete_batch_equal_to_its_parts(name, chunks):
 
 def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
   """The learner's real path (layout, prepare, critic step, update step; PPO has them all):
-  responses and prompts of any length within a bucket reuse the bucket's compilation."""
+  responses and prompts of any length within a bucket reuse the bucket's compilation, and so
+  do data sampled at another temperature and another upper clip range (an entropy
+  controller's moves)."""
   from rlx.trainer import Learner, common
   from tests.trainer import tiny
 
@@ -167,11 +169,11 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
     learner = Learner(run, say=lambda line: None)
     rng = np.random.default_rng(0)
 
-    def draw(prompt_len):
+    def draw(prompt_len, temperature=None):
       completions = [_completion(rng.integers(1, 32, prompt_len), rng.integers(1, 32, rng.integers(1, 9)),
                                  version=learner.version) for _ in range(4)]
       return common.Draw(completions, np.array([1.0, 0.0, 0.0, 1.0], np.float32),
-                         np.array([True, False, False, True]), {}, 0.0, {})
+                         np.array([True, False, False, True]), {}, 0.0, {}, temperature)
 
     programs = ["prepare", "update_step", "critic_step"]
 
@@ -180,8 +182,9 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
       return [sum(f"compilation of jit({name})" in line for line in lines) for name in programs]
 
     with jax.log_compiles(), caplog.at_level("WARNING"):
-      for prompt_len in (3, 5, 8):  # prompts bucketed to 8 tokens, responses to 8
-        metrics = learner.learn(draw(prompt_len))
+      for prompt_len, temperature, clip in ((3, None, 0.2), (5, 1.3, 0.28), (8, 0.7, 0.35)):
+        learner.clip_eps_high = clip  # prompts bucketed to 8 tokens, responses to 8
+        metrics = learner.learn(draw(prompt_len, temperature))
       assert compiled() == [1] * len(programs)
       for prompt_len in (12, 16, 2, 9):  # a 16-token prompt bucket, then both again
         metrics = learner.learn(draw(prompt_len))
