@@ -12,9 +12,10 @@ its text falls in ``eval_fraction``.
   The answer is ``"target|n1,n2,..."``.
 - ``sort``: write 4-6 digits in ascending order: ``Sort 7 3 9 1 in ascending
   order.`` -> ``1379``.
-- ``code``: write a one-line Python function ``f(x)`` from its description
-  (``returns the larger of x and 7``); the row's ``tests`` are assert statements that
-  the ``code`` reward runs in its sandbox. The answer is the reference program.
+- ``code``: write a one-line Python function ``f(b)`` from its description
+  (``returns the larger of b and 37``; 8 operations, 8 argument names, constants 2-99); the
+  row's ``tests`` are assert statements that the ``code`` reward runs in its sandbox. The
+  answer is the reference program.
 """
 
 from __future__ import annotations
@@ -62,21 +63,26 @@ def _sort(rng: random.Random) -> dict[str, str]:
                    "".join(sorted(digits)))
 
 
-_CODE = (("x plus {n}", "x+{n}"), ("x minus {n}", "x-{n}"), ("x times {n}", "x*{n}"),
-         ("{n} minus x", "{n}-x"), ("x squared plus {n}", "x*x+{n}"),
-         ("the larger of x and {n}", "max(x,{n})"), ("the smaller of x and {n}", "min(x,{n})"),
-         ("x modulo {n}", "x%{n}"))
+_CODE = (("{v} plus {n}", "{v}+{n}"), ("{v} minus {n}", "{v}-{n}"), ("{v} times {n}", "{v}*{n}"),
+         ("{n} minus {v}", "{n}-{v}"), ("{v} squared plus {n}", "{v}*{v}+{n}"),
+         ("the larger of {v} and {n}", "max({v},{n})"),
+         ("the smaller of {v} and {n}", "min({v},{n})"), ("{v} modulo {n}", "{v}%{n}"))
+_CODE_NAMES = "abcdnxyz"
 
 
 def _code(rng: random.Random) -> dict:
+  # 8 templates x 8 argument names x 98 constants: too many problems to memorise in a short
+  # warm-up, so a model must copy the name and the constant from the prompt; held-out
+  # problems test that skill, which RL on the training problems can improve
   description, body = rng.choice(_CODE)
-  n = rng.randint(2, 49)
-  expression = body.format(n=n)
-  program = f"def f(x):\n return {expression}"
+  n, name = rng.randint(2, 99), rng.choice(_CODE_NAMES)
+  expression = body.format(n=n, v=name)
+  program = f"def f({name}):\n return {expression}"
   tests = []  # four inputs over a range wide enough that a wrong constant fails some
   for x in rng.sample(range(-60, 61), 4):
-    tests.append(f"assert f({x}) == {eval(expression, {'x': x})}")  # noqa: S307 - our own text
-  return {"prompt": f"Write f(x) that returns {description.format(n=n)}. Reply in ```python.",
+    tests.append(f"assert f({x}) == {eval(expression, {name: x})}")  # noqa: S307 - our own text
+  return {"prompt": f"Write f({name}) that returns {description.format(n=n, v=name)}. "
+                    "Reply in ```python.",
           "answer": program, "sft_target": f"```python\n{program}\n```", "tests": tests}
 
 

@@ -8,7 +8,7 @@ from rlx import rewards
 from rlx.data import task_rows
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "countdown", "sort"])
+@pytest.mark.parametrize("task", ["arithmetic", "countdown", "sort", "code"])
 def test_rows_are_deterministic_and_splits_disjoint(task):
   train = task_rows(task, 300, seed=1)
   assert train == task_rows(task, 300, seed=1)
@@ -47,6 +47,18 @@ def test_every_countdown_problem_is_solvable():
                   for value, expr in values(list(subset)) if value == int(target)), None)
     assert found is not None, row
     assert rewards.countdown_reward(f"<answer>{found}</answer>", row["answer"]) == 1.0
+
+
+def test_code_references_pass_their_tests_and_name_what_the_prompt_names():
+  rows = task_rows("code", 200, seed=4)
+  assert len({r["prompt"] for r in rows}) > 190  # too many problems to repeat (or memorise)
+  for row in rows:
+    name, constant = re.match(r"Write f\((\w)\) that returns .*?(\d+)", row["prompt"]).groups()
+    assert row["answer"].startswith(f"def f({name}):") and constant in row["answer"]
+    namespace = {}
+    exec(row["answer"], namespace)  # noqa: S102 - the task's own reference program
+    for test in row["tests"]:
+      exec(test, namespace)  # noqa: S102
 
 
 def test_unknown_task_is_refused():
