@@ -120,8 +120,8 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
                   pad_id: int, bucket: bool = True, lengths: tuple[int, int] = (0, 0),
                   temperature: float | None = None) -> tuple[Sampled, dict[str, float]]:
   """The rollouts laid out in arrays (see ``layout``), and statistics of the rewards and
-  responses. ``temperature`` is what they were sampled at (None: rollout.temperature); a
-  greedy draw (0) is scored at temperature 1, like the learner's log-probs of greedy data."""
+  responses. ``temperature`` is what they were sampled at (None: rollout.temperature); the
+  log-probs of greedy data (0) are taken at temperature 1, like the engine's."""
   if len(completions) != len(rewards):
     raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
   arrays = layout(completions, pad_id, bucket, lengths)
