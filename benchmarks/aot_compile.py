@@ -29,18 +29,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from rlx import update  # noqa: E402
-from rlx.aot import PLATFORM, compile_one, devices, placed as _placed  # noqa: E402
-from rlx.config import (AlgorithmConfig, ArchConfig, ModelConfig, OptimizerConfig,  # noqa: E402
-                        RunConfig, TrainerConfig)
+from rlx.aot import (PLATFORM, compile_one, devices, learner_program,  # noqa: E402
+                     placed as _placed)
+from rlx.config import (AlgorithmConfig, ArchConfig, DataConfig, ModelConfig,  # noqa: E402
+                        OptimizerConfig, RolloutConfig, RunConfig, TrainerConfig)
 from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa: E402
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
 from rlx.mesh import MESH_AXES  # noqa: E402
-from rlx.models import Transformer, param_shardings  # noqa: E402
+from rlx.models import Transformer  # noqa: E402
 from rlx.rollout.engine import Engine, _generate_chunk, _generate_one  # noqa: E402
-from rlx.types import RolloutBatch  # noqa: E402
 
 # (name, model width D, vocabulary V) of real models
 MODELS = [("qwen2.5-0.5b", 896, 151936), ("qwen2.5-1.5b", 1536, 151936),
@@ -75,36 +73,17 @@ def logprob_programs(target: str, tokens: list[int]):
 
 def learner_step(target: str, count: int, tokens_per_row: int = 1024, rows: int = 16):
   """The learner's update step for a Qwen2.5-0.5B-shaped model, FSDP over ``count`` devices:
-  (jitted step, abstract args)."""
+  (jitted step, abstract args), as ``rlx.aot.learner_program`` builds it for a run."""
   mesh = jax.sharding.Mesh(np.array(devices(target, count)).reshape(1, count, 1), MESH_AXES)
+  group = 8
   config = RunConfig(model=ModelConfig(arch=QWEN_05B, dtype="bfloat16", remat="full"),
+                     rollout=RolloutConfig(max_prompt_len=tokens_per_row // 2,
+                                           max_new_tokens=tokens_per_row // 2, group_size=group),
+                     data=DataConfig(prompts_per_step=rows // group),
                      algorithm=AlgorithmConfig(name="grpo"),
                      optimizer=OptimizerConfig(learning_rate=1e-6),
                      trainer=TrainerConfig(mini_batches=2))
-  rules = config.mesh.logical_axis_rules
-  transformer = Transformer(QWEN_05B, jnp.bfloat16, "fused", "full")
-  params = _placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.float32)),
-                   param_shardings(QWEN_05B, mesh, rules))
-  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=100)
-  shardings = update.train_state_shardings(params, optimizer)
-  state = _placed(jax.eval_shape(lambda p: update.TrainState(
-      step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
-      key=jax.random.key(0), policy_version=jnp.zeros((), jnp.int32)), params), shardings)
-  rows_sharding = update.batch_sharding(mesh, rules, rows)
-  shape = (rows, tokens_per_row)
-  batch = RolloutBatch(
-      tokens=jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows_sharding),
-      attention_mask=jax.ShapeDtypeStruct(shape, bool, sharding=rows_sharding),
-      response_mask=jax.ShapeDtypeStruct(shape, bool, sharding=rows_sharding),
-      advantages=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
-      old_logprobs=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
-      behaviour_logprobs=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding),
-      policy_version=jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_sharding),
-      temperature=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rows_sharding))
-  step = update.make_update_step(config, transformer, optimizer, schedule, state_shardings=shardings,
-                                 batch_shardings=rows_sharding)
-  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  return step.jitted, (state, batch, scalar, scalar)  # the KL coefficient, the upper clip range
+  return learner_program(config, mesh)
 
 
 def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 1):
