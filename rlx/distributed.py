@@ -45,9 +45,25 @@ def initialize(*, local_device_ids: list[int] | None = None, timeout_s: int = 30
     if name in options:
       options[name] = int(options[name])
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
+  _serialize_cpu_collectives()
   jax.distributed.initialize(local_device_ids=local_device_ids, initialization_timeout=timeout_s,
                              heartbeat_timeout_seconds=heartbeat_timeout_s,
                              shutdown_timeout_seconds=shutdown_timeout_s, **options)
+
+
+def _serialize_cpu_collectives() -> None:
+  """Turns off XLA:CPU's concurrency-optimized scheduler (before the backend reads XLA_FLAGS).
+
+  With it, the processes of a CPU job started a program's gloo collectives in different
+  orders at run time, although every process compiled the same HLO: the first FSDP step
+  at the built-in model's default size aborted in gloo ("Received data size doesn't match
+  expected size"). Tiny models ran. Only CPU programs read the flag; a user's own setting
+  of it in XLA_FLAGS is kept.
+  """
+  flag = "--xla_cpu_enable_concurrency_optimized_scheduler"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if flag not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}=false".strip()
 
 
 def lead() -> bool:
