@@ -1,20 +1,25 @@
 """The multi-controller helpers (rlx.distributed) across 2 processes: agreement, reductions,
 global arrays from each process's rows and back, a process-local replica, and the divergence
-guard."""
+guard; and the built-in model's FSDP training step at its default size, whose collectives
+once reached gloo in different orders on the two processes and aborted."""
 
 import pathlib
 import socket
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def test_helpers_across_two_processes():
+@pytest.mark.parametrize("worker, says", [("distributed_worker.py", "distributed ok"),
+                                           ("distributed_fsdp_worker.py", "fsdp warm-up ok")])
+def test_two_processes(worker, says):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  script = pathlib.Path(__file__).parent / "distributed_worker.py"
+  script = pathlib.Path(__file__).parent / worker
   procs = [subprocess.Popen([sys.executable, str(script), f"localhost:{port}", str(i)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True) for i in range(2)]
@@ -26,4 +31,6 @@ def test_helpers_across_two_processes():
       if p.poll() is None:
         p.kill()
   assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-  assert all(f"process {i}: distributed ok" in out for i, out in enumerate(outputs))
+  reports = [[line.split(": ", 1)[1] for line in out.splitlines()
+              if line.startswith(f"process {i}: {says}")] for i, out in enumerate(outputs)]
+  assert reports[0] and reports[0] == reports[1], reports  # the same losses on both
