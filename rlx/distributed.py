@@ -16,6 +16,7 @@ rows its devices hold. With one process every helper is a plain local operation.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -36,7 +37,8 @@ def initialize(*, local_device_ids: list[int] | None = None, timeout_s: int = 30
   ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` when set (the local launcher), else
   from the cluster (SLURM, TPU pods). ``local_device_ids`` (or ``RLX_LOCAL_DEVICE_IDS``,
   comma-separated) gives one process all of its node's GPUs: under SLURM, JAX would
-  otherwise bind each task to one GPU. CPU processes join over gloo.
+  otherwise bind each task to one GPU. CPU processes join over gloo, each on one core of
+  its own (see ``_one_core``).
   """
   options = {name: os.environ[env] for name, env in _ENV.items() if env in os.environ}
   if local_device_ids is None and os.environ.get("RLX_LOCAL_DEVICE_IDS"):
@@ -45,25 +47,35 @@ def initialize(*, local_device_ids: list[int] | None = None, timeout_s: int = 30
     if name in options:
       options[name] = int(options[name])
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
-  _serialize_cpu_collectives()
   jax.distributed.initialize(local_device_ids=local_device_ids, initialization_timeout=timeout_s,
                              heartbeat_timeout_seconds=heartbeat_timeout_s,
                              shutdown_timeout_seconds=shutdown_timeout_s, **options)
+  if _cpu_only():  # the process's rank on its node: SLURM's, else the launcher's
+    _one_core(int(os.environ.get("SLURM_LOCALID", options.get("process_id", 0))))
 
 
-def _serialize_cpu_collectives() -> None:
-  """Turns off XLA:CPU's concurrency-optimized scheduler (before the backend reads XLA_FLAGS).
+def _cpu_only() -> bool:
+  """Whether JAX will run on CPU devices: JAX_PLATFORMS says so, or no accelerator plugin
+  (CUDA, ROCm, TPU) is installed."""
+  platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  return not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
 
-  With it, the processes of a CPU job started a program's gloo collectives in different
-  orders at run time, although every process compiled the same HLO: the first FSDP step
-  at the built-in model's default size aborted in gloo ("Received data size doesn't match
-  expected size"). Tiny models ran. Only CPU programs read the flag; a user's own setting
-  of it in XLA_FLAGS is kept.
+
+def _one_core(process_id: int) -> None:
+  """Confines this process (before its CPU backend starts) to one core: process i of a node
+  gets the i-th core it may use, modulo their count.
+
+  XLA:CPU runs a program's independent operations on a thread pool as large as the cores
+  the process may use, and it orders collectives only by when they start. With two or
+  more threads, two gloo collectives of one program then overlap, in a different order on
+  each process, and gloo aborts ("Received data size doesn't match expected size"): the
+  built-in model's FSDP step did at its default size, on every try. With one core the
+  pool has one thread, and the collectives run one after another, in program order.
   """
-  flag = "--xla_cpu_enable_concurrency_optimized_scheduler"
-  flags = os.environ.get("XLA_FLAGS", "")
-  if flag not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}=false".strip()
+  cores = sorted(os.sched_getaffinity(0))
+  os.sched_setaffinity(0, {cores[process_id % len(cores)]})
 
 
 def lead() -> bool:

@@ -1,8 +1,10 @@
 """The multi-controller helpers (rlx.distributed) across 2 processes: agreement, reductions,
 global arrays from each process's rows and back, a process-local replica, and the divergence
 guard; and the built-in model's FSDP training step at its default size, whose collectives
-once reached gloo in different orders on the two processes and aborted."""
+overlapped in different orders on the two processes, and gloo aborted, until each process
+ran on one core of its own."""
 
+import os
 import pathlib
 import socket
 import subprocess
@@ -20,8 +22,12 @@ def test_two_processes(worker, says):
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   script = pathlib.Path(__file__).parent / worker
+  # XLA at its full optimisation level (tests/conftest.py lowers it): the FSDP step's collectives
+  # overlapped only there, as in a real run
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
+      "--xla_backend_optimization_level=0", ""))
   procs = [subprocess.Popen([sys.executable, str(script), f"localhost:{port}", str(i)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True) for i in range(2)]
   outputs = []
   try:
