@@ -16,6 +16,7 @@ rows its devices hold. With one process every helper is a plain local operation.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -182,13 +183,18 @@ def max_over_processes(values: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(values)).max(0)
 
 
+@functools.lru_cache(maxsize=None)
+def _replicate(mesh: Mesh):
+  """One jitted identity per mesh whose output is replicated (a fresh function each call
+  would be traced and compiled again at every weight sync)."""
+  return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def local_replica(tree: Any) -> Any:
   """A whole copy of every array of ``tree`` on this process's devices, as arrays of a mesh of
   those devices alone: one jitted program gathers them replicated over the global mesh, and
   this process's shards become its local arrays without a copy."""
-  leaves = jax.tree.leaves(tree)
-  replicated = NamedSharding(leaves[0].sharding.mesh, PartitionSpec())
-  gathered = jax.jit(lambda t: t, out_shardings=replicated)(tree)
+  gathered = _replicate(jax.tree.leaves(tree)[0].sharding.mesh)(tree)
   local = jax.local_devices()
   local_mesh = Mesh(np.array(local), ("local",))
   local_sharding = NamedSharding(local_mesh, PartitionSpec())

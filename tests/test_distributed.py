@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# several processes with their own ports and cores: one such test at a time (pytest -n)
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 

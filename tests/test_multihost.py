@@ -13,6 +13,9 @@ import pytest
 
 from tests.trainer import tiny
 
+# several processes with their own ports and cores: one such test at a time (pytest -n)
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = pathlib.Path(__file__).parent.parent
 # entropy_coef: gradients (and so metrics that move) even before the tiny model earns rewards
 COMMON = (*tiny.OVERRIDES, "--config.trainer.steps=2", "--config.trainer.warmup_sft_steps=0",

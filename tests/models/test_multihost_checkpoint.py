@@ -5,6 +5,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+# several processes with their own ports and cores: one such test at a time (pytest -n)
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = pathlib.Path(__file__).parents[2]
 
 

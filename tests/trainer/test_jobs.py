@@ -18,6 +18,9 @@ from rlx.trainer.common import Draw
 from rlx.trainer.exchange import RolloutFiles, decode, encode
 from tests.trainer import tiny
 
+# several processes with their own ports and cores: one such test at a time (pytest -n)
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = pathlib.Path(__file__).parents[2]
 
 
