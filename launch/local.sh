@@ -10,12 +10,14 @@
 #   Each process samples its share of every prompt batch on its own devices
 #   (config.mesh.cpu_devices each, 8 unless overridden); all join one SPMD update.
 #
-# Split as two jobs, a learner job of N processes and a generator job of 1:
+# Split as jobs, a learner job of N processes and M generator jobs of one process each:
 #   launch/local.sh --learner 1 --generator 1 --config configs/dapo_split.py \
 #       --workdir /tmp/rlx-jobs --config.mesh.cpu_devices=1
 #   starts `python -m rlx.main ARGS --config.mesh.role=learner --config.mesh.weight_sync=orbax`
-#   (N > 1: joined by their own coordinator) and the same with role=generator. The two jobs
-#   share only the workdir: weights as Orbax versions, rollouts as files.
+#   (N > 1: joined by their own coordinator) and M times the same with role=generator and
+#   --config.mesh.generator_id=0..M-1 (all with --config.mesh.generators=M). The jobs share
+#   only the workdir: weights as Orbax versions, rollouts as files; generator job g writes
+#   rollouts g, g + M, ... from every M-th prompt.
 #
 # Process 0 of each job prints. Exits with a failing process's status; Ctrl-C reaches every
 # process (each saves and stops).
@@ -52,9 +54,12 @@ start_job() {
 if [ "$learner" -gt 0 ] || [ "$generator" -gt 0 ]; then
   if [ "$learner" -lt 1 ] || [ "$generator" -lt 1 ]; then echo "$usage" >&2; exit 2; fi
   start_job "$learner" "$@" --config.mesh.mode=split --config.mesh.role=learner \
-    --config.mesh.weight_sync=orbax
-  start_job "$generator" "$@" --config.mesh.mode=split --config.mesh.role=generator \
-    --config.mesh.weight_sync=orbax
+    --config.mesh.weight_sync=orbax --config.mesh.generators="$generator"
+  for ((g = 0; g < generator; g++)); do
+    start_job 1 "$@" --config.mesh.mode=split --config.mesh.role=generator \
+      --config.mesh.weight_sync=orbax --config.mesh.generators="$generator" \
+      --config.mesh.generator_id="$g"
+  done
 elif [ "$processes" -gt 0 ]; then
   port=${RLX_COORDINATOR_PORT:-$(free_port)}
   for ((i = 0; i < processes; i++)); do

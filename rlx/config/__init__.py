@@ -114,4 +114,6 @@ def check(config: RunConfig) -> RunConfig:
            "set config.mesh.mode=split (or role=both)")
     _check(mesh.weight_sync == "orbax", "mesh.weight_sync", f"must be 'orbax' with "
            f"mesh.role={mesh.role!r}: separate jobs exchange weights through the shared workdir")
+  _check(mesh.generators == 1 or mesh.role != "both", "mesh.generators",
+         "counts generator jobs of a split run as jobs (mesh.role=learner or generator)")
   return config

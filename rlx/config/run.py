@@ -35,6 +35,10 @@ class MeshConfig:
   """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
   role: Literal["both", "learner", "generator"] = "both"
   """Split mode: 'both' runs generator and learner in this job (a thread each); 'learner' or 'generator' runs one side as its own job, the two exchanging weights (Orbax versions) and rollouts (files) through the shared workdir (see launch/local.sh --learner N --generator M)."""
+  generators: int = 1
+  """Split as jobs: how many generator jobs feed the learner job; generator job g of them writes rollouts g, g + generators, ... from its own share of the prompts (launch/local.sh --generator M)."""
+  generator_id: int = 0
+  """Split as jobs: which generator job this is, 0 .. generators - 1."""
   multihost: bool = False
   """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
   check_agreement: bool = False
@@ -62,6 +66,9 @@ class MeshConfig:
            "must be >= 0 (or None to disable it)")
     _check(self.control_window >= 1, "mesh.control_window", "must be >= 1")
     _check(self.generation_devices >= 0, "mesh.generation_devices", "must be >= 0")
+    _check(self.generators >= 1, "mesh.generators", "must be >= 1")
+    _check(0 <= self.generator_id < self.generators, "mesh.generator_id",
+           f"must be in 0 .. mesh.generators - 1 = {self.generators - 1}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

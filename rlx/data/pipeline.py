@@ -18,6 +18,7 @@ from rlx.data.sources import DataError
 
 class PromptStream:
   """Batches of prompt rows. Each epoch is a fresh shuffle; ``num_epochs=None`` repeats forever.
+  ``shard=(i, n)`` streams only every n-th row of the source, from row i.
 
   With ``max_prompt_tokens``, a prompt longer than that is a bad row, met when it is read:
   ``on_bad_row="error"`` raises ``DataError`` naming it, ``"skip"`` drops it and counts it in
@@ -26,12 +27,21 @@ class PromptStream:
 
   def __init__(self, source: Sequence[dict], *, batch_size: int, seed: int = 0,
                num_epochs: int | None = None, encode: Callable[[str], list[int]] | None = None,
-               max_prompt_tokens: int | None = None, on_bad_row: str = "error"):
+               max_prompt_tokens: int | None = None, on_bad_row: str = "error",
+               shard: tuple[int, int] = (0, 1)):
     if batch_size < 1:
       raise ValueError("batch_size must be >= 1")
+    index, count = shard
+    if not 0 <= index < count:
+      raise ValueError(f"shard {index} of {count} does not exist")
     self.max_prompt_tokens, self.on_bad_row = max_prompt_tokens, on_bad_row
     self.skipped, self.first_skipped = 0, None
-    dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(num_epochs)
+    # shard (i, n): rows i, i + n, ... of the source, before the shuffle, so that n streams
+    # (one per generator job) never share a row
+    dataset = grain.MapDataset.source(source)
+    if count > 1:
+      dataset = dataset[index::count]
+    dataset = dataset.shuffle(seed=seed).repeat(num_epochs)
     if encode is not None:
       dataset = dataset.map(lambda row: self._encoded(row, encode))
     dataset = dataset.to_iter_dataset()

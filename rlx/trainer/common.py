@@ -114,7 +114,10 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                         seed=config.data.shuffle_seed, num_epochs=config.data.num_epochs,
                         encode=tokenizer.encode_prompt,
                         max_prompt_tokens=config.rollout.max_prompt_len,
-                        on_bad_row=config.data.on_bad_row)
+                        on_bad_row=config.data.on_bad_row,
+                        # a generator job of several: its own share of the prompts
+                        shard=((config.mesh.generator_id, config.mesh.generators)
+                               if config.mesh.role == "generator" else (0, 1)))
   r = config.rollout
   engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
                           max_len=r.max_prompt_len + r.max_new_tokens,

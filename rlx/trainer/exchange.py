@@ -14,8 +14,10 @@ never sees half a file; a writer killed mid-write leaves only a hidden name, rem
 the next start.
 
 ``progress.json`` is the learner's side: how many batches it has finished
-(trained or dropped), and the data position after the last one. The generator
-gates on it (staleness), and resumes from it, or from its newest file.
+(trained or dropped), and the data position after the last one (and, with several
+generator jobs, after the last one of each). A generator gates on it (staleness),
+and resumes from it, or from its newest file. Generator job g of n writes batches
+g, g + n, g + 2n, ... (``RolloutFiles.mine``), from its own share of the prompts.
 ``control.json`` holds the learner's controller settings (the effective staleness k,
 the sampling temperature) that the generator follows.
 """
@@ -87,9 +89,14 @@ def decode(data: bytes) -> tuple[Draw, dict]:
 class RolloutFiles:
   """The rollout files of one run (see the module docstring)."""
 
-  def __init__(self, directory: str | pathlib.Path):
+  def __init__(self, directory: str | pathlib.Path, generators: int = 1):
     self.directory = pathlib.Path(directory)
     self.directory.mkdir(parents=True, exist_ok=True)
+    self.generators = generators
+
+  def mine(self, index: int, generator: int) -> bool:
+    """Whether batch ``index`` is generator job ``generator``'s to write."""
+    return index % self.generators == generator
 
   def path(self, index: int) -> pathlib.Path:
     return self.directory / f"{index:08d}{SUFFIX}"
@@ -114,9 +121,11 @@ class RolloutFiles:
   def read(self, index: int) -> tuple[Draw, dict]:
     return decode(self.path(index).read_bytes())
 
-  def remove_partial(self) -> int:
-    """Deletes files a killed writer left under hidden names; returns how many."""
-    leftovers = list(self.directory.glob(f".*{SUFFIX}.*.partial"))
+  def remove_partial(self, generator: int = 0) -> int:
+    """Deletes the files a killed writer (generator job ``generator``) left under hidden
+    names; returns how many. Other generator jobs' files are theirs."""
+    leftovers = [p for p in self.directory.glob(f".*{SUFFIX}.*.partial")
+                 if self.mine(int(p.name[1:].split(".")[0]), generator)]
     for p in leftovers:
       p.unlink(missing_ok=True)
     return len(leftovers)
@@ -124,13 +133,25 @@ class RolloutFiles:
   # --- the learner's side ----------------------------------------------------------------------
 
   def progress(self) -> dict:
-    """``{"done": batches finished, "data_state": position after the last}`` (0 / None at first)."""
+    """``{"done": batches finished, "data_state": position after the last, "data_states":
+    {generator: position after its last}}`` (0 / None / {} at first)."""
     path = self.directory / "progress.json"
-    return json.loads(path.read_text()) if path.is_file() else {"done": 0, "data_state": None}
+    record = json.loads(path.read_text()) if path.is_file() else {"done": 0, "data_state": None}
+    return {"data_states": {}, **record}
+
+  def resume_state(self, generator: int) -> dict | None:
+    """The data position after generator job ``generator``'s last finished batch."""
+    progress = self.progress()
+    if self.generators == 1:
+      return progress["data_state"]
+    return progress["data_states"].get(str(generator))
 
   def finish(self, index: int, data_state: dict | None) -> None:
     """Marks batch ``index`` (and all before it) finished: records it, then deletes its file."""
-    record = {"done": index + 1, "data_state": data_state}
+    states = dict(self.progress()["data_states"])
+    if self.generators > 1:
+      states[str(index % self.generators)] = data_state
+    record = {"done": index + 1, "data_state": data_state, "data_states": states}
     partial = self.directory / ".progress.json.partial"
     partial.write_text(json.dumps(record))
     os.replace(partial, self.directory / "progress.json")

@@ -20,6 +20,12 @@ newest complete file (or after the learner's last finished batch), from that fil
 position, so no batch is generated twice or lost. The learner writes ``rollouts/DONE``
 when it stops for good; the generator exits when it sees it.
 
+Several generator jobs (``mesh.generators`` = n, each with its ``mesh.generator_id``;
+``launch/local.sh --generator n``) feed one learner: job g writes batches g, g + n, ...
+from its own share of the prompts (every n-th row of the source), and the learner takes
+them in order. The staleness gate is the same, so at most k + 1 batches are in flight
+over all of them: more generator jobs than k + 1 wait on the gate.
+
 The learner's controller (``rlx.trainer.control``) runs as in one process: it expires
 batches past the lag or age limit, and hands its effective k and sampling temperature to
 the generator job through ``rollouts/control.json``.
@@ -51,7 +57,7 @@ NOTICE_S = 60.0
 def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
   """The learner job: trains on rollout files as they come, publishes every version."""
   run, learner, start, accuracy_before = begin(config, workdir, say)
-  files = RolloutFiles(run.workdir / "rollouts")
+  files = RolloutFiles(run.workdir / "rollouts", config.mesh.generators)
   index = distributed.agree(max(int(learner.restored_meta.get("rollout_index", 0)),
                                 files.progress()["done"]))
   expired_files = 0
@@ -91,7 +97,9 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
         # process 0 looks for the file, and every process of the job follows its answer
         if not distributed.agree(files.path(index).is_file()):
           if time.perf_counter() - waited_since > NOTICE_S:
-            say(f"rlx: learner: waiting for rollout file {files.path(index)} from the generator job")
+            source = ("the generator job" if files.generators == 1
+                      else f"generator job {index % files.generators}")
+            say(f"rlx: learner: waiting for rollout file {files.path(index)} from {source}")
             waited_since = time.perf_counter()
           time.sleep(POLL_S)
           continue
@@ -131,10 +139,12 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
         if controller.expires:
           metrics["rollout/expired_batches"] = expired_batches
         metrics.update(device_memory())
+        if files.generators > 1:
+          metrics["rollout/generator"] = (index - 1) % files.generators  # which job wrote it
         metrics.update({
             "rollout/index": index - 1, "rollout/dropped_batches": dropped,
-            # prompts the generator had drawn after this batch: consecutive batches never
-            # repeat or skip prompts, across generator restarts too
+            # prompts the generator had drawn after this batch: its consecutive batches
+            # never repeat or skip prompts, across restarts too
             "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
             "rollout/expired_files": expired_files,
             "time/step_s": elapsed, "time/wait_for_data_s": received - waited_since,
@@ -166,16 +176,21 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
   """The generator job: samples and scores batches with the newest published policy and
   writes them as rollout files, within the staleness bound; returns a summary."""
   run = prepare(config, workdir, say)
-  files = RolloutFiles(run.workdir / "rollouts")
-  if files.remove_partial():
-    say("rlx: generator: removed a rollout file a killed writer left half-written")
-  pending, progress = files.pending(), files.progress()
-  index = pending[-1] + 1 if pending else progress["done"]
-  data_state = files.read(pending[-1])[0].data_state if pending else progress["data_state"]
+  jobs, me = config.mesh.generators, config.mesh.generator_id
+  name = "generator" if jobs == 1 else f"generator {me}"
+  files = RolloutFiles(run.workdir / "rollouts", jobs)
+  if files.remove_partial(me):
+    say(f"rlx: {name}: removed a rollout file a killed writer left half-written")
+  pending = [i for i in files.pending() if files.mine(i, me)]
+  done = files.progress()["done"]
+  if pending:  # after its newest complete file, from that file's data position
+    index, data_state = pending[-1] + jobs, files.read(pending[-1])[0].data_state
+  else:  # its first batch the learner has not finished
+    index, data_state = done + (me - done) % jobs, files.resume_state(me)
   if data_state is not None:
     run.stream.set_state(data_state)
-  if index:
-    say(f"rlx: generator: resuming at rollout {index}")
+  if index >= jobs:
+    say(f"rlx: {name}: resuming at rollout {index}")
   like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.model.params)
   params, version, written, sync_seconds = None, -1, 0, 0.0
   waited_since = time.perf_counter()
@@ -192,7 +207,7 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
           (params, version), sync_seconds = newest, run.sync.last_seconds
         if not gate_open or params is None:  # the learner is k batches behind, or not started
           if time.perf_counter() - waited_since > NOTICE_S:
-            say(f"rlx: generator: waiting for the learner job (rollout {index}, policy version "
+            say(f"rlx: {name}: waiting for the learner job (rollout {index}, policy version "
                 f"{version})")
             waited_since = time.perf_counter()
           time.sleep(POLL_S)
@@ -202,15 +217,15 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
                          seed=config.trainer.seed * 1_000_003 + index,
                          temperature=seen["control"].get("temperature"))
         except StopIteration:
-          say(f"rlx: generator: the data ran out after {config.data.num_epochs} epoch(s)")
+          say(f"rlx: {name}: the data ran out after {config.data.num_epochs} epoch(s)")
           break
         files.write(index, draw, extra={"index": index, "generator_sync_s": sync_seconds,
                                         "setting": seen["control"].get("setting", 0)})
-        index, written = index + 1, written + 1
+        index, written = index + jobs, written + 1
         waited_since = time.perf_counter()
   finally:
     run.close()
-  say(f"rlx: generator: wrote {written} rollout file(s); the next is {index}")
+  say(f"rlx: {name}: wrote {written} rollout file(s); the next is {index}")
   return {"written": written, "next_index": index, "stopped": stop.requested}
 
 

@@ -79,6 +79,18 @@ def test_stream_is_deterministic_covers_epochs_and_resumes(tmp_path):
   assert [prompts(next(resumed)) for _ in range(3)] == expected
 
 
+def test_shards_of_a_stream_split_the_rows_between_them(tmp_path):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(12)]
+  source = JsonlSource(_jsonl(tmp_path / "d.jsonl", rows))
+  shards = [[r["prompt"] for batch in PromptStream(source, batch_size=2, seed=3, num_epochs=1,
+                                                     shard=(i, 3)) for r in batch]
+            for i in range(3)]
+  assert [sorted(shard, key=lambda p: int(p[1:])) for shard in shards] == [
+      [f"p{j}" for j in range(i, 12, 3)] for i in range(3)]
+  with pytest.raises(ValueError, match="shard 3 of 3 does not exist"):
+    PromptStream(source, batch_size=2, shard=(3, 3))
+
+
 def test_stream_tokenizes_prompts():
   stream = PromptStream(TaskSource("arithmetic"), batch_size=2, encode=lambda text: [len(text)])
   batch = next(stream)

@@ -54,8 +54,27 @@ def test_rollout_files_round_trip_and_are_written_whole(tmp_path):
   assert files.pending() == [0, 1]  # hidden names are never read
   assert files.remove_partial() == 1
   files.finish(0, draw.data_state)
-  assert files.pending() == [1] and files.progress() == {"done": 1, "data_state": draw.data_state}
+  assert files.pending() == [1] and files.progress() == {"done": 1, "data_state": draw.data_state,
+                                                         "data_states": {}}
+  assert files.resume_state(0) == draw.data_state
   assert files.expire_below(2) == 1 and files.pending() == []
+
+
+def test_several_generator_jobs_resume_from_their_own_batches(tmp_path):
+  rng = np.random.default_rng(1)
+  files = RolloutFiles(tmp_path, generators=2)
+  assert [i for i in range(6) if files.mine(i, 1)] == [1, 3, 5]
+  draws = [_draw(rng) for _ in range(3)]
+  for i, draw in enumerate(draws):
+    draw.data_state = {"next_index": 10 * i}
+    files.write(i, draw)
+  # a killed writer of job 1 left batch 3 half-written: only job 1 removes it
+  (tmp_path / ".00000003.rollout.99.partial").write_bytes(b"half")
+  assert files.remove_partial(0) == 0 and files.remove_partial(1) == 1
+  files.finish(0, draws[0].data_state)
+  files.finish(1, draws[1].data_state)
+  assert files.resume_state(0) == {"next_index": 0} and files.resume_state(1) == {"next_index": 10}
+  assert files.progress()["done"] == 2 and files.pending() == [2]
 
 
 def _start(role: str, workdir: pathlib.Path, *overrides: str) -> subprocess.Popen:
@@ -73,37 +92,45 @@ def _steps(workdir: pathlib.Path) -> int:
   return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
-def test_learner_and_generator_jobs_with_a_generator_restart(tmp_path):
+def test_a_learner_job_and_two_generator_jobs_with_a_generator_restart(tmp_path):
   steps = 8
   # an entropy floor no policy reaches: the learner's controller raises the sampling
-  # temperature every 2 steps, and the generator job follows it through control.json
-  control = ("--config.algorithm.entropy_floor=100", "--config.mesh.control_window=2")
+  # temperature every 2 steps, and the generator jobs follow it through control.json
+  control = ("--config.algorithm.entropy_floor=100", "--config.mesh.control_window=2",
+             "--config.mesh.generators=2")
   learner = _start("learner", tmp_path, f"--config.trainer.steps={steps}", *control)
-  generator = _start("generator", tmp_path, *control)
-  processes = [learner, generator]
+  generators = [_start("generator", tmp_path, *control, f"--config.mesh.generator_id={g}")
+                for g in (0, 1)]
+  processes = [learner, *generators]
   try:
     deadline = time.monotonic() + 180
     while _steps(tmp_path) < 3:
       assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
       time.sleep(0.2)
-    os.killpg(generator.pid, signal.SIGKILL)  # mid-run, maybe mid-write
-    generator.wait(timeout=30)
-    generator = _start("generator", tmp_path, *control)
-    processes.append(generator)
+    os.killpg(generators[1].pid, signal.SIGKILL)  # mid-run, maybe mid-write
+    generators[1].wait(timeout=30)
+    generators[1] = _start("generator", tmp_path, *control, "--config.mesh.generator_id=1")
+    processes.append(generators[1])
     learner_out, _ = learner.communicate(timeout=240)
-    generator_out, _ = generator.communicate(timeout=60)  # exits when the learner is done
+    # each exits when the learner is done
+    outputs = [generator.communicate(timeout=60)[0] for generator in generators]
   finally:
     for p in processes:
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
   assert learner.returncode == 0, learner_out
-  assert generator.returncode == 0, generator_out
-  assert "rlx: generator: resuming at rollout" in generator_out
+  assert [generator.returncode for generator in generators] == [0, 0], outputs
+  assert "rlx: generator 1: resuming at rollout" in outputs[1]
   rows = tiny.metrics(tmp_path)
   assert [row["step"] for row in rows] == list(range(1, steps + 1))
-  # every batch trained exactly once, in order: none generated twice or lost
+  # every batch trained exactly once, in order, job g writing batches g, g + 2, ...: none
+  # generated twice or lost
   assert [row["rollout/index"] for row in rows] == list(range(steps))
-  assert [row["data/prompts_drawn"] for row in rows] == [2 * (i + 1) for i in range(steps)]
+  assert [row["rollout/generator"] for row in rows] == [0, 1] * (steps // 2)
+  # each job's prompts in order, none repeated or skipped, across the restart too
+  for g in (0, 1):
+    drawn = [row["data/prompts_drawn"] for row in rows if row["rollout/generator"] == g]
+    assert drawn == [2 * (i + 1) for i in range(steps // 2)], (g, drawn)
   assert max(row["rollout/policy_lag_max"] for row in rows) <= 1
   assert any(row["rollout/policy_lag_max"] == 1 for row in rows)  # the jobs did overlap
   assert rows[-1]["time/sync_s"] > 0 and rows[-1]["time/generator_sync_s"] > 0
@@ -128,3 +155,7 @@ def test_roles_need_split_and_orbax():
   with pytest.raises(ConfigError, match="config.mesh.role: 'generator' is one side of a split"):
     check(tiny.config("grpo_colocated", "--config.mesh.role=generator",
                       "--config.mesh.weight_sync=orbax"))
+  with pytest.raises(ConfigError, match="config.mesh.generators: counts generator jobs"):
+    check(tiny.config("dapo_split", "--config.mesh.generators=2"))
+  with pytest.raises(ConfigError, match="config.mesh.generator_id: must be in 0 .. "):
+    tiny.config("dapo_split", "--config.mesh.generators=2", "--config.mesh.generator_id=2")
