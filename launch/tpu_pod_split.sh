@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# A split rlx run on Cloud TPU as jobs: the learner job on every worker of one slice (joined
+# by jax.distributed through the TPU metadata server), and one generator job on each of
+# the single-host TPU VMs listed (a generator job is one process). They share only the
+# workdir, which must be on storage all of them see (NFS / Filestore, or GCS through
+# gcsfuse): weights go as Orbax versions in WORKDIR/policy_versions, rollouts as files in
+# WORKDIR/rollouts; generator job g of M writes rollouts g, g + M, ... from every M-th prompt.
+#
+#   LEARNER_TPU=my-v5p-32 GENERATOR_TPUS=gen-v6e-8-a,gen-v6e-8-b ZONE=us-east5-a \
+#     launch/tpu_pod_split.sh --config configs/dapo_split.py --workdir /mnt/shared/runs/dapo \
+#       --config.model.path=/mnt/shared/models/Qwen3-8B
+#
+# Exits with a failing job's status.
+set -euo pipefail
+: "${LEARNER_TPU:?set LEARNER_TPU}" "${GENERATOR_TPUS:?set GENERATOR_TPUS}" "${ZONE:?set ZONE}"
+IFS=, read -r -a generators <<< "$GENERATOR_TPUS"
+args=$(printf '%q ' "$@")
+common="--config.mesh.mode=split --config.mesh.weight_sync=orbax --config.mesh.generators=${#generators[@]}"
+pids=()
+gcloud compute tpus tpu-vm ssh "$LEARNER_TPU" --zone "$ZONE" --worker=all --command \
+  "cd ~/rlx && python -m rlx.main $args $common --config.mesh.role=learner --config.mesh.multihost=true" &
+pids+=($!)
+for g in "${!generators[@]}"; do
+  gcloud compute tpus tpu-vm ssh "${generators[$g]}" --zone "$ZONE" --worker=0 --command \
+    "cd ~/rlx && python -m rlx.main $args $common --config.mesh.role=generator --config.mesh.generator_id=$g" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"
