@@ -1,5 +1,6 @@
-"""Colocated vs split (one process) vs split as two jobs, on the same work: samples/s, policy
-lag, busy fraction of each side, sync seconds and the held-out accuracy reached, as JSON.
+"""Colocated (one process or two) vs split (one process) vs split as two jobs, on the same
+work: samples/s, policy lag, busy fraction of each side, sync seconds and the held-out
+accuracy reached, as JSON.
 
 Every arm runs DAPO (with truncated importance sampling) from the same warmed-up model
 (the warm-up runs once, in the first arm's workdir; the others load it with
@@ -7,11 +8,15 @@ Every arm runs DAPO (with truncated importance sampling) from the same warmed-up
 on the same two CPU cores, one arm after the other:
 
 - ``colocated``: one process, 2 devices, both cores; generate then learn, in turn.
+- ``processes``: colocated as 2 processes of 1 device each, joined by ``jax.distributed``
+  (each runs on one core of its own); each samples half of every batch, and both join
+  one data-parallel update over gloo.
 - ``split``: one process, 2 devices (one generates, one learns), both cores, a thread each.
 - ``jobs``: a learner process and a generator process (``mesh.role``), 1 device each,
   each pinned to its own core with ``taskset`` when it exists; they share the workdir.
 
-    python benchmarks/deployment.py --steps 150 [--arms colocated split jobs] [--config.a.b=v ...]
+    python benchmarks/deployment.py --steps 150 [--arms colocated processes split jobs] \
+        [--config.a.b=v ...]
 
 Busy fractions: each side's share of the loop's wall time spent working (generating, or
 learning); colocated reports the share of wall time each phase holds the shared devices,
@@ -26,6 +31,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +63,15 @@ def _processes(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> list[l
   if arm == "split":
     return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=split",
                                       "--config.mesh.cpu_devices=2", *warm)]
+  if arm == "processes":
+    with socket.socket() as s:
+      s.bind(("localhost", 0))
+      port = s.getsockname()[1]
+    return [["env", f"JAX_COORDINATOR_ADDRESS=localhost:{port}", "JAX_NUM_PROCESSES=2",
+             f"JAX_PROCESS_ID={i}"]
+            + _command(workdir, args, "--config.mesh.mode=colocated",
+                       "--config.mesh.cpu_devices=1", "--config.mesh.multihost=true", *warm)
+            for i in range(2)]
   jobs = ["--config.mesh.mode=split", "--config.mesh.cpu_devices=1",
           "--config.mesh.weight_sync=orbax", *warm]
   return [_pinned("0") + _command(workdir, args, *jobs, "--config.mesh.role=learner"),
@@ -114,8 +129,8 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--arms", nargs="+", default=["colocated", "split", "jobs"],
-                      choices=["colocated", "split", "jobs"])
+  arms = ["colocated", "processes", "split", "jobs"]
+  parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the final reward averages")
