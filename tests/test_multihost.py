@@ -56,6 +56,9 @@ def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
     for name, value in theirs.items():
       if not name.startswith(("time/", "throughput/")):
         assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    # throughput counts both processes' samples (rate x seconds = the whole batch's rows)
+    samples = [row["throughput/samples_per_s"] * row["time/step_s"] for row in (ours, theirs)]
+    assert samples[0] == pytest.approx(samples[1]) == pytest.approx(2 * 2), samples
   assert (tmp_path / "two" / "checkpoints" / "2").is_dir()
 
 

@@ -74,12 +74,14 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
         say(f"rlx: control: {event}")
       metrics.update(controller.metrics())
       elapsed = time.perf_counter() - started
-      tokens = sum(len(c.response_tokens) for c in draw.completions)
+      # over every process's share of the batch
+      tokens, samples = distributed.sum_over_processes(
+          [sum(len(c.response_tokens) for c in draw.completions), len(draw.completions)])
       metrics.update({
           "time/step_s": elapsed, "time/generate_s": draw.generate_seconds,
           "time/learn_s": learned - learn_started, "time/sync_s": time.perf_counter() - learned,
-          "throughput/tokens_per_s": tokens / elapsed,
-          "throughput/samples_per_s": len(draw.completions) / elapsed,
+          "throughput/tokens_per_s": float(tokens) / elapsed,
+          "throughput/samples_per_s": float(samples) / elapsed,
           **device_memory()})
       stopping = stop.agree()  # every process stops after the same step
       if config.mesh.check_agreement:
