@@ -18,13 +18,14 @@ distributed.initialize(timeout_s=60, heartbeat_timeout_s=10, shutdown_timeout_s=
 import numpy as np  # noqa: E402
 
 from rlx import cli  # noqa: E402
+from rlx.config import MeshConfig  # noqa: E402
 from rlx.data import TaskSource, PromptStream  # noqa: E402
 from rlx.mesh import make_meshes  # noqa: E402
 from rlx.models import build_model, builtin_tokenizer  # noqa: E402
 from rlx.trainer.warmup import warm_up  # noqa: E402
 
 config = cli.load_config_file("configs/dapo_split.py")
-meshes = make_meshes(config.mesh.__class__(mode="colocated", fsdp=-1))
+meshes = make_meshes(MeshConfig(mode="colocated", fsdp=-1))
 model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
 tokenizer = builtin_tokenizer()
 rows = PromptStream(TaskSource(config.data.source, seed=0), batch_size=32, seed=1,

@@ -30,7 +30,8 @@ import jax
 from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink, ProfileWindow
-from rlx.trainer.common import Say, collect, device_memory, evaluate, evaluation_due
+from rlx.trainer.common import (Say, collect, device_memory, evaluate, evaluation_due,
+                               throughput)
 from rlx.trainer.control import Controller
 from rlx.trainer.learner import begin, finish
 
@@ -74,15 +75,10 @@ def _loop(config, run, learner, start, accuracy_before, say) -> dict:
         say(f"rlx: control: {event}")
       metrics.update(controller.metrics())
       elapsed = time.perf_counter() - started
-      # over every process's share of the batch
-      tokens, samples = distributed.sum_over_processes(
-          [sum(len(c.response_tokens) for c in draw.completions), len(draw.completions)])
       metrics.update({
           "time/step_s": elapsed, "time/generate_s": draw.generate_seconds,
           "time/learn_s": learned - learn_started, "time/sync_s": time.perf_counter() - learned,
-          "throughput/tokens_per_s": float(tokens) / elapsed,
-          "throughput/samples_per_s": float(samples) / elapsed,
-          **device_memory()})
+          **throughput(draw, elapsed), **device_memory()})
       stopping = stop.agree()  # every process stops after the same step
       if config.mesh.check_agreement:
         distributed.check_same(

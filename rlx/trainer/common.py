@@ -248,6 +248,15 @@ def device_memory() -> dict[str, float]:
                                         for s in stats) / gib}
 
 
+def throughput(draw: Draw, seconds: float) -> dict[str, float]:
+  """``throughput/tokens_per_s`` and ``throughput/samples_per_s`` of a step that took
+  ``seconds``, counting every process's share of the batch (call it on every process)."""
+  tokens, samples = distributed.sum_over_processes(
+      [sum(len(c.response_tokens) for c in draw.completions), len(draw.completions)])
+  return {"throughput/tokens_per_s": float(tokens) / seconds,
+          "throughput/samples_per_s": float(samples) / seconds}
+
+
 def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
   """Whether the loop evaluates after ``step`` (never once the run is stopping)."""
   every = config.trainer.eval_every

@@ -44,7 +44,8 @@ from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.metrics import MetricsSink, ProfileWindow
-from rlx.trainer.common import Draw, Say, collect, device_memory, evaluate, evaluation_due, prepare
+from rlx.trainer.common import (Draw, Say, collect, device_memory, evaluate, evaluation_due,
+                               prepare, throughput)
 from rlx.trainer.control import Controller
 from rlx.trainer.learner import begin, finish
 from rlx.trainer.exchange import RolloutFiles
@@ -131,8 +132,6 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
         data_state = draw.data_state
         finished = time.perf_counter()
         elapsed = finished - waited_since
-        tokens, samples = distributed.sum_over_processes(  # over every process's share
-            [sum(len(c.response_tokens) for c in draw.completions), len(draw.completions)])
         react(controller.observe(step, lag_mean=lag_mean if current else None,
                                  is_clip_frac=metrics["policy/is_clip_frac"],
                                  entropy=metrics["policy/entropy"]))
@@ -151,8 +150,7 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
             "time/step_s": elapsed, "time/wait_for_data_s": received - waited_since,
             "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
             "time/sync_s": sync_seconds, "time/generator_sync_s": extra["generator_sync_s"],
-            "throughput/tokens_per_s": float(tokens) / elapsed,
-            "throughput/samples_per_s": float(samples) / elapsed})
+            **throughput(draw, elapsed)})
         waited_since = finished
         if evaluation_due(config, step, stop.agreed):
           metrics.update(evaluate(run, learner.generation_params()))
