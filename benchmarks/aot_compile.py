@@ -91,14 +91,15 @@ def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 
   Qwen2.5-0.5B-shaped model on one device: (jitted step, abstract args)."""
   device = devices(target)[0]
   transformer = Transformer(QWEN_05B, jnp.bfloat16, "fused", "none")
-  engine = Engine(transformer, max_slots=slots, max_len=max_len, max_prompt_len=1024)
+  engine = Engine(transformer, max_slots=slots, max_len=max_len, max_prompt_len=1024,
+                  platform=PLATFORM[target])
   params = jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.bfloat16))
   state = jax.eval_shape(engine.init_decode_state)
   placed = jax.sharding.SingleDeviceSharding(device)
   args = (transformer, _placed(params, placed), _placed(state, placed))
   if steps == 1:
-    return _generate_one, args + (None,)
-  return _generate_chunk, args + (steps, None)
+    return _generate_one, args + (max_len, None)
+  return _generate_chunk, args + (steps, max_len, None)
 
 
 def main():

@@ -168,8 +168,8 @@ def decode_program(config: RunConfig, mesh):
                   param_shardings(transformer.arch, mesh, config.mesh.logical_axis_rules))
   state = engine.abstract_decode_state()
   if r.decode_steps == 1:
-    return _generate_one, (transformer, params, state, None)
-  return _generate_chunk, (transformer, params, state, r.decode_steps, None)
+    return _generate_one, (transformer, params, state, engine.max_len, None)
+  return _generate_chunk, (transformer, params, state, r.decode_steps, engine.max_len, None)
 
 
 def deployment_memory(config: RunConfig, target: str, devices_total: int,

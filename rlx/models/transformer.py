@@ -13,10 +13,19 @@ key/value heads, E head_dim, F mlp width, V vocab, L layers.
 Padding: a ``mask`` [B, T] marks real tokens (False = padding, left or right).
 Positions count real tokens only, and padded keys are never attended to.
 
-KV cache: ``{"k", "v": [L, B, K, S, E], "valid": [B, S] bool, "index": [B]}``,
-heads-major: for every row and kv head the S positions are contiguous, which is
-the layout both attention matmuls read (batch dims leading, E or S minor), so the
-compiled decode step neither transposes nor copies the cache on any backend.
+KV cache: ``{"k", "v", "valid": [B, S] bool, "index": [B]}`` in one of two layouts, both
+heads-major (for every row and kv head, a head's keys are one contiguous block) so that
+both attention matmuls take (B, K) as leading batch dims and read the cache in place:
+
+- ``stacked``: ``k``, ``v`` [L, B, K, S, E], the scan's carry over the stacked layers. On
+  TPU and GPU the compiled decode step writes one token per layer and copies nothing.
+- ``per_layer``: ``k`` a tuple of L [B, K, E, S] (keys position-minor), ``v`` a tuple of L
+  [B, K, S, E], the layers unrolled. For XLA:CPU, which copies a layer's slice of a stacked
+  array before a matmul reads it: here each buffer is read whole and updated in place, and
+  both matmuls get the standard ``[contracted, out]`` operand, ``q [G, E] @ k [E, S]`` and
+  ``p [G, S] @ v [S, E]``. (On TPU this layout makes the decode loop convert the cache's
+  tiling on entry and exit, so it is the CPU's.)
+
 A call with a cache writes the T new keys of row b at slots ``index[b] ..
 index[b] + T - 1`` and attends causally in slot order; prefill and one-token
 decode are the same call. The caller keeps ``index + T <= S``.
@@ -25,6 +34,7 @@ decode are the same call. The caller keeps ``index + T <= S``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
@@ -85,6 +95,33 @@ def param_specs(arch: ArchConfig) -> dict[str, Any]:
   if not arch.tie_word_embeddings:
     specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
   return specs
+
+
+def layer_list(params: Params) -> list[dict[str, jax.Array]]:
+  """Each layer's parameters: ``params["layers"]`` itself when it is a list already (see
+  ``unstack_layers``), else sliced out of the stacked arrays."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return list(layers)
+  count = jax.tree.leaves(layers)[0].shape[0]
+  return [jax.tree.map(lambda w, l=l: w[l], layers) for l in range(count)]
+
+
+def unstack_layers(params: Params) -> Params:
+  """``params`` with the stacked layers as a list of per-layer dicts, for the unrolled
+  (``per_layer``) cached forward. Done before a decode loop, the slices are copied once per
+  dispatch rather than at every step on XLA:CPU."""
+  return dict(params, layers=layer_list(params))
+
+
+CacheLayout = Literal["stacked", "per_layer"]
+POSITION_AXIS = {("stacked", "k"): 3, ("stacked", "v"): 3, ("per_layer", "k"): 3,
+                 ("per_layer", "v"): 2}
+"""The positions axis of the ``k`` / ``v`` arrays in each cache layout."""
+
+
+def cache_layout(cache: Cache) -> CacheLayout:
+  return "per_layer" if isinstance(cache["k"], (tuple, list)) else "stacked"
 
 
 def _is_spec(x) -> bool:
@@ -168,14 +205,17 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
   return out.reshape(B, T, H, E).astype(v.dtype)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Softmax attention over a heads-major cache. q [B,T,H,E], k/v [B,K,S,E], mask [B,T,S].
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     keys_position_minor: bool = False) -> jax.Array:
+  """Softmax attention over one layer's cache. q [B,T,H,E], v [B,K,S,E], mask [B,T,S], and
+  k [B,K,S,E], or [B,K,E,S] with ``keys_position_minor``.
 
   Both matmuls take (B, K) as leading batch dims, so the cache is read in its own layout."""
   B, T, H, E = q.shape
   K = k.shape[1]
   q = q.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, E] (small)
-  scores = jnp.einsum("bkgte,bkse->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.einsum("bkgte,bkes->bkgts" if keys_position_minor else "bkgte,bkse->bkgts", q, k,
+                      preferred_element_type=jnp.float32)
   scores = jnp.where(mask[:, None, None], scores / math.sqrt(E), -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bkse->bkgte", probs, v, preferred_element_type=jnp.float32)
@@ -209,12 +249,18 @@ class Transformer:
   def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> Params:
     return init_params(self.arch, key, param_dtype)
 
-  def init_cache(self, batch: int, max_len: int) -> Cache:
+  def init_cache(self, batch: int, max_len: int, layout: CacheLayout = "stacked") -> Cache:
     """An empty KV cache of ``max_len`` slots for ``batch`` rows."""
     a = self.arch
-    shape = (a.num_layers, batch, a.num_kv_heads, max_len, a.head_dim)
-    return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype),
-            "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((batch,), jnp.int32)}
+    L, K, E = a.num_layers, a.num_kv_heads, a.head_dim
+    zeros = lambda *shape: jnp.zeros(shape, self.dtype)
+    if layout == "stacked":
+      k, v = zeros(L, batch, K, max_len, E), zeros(L, batch, K, max_len, E)
+    else:
+      k = tuple(zeros(batch, K, E, max_len) for _ in range(L))
+      v = tuple(zeros(batch, K, max_len, E) for _ in range(L))
+    return {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool),
+            "index": jnp.zeros((batch,), jnp.int32)}
 
   def hidden_states(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
                     cache: Cache | None = None,
@@ -301,31 +347,52 @@ class Transformer:
       x, _ = jax.lax.scan(layer, x, params["layers"])
       return rms_norm(x, params["final_norm"], a.rms_norm_eps), None
 
-    # With a cache, the whole [L, B, K, S, E] cache is the scan's carry and each layer writes
-    # its new keys and values into it in place: a decode step never copies the cache.
     rows = jnp.arange(B)[:, None, None]
     heads = jnp.arange(a.num_kv_heads)[None, :, None]
     write_slots = query_slots[:, None, :]  # [B, 1, T]
+    if cache_layout(cache) == "stacked":
+      # The whole [L, B, K, S, E] cache is the scan's carry and each layer writes its new
+      # keys and values into it in place.
+      def cached_layer(carry, xs):
+        x, cache_k, cache_v = carry
+        p, l = xs
 
-    def cached_layer(carry, xs):
-      x, cache_k, cache_v = carry
-      p, l = xs
+        def write_kv(k, v):
+          # [B, T, K, E] -> [B, K, T, E], written at (l, b, head, index[b] + t).
+          put = lambda cache, new: cache.at[l, rows, heads, write_slots].set(
+              new.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+          k_all, v_all = put(cache_k, k), put(cache_v, v)
+          return k_all[l, :, :, :A], v_all[l, :, :, :A], (k_all, v_all)
 
-      def write_kv(k, v):
-        # [B, T, K, E] -> [B, K, T, E], written at (l, b, head, index[b] + t).
-        put = lambda cache, new: cache.at[l, rows, heads, write_slots].set(
-            new.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
-        k_all, v_all = put(cache_k, k), put(cache_v, v)
-        return k_all[l, :, :, :A], v_all[l, :, :, :A], (k_all, v_all)
+        attend = lambda q, k, v: cached_attention(q, k, v, attn_mask)
+        x, (cache_k, cache_v) = attention_block(x, p, write_kv, attend)
+        return (mlp_block(x, p), cache_k, cache_v), None
 
-      attend = lambda q, k, v: cached_attention(q, k, v, attn_mask)
-      x, (cache_k, cache_v) = attention_block(x, p, write_kv, attend)
-      return (mlp_block(x, p), cache_k, cache_v), None
+      (x, new_k, new_v), _ = jax.lax.scan(
+          cached_layer, (x, cache["k"], cache["v"]),
+          (params["layers"], jnp.arange(a.num_layers)))
+      x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
+      return x, {"k": new_k, "v": new_v, "valid": valid, "index": cache["index"] + T}
 
-    (x, new_k, new_v), _ = jax.lax.scan(
-        cached_layer, (x, cache["k"], cache["v"]), (params["layers"], jnp.arange(a.num_layers)))
+    # Per layer: unrolled, each layer writes its own buffers in place.
+    def write_kv(l, k, v):
+      # New [B, T, K, E] as [B, K, T, E]: keys at [b, head, :, index[b] + t], values at
+      # [b, head, index[b] + t, :].
+      k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+      keys = cache["k"][l].at[rows, heads, :, write_slots].set(
+          k.astype(self.dtype), mode="drop")
+      values = cache["v"][l].at[rows, heads, write_slots].set(v.astype(self.dtype), mode="drop")
+      return keys[..., :A], values[:, :, :A], (keys, values)
+
+    attend_minor = lambda q, k, v: cached_attention(q, k, v, attn_mask, keys_position_minor=True)
+    new_k, new_v = [], []
+    for l, p in enumerate(layer_list(params)):
+      x, (keys, values) = attention_block(x, p, functools.partial(write_kv, l), attend_minor)
+      x = mlp_block(x, p)
+      new_k.append(keys)
+      new_v.append(values)
     x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
-    return x, {"k": new_k, "v": new_v, "valid": valid, "index": cache["index"] + T}
+    return x, {"k": tuple(new_k), "v": tuple(new_v), "valid": valid, "index": cache["index"] + T}
 
   def unembedding(self, params: Params) -> jax.Array:
     """The unembedding matrix [D, V] (the fused log-prob loss takes it with the hidden states)."""

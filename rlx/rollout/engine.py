@@ -14,6 +14,12 @@ over a fixed number of decode slots, with static shapes.
   samples on device and stops early once every slot has finished), attending only to
   the filled part of the cache, rounded up to a power of two.
 
+The KV cache is laid out for the engine's platform (see ``rlx.models.transformer``):
+``stacked`` on TPU and GPU, ``per_layer`` on CPU. In the ``per_layer`` layout the decode
+state's cache is as long as the attention bucket, not ``max_len``: it is grown (or shrunk)
+by one copy when the bucket changes, so that a step reads whole buffers and never copies a
+slice of them (XLA:CPU would), and the chunk slices each layer's weights once.
+
 All three are jitted once per shape bucket; params are arguments, so new
 weights are used without recompiling. Every random draw of a request uses
 ``fold_in(request_key, token_index)``: samples do not depend on which slot a
@@ -35,7 +41,8 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx import mesh as mesh_lib
-from rlx.models.transformer import Cache, Params, Transformer, logical_axes, param_shapes
+from rlx.models.transformer import (POSITION_AXIS, Cache, CacheLayout, Params, Transformer,
+                                    cache_layout, logical_axes, param_shapes, unstack_layers)
 from rlx.rollout.sampling import sample
 
 NO_STOP = -1
@@ -43,7 +50,8 @@ NO_STOP = -1
 
 @struct.dataclass
 class Prefix:
-  """Prefilled prompts: their KV cache [L, P, K, B, E], last-token logits [P, V] and lengths [P]."""
+  """Prefilled prompts: their KV cache (for P rows of B positions, laid out as the model's),
+  last-token logits [P, V] and lengths [P]."""
 
   cache: Cache
   logits: jax.Array
@@ -110,6 +118,8 @@ class Engine:
       ``tensor`` axis (kv heads) and slots over ``data``. None: one device.
     max_stop_tokens: room for stop ids per request.
     decode_steps: tokens per ``generate`` dispatch (1 is the single-step reference path).
+    platform: the platform the engine compiles for ('cpu', 'gpu', 'tpu'); None: the mesh's,
+      else JAX's default backend. It chooses the KV-cache layout.
   """
 
   transformer: Transformer
@@ -119,6 +129,7 @@ class Engine:
   mesh: Mesh | None = None
   max_stop_tokens: int = 8
   decode_steps: int = 16
+  platform: str | None = None
 
   def __post_init__(self):
     if self.decode_steps < 1:
@@ -126,6 +137,14 @@ class Engine:
     if self.max_prompt_len >= self.max_len:
       raise ValueError(f"max_prompt_len={self.max_prompt_len} leaves no room to generate in "
                        f"max_len={self.max_len}")
+
+  @property
+  def cache_layout(self) -> CacheLayout:
+    platform = self.platform
+    if platform is None:
+      platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
+                  else jax.default_backend())
+    return "per_layer" if platform == "cpu" else "stacked"
 
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
@@ -151,8 +170,11 @@ class Engine:
   def attend_bucket(self, filled: int) -> int:
     """The attention length for a chunk when the fullest active slot holds ``filled`` tokens
     (its cache index): room for ``decode_steps`` more, rounded up to a power of two."""
-    needed = filled + self.decode_steps
-    return next((b for b in self.attend_buckets if b >= needed), self.max_len)
+    return self.length_bucket(filled + self.decode_steps)
+
+  def length_bucket(self, length: int) -> int:
+    """The smallest attention bucket of at least ``length`` positions (at most ``max_len``)."""
+    return next((b for b in self.attend_buckets if b >= length), self.max_len)
 
   # --- state ---------------------------------------------------------------------------------
 
@@ -166,11 +188,10 @@ class Engine:
 
   def init_decode_state(self) -> DecodeState:
     """Empty slots (on the engine's mesh, KV cache sharded by kv heads and slots)."""
-    S, a = self.max_slots, self.transformer.arch
-    cache = self.transformer.init_cache(S, self.max_len)
+    S = self.max_slots
+    cache = self.transformer.init_cache(S, self.max_len, self.cache_layout)
     if self.mesh is not None:
-      kv = self._sharding((None, a.num_layers), ("data", S), ("tensor", a.num_kv_heads),
-                          (None, self.max_len), (None, a.head_dim))
+      kv = self._kv_sharding()
       cache = dict(cache, k=jax.device_put(cache["k"], kv), v=jax.device_put(cache["v"], kv))
     # Distinct buffers for every field: the state is donated to each step.
     zeros_f = lambda: jnp.zeros((S,), jnp.float32)
@@ -187,33 +208,46 @@ class Engine:
   def abstract_decode_state(self) -> DecodeState:
     """The decode state's shapes, dtypes and shardings, without memory (for compiling ahead of
     time): the KV cache as ``init_decode_state`` lays it out, the rest replicated."""
-    S, a = self.max_slots, self.transformer.arch
     shapes = jax.eval_shape(self.init_decode_state)
     if self.mesh is None:
       return shapes
-    kv = self._sharding((None, a.num_layers), ("data", S), ("tensor", a.num_kv_heads),
-                        (None, self.max_len), (None, a.head_dim))
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                          shapes)
-    cache = dict(placed.cache, **{name: jax.ShapeDtypeStruct(shapes.cache[name].shape,
-                                                             shapes.cache[name].dtype, sharding=kv)
-                                  for name in ("k", "v")})
-    return placed.replace(cache=cache)
+    kv = self._kv_sharding()
+    placed = lambda sharding: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    state = jax.tree.map(placed(NamedSharding(self.mesh, PartitionSpec())), shapes)
+    cache = dict(state.cache, **{name: jax.tree.map(placed(kv), shapes.cache[name])
+                                 for name in ("k", "v")})
+    return state.replace(cache=cache)
+
+  def _kv_sharding(self) -> NamedSharding:
+    """The key and value buffers: slots over ``data``, kv heads over ``tensor``."""
+    slots_heads = (("data", self.max_slots), ("tensor", self.transformer.arch.num_kv_heads))
+    layers = ((None, 0),) if self.cache_layout == "stacked" else ()
+    return self._sharding(*layers, *slots_heads, (None, 0), (None, 0))
 
   # --- the contract --------------------------------------------------------------------------
 
   def prefill(self, params: Params, tokens: jax.Array, true_length: jax.Array) -> Prefix:
     """KV cache and last logits of P prompts. tokens: int [P, B] right-padded; true_length: [P]."""
     return _prefill(self.transformer, params, jnp.asarray(tokens, jnp.int32),
-                    jnp.asarray(true_length, jnp.int32))
+                    jnp.asarray(true_length, jnp.int32), self.cache_layout)
 
   def insert(self, prefix: Prefix, state: DecodeState, slots: jax.Array, rows: jax.Array,
              keys: jax.Array, sampling: SamplingParams) -> DecodeState:
     """Puts prefix row ``rows[i]`` into slot ``slots[i]`` and samples its first token with
     ``keys[i]``. A slot index ``>= max_slots`` is ignored (padding of a bucketed insert)."""
+    prefix_len = prefix.cache["valid"].shape[1]
+    if cache_len(state) < prefix_len:
+      state = self.resize(state, self.length_bucket(prefix_len))
     return _insert(prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(rows, jnp.int32),
-                   keys, sampling)
+                   keys, sampling, self.max_len)
+
+  def resize(self, state: DecodeState, length: int) -> DecodeState:
+    """``state`` with a KV cache of ``length`` positions (a copy, or ``state`` when it has that
+    length already). Slots that hold more than ``length`` tokens lose the rest: only idle
+    slots may."""
+    if not 0 < length <= self.max_len:
+      raise ValueError(f"cache length {length} is outside 1..max_len={self.max_len}")
+    return state if cache_len(state) == length else _resize(state, length)
 
   def generate(self, params: Params, state: DecodeState,
                attend_len: int | None = None) -> tuple[DecodeState, StepResult]:
@@ -222,39 +256,76 @@ class Engine:
     The StepResult's fields are [decode_steps, S]. A slot that finishes inside the chunk
     emits nothing after; the chunk ends early once no slot is active. ``attend_len`` (see
     ``attend_bucket``) limits attention to the filled part of the cache; every active slot
-    must keep ``index + decode_steps <= attend_len``.
+    must keep ``index + decode_steps <= attend_len``. A ``per_layer`` cache is resized to it
+    (None: to ``max_len``).
     """
+    if cache_layout(state.cache) == "per_layer":
+      state, attend_len = self.resize(state, attend_len or self.max_len), None
     if self.decode_steps == 1:
-      return _generate_one(self.transformer, params, state, attend_len)
-    return _generate_chunk(self.transformer, params, state, self.decode_steps, attend_len)
+      return _generate_one(self.transformer, params, state, self.max_len, attend_len)
+    return _generate_chunk(self.transformer, params, state, self.decode_steps, self.max_len,
+                           attend_len)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _prefill(transformer: Transformer, params: Params, tokens, true_length) -> Prefix:
+def cache_len(state: DecodeState) -> int:
+  """The KV cache length (positions per slot) of a decode state."""
+  return state.cache["valid"].shape[1]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _resize(state: DecodeState, length: int) -> DecodeState:
+  cache = dict(state.cache)
+  old = cache_len(state)
+
+  def fit(x, axis):
+    if length <= old:
+      return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, length - old)
+    return jnp.pad(x, pad)
+
+  layout = cache_layout(cache)
+  for name in ("k", "v"):
+    cache[name] = jax.tree.map(lambda x, axis=POSITION_AXIS[layout, name]: fit(x, axis),
+                               cache[name])
+  cache["valid"] = fit(cache["valid"], 1)
+  return state.replace(cache=cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _prefill(transformer: Transformer, params: Params, tokens, true_length,
+             layout: CacheLayout) -> Prefix:
   P, B = tokens.shape
   mask = jnp.arange(B)[None, :] < true_length[:, None]
-  cache = transformer.init_cache(P, B)
+  cache = transformer.init_cache(P, B, layout)
   hidden, cache = transformer.hidden_states(params, tokens, mask, cache)
   last = jnp.take_along_axis(hidden, (true_length - 1)[:, None, None], axis=1)[:, 0]
   return Prefix(cache=cache, logits=transformer.logits(params, last), true_length=true_length)
 
 
-@functools.partial(jax.jit, donate_argnums=1)
-def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: SamplingParams):
-  M = state.cache["valid"].shape[1]
-  B = prefix.cache["k"].shape[3]
+@functools.partial(jax.jit, static_argnums=6, donate_argnums=1)
+def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: SamplingParams,
+            max_len: int):
+  M = cache_len(state)
+  B = prefix.cache["valid"].shape[1]
   length = prefix.true_length[rows]
   put = lambda target, values: target.at[slots].set(values, mode="drop")
   cache = dict(state.cache)
-  cache["k"] = cache["k"].at[:, slots, :, :B].set(prefix.cache["k"][:, rows], mode="drop")
-  cache["v"] = cache["v"].at[:, slots, :, :B].set(prefix.cache["v"][:, rows], mode="drop")
+  if cache_layout(cache) == "stacked":
+    for name in ("k", "v"):
+      cache[name] = cache[name].at[:, slots, :, :B].set(prefix.cache[name][:, rows], mode="drop")
+  else:
+    cache["k"] = tuple(k.at[slots, :, :, :B].set(new[rows], mode="drop")
+                       for k, new in zip(cache["k"], prefix.cache["k"]))
+    cache["v"] = tuple(v.at[slots, :, :B].set(new[rows], mode="drop")
+                       for v, new in zip(cache["v"], prefix.cache["v"]))
   cache["valid"] = put(cache["valid"], jnp.arange(M)[None, :] < length[:, None])
   cache["index"] = put(cache["index"], length)
   first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))
   tokens, logprobs, policy_logprobs = sample(prefix.logits[rows], first_keys, sampling.temperature,
                                              sampling.top_k, sampling.top_p)
   stopped = jnp.any(tokens[:, None] == sampling.stop_ids, axis=-1)
-  finished = stopped | (sampling.max_new_tokens <= 1) | (length >= M)
+  finished = stopped | (sampling.max_new_tokens <= 1) | (length >= max_len)
   return state.replace(
       cache=cache, last_token=put(state.last_token, tokens), last_logprob=put(state.last_logprob, logprobs),
       last_policy_logprob=put(state.last_policy_logprob, policy_logprobs),
@@ -264,10 +335,10 @@ def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: Sam
       sampling=jax.tree.map(put, state.sampling, sampling))
 
 
-def _decode_step(transformer: Transformer, params: Params, state: DecodeState,
+def _decode_step(transformer: Transformer, params: Params, state: DecodeState, max_len: int,
                  attend_len: int | None) -> tuple[DecodeState, StepResult]:
-  """One token for every active slot (traced inside the jitted single step and chunk)."""
-  M = state.cache["valid"].shape[1]
+  """One token for every active slot (traced inside the jitted single step and chunk). The
+  cache may be shorter than ``max_len`` but must have room for the token."""
   active = state.active
   logits, cache = transformer(params, state.last_token[:, None], None, state.cache, attend_len)
   # Idle slots ran too (static shapes) but keep their bookkeeping unchanged.
@@ -279,7 +350,7 @@ def _decode_step(transformer: Transformer, params: Params, state: DecodeState,
   generated = state.generated + active
   stopped = active & jnp.any(tokens[:, None] == s.stop_ids, axis=-1)
   # The token just drawn is written to the cache by the next step: stop when there is no room.
-  finished = active & (stopped | (generated >= s.max_new_tokens) | (cache["index"] >= M))
+  finished = active & (stopped | (generated >= s.max_new_tokens) | (cache["index"] >= max_len))
   keep = lambda new, old: jnp.where(active, new, old)
   state = state.replace(
       cache=cache, last_token=keep(tokens, state.last_token),
@@ -290,19 +361,22 @@ def _decode_step(transformer: Transformer, params: Params, state: DecodeState,
                            emitted=active, finished=finished, stopped=stopped)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=2)
-def _generate_one(transformer: Transformer, params: Params, state: DecodeState, attend_len):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
+def _generate_one(transformer: Transformer, params: Params, state: DecodeState, max_len: int,
+                  attend_len: int | None):
   """The single-step path: one dispatch per token (the reference of ``_generate_chunk``)."""
-  state, result = _decode_step(transformer, params, state, attend_len)
+  state, result = _decode_step(transformer, params, state, max_len, attend_len)
   return state, jax.tree.map(lambda x: x[None], result)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5), donate_argnums=2)
 def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState, steps: int,
-                    attend_len):
+                    max_len: int, attend_len: int | None):
   """Up to ``steps`` decode steps in one dispatch; stops early when no slot is active. Step i
   of the result is [S]; steps that did not run emit nothing."""
   S = state.active.shape[0]
+  if cache_layout(state.cache) == "per_layer":
+    params = unstack_layers(params)  # each layer's weights sliced once, not at every step
   out = StepResult(tokens=jnp.zeros((steps, S), jnp.int32),
                    logprobs=jnp.zeros((steps, S), jnp.float32),
                    policy_logprobs=jnp.zeros((steps, S), jnp.float32),
@@ -315,7 +389,7 @@ def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState
 
   def step(carry):
     i, state, out = carry
-    state, result = _decode_step(transformer, params, state, attend_len)
+    state, result = _decode_step(transformer, params, state, max_len, attend_len)
     out = jax.tree.map(lambda o, x: jax.lax.dynamic_update_index_in_dim(o, x, i, 0), out, result)
     return i + 1, state, out
 

@@ -64,8 +64,9 @@ def test_left_padding_does_not_change_real_tokens(family):
   np.testing.assert_allclose(padded[:, 4:], alone, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
 @pytest.mark.parametrize("family", ARCHS)
-def test_kv_cache_decode_equals_full_recompute(family):
+def test_kv_cache_decode_equals_full_recompute(family, layout):
   arch = ARCHS[family]
   model, params = Transformer(arch), _params(arch)
   total, prompt = 12, 5
@@ -75,7 +76,7 @@ def test_kv_cache_decode_equals_full_recompute(family):
   mask = jnp.concatenate([_left_pad_mask(lengths, prompt), jnp.ones((3, total - prompt), bool)], 1)
   full, _ = model(params, tokens, mask)
   step = jax.jit(model.__call__)
-  cache = model.init_cache(3, 16)
+  cache = model.init_cache(3, 16, layout)
   logits, cache = step(params, tokens[:, :prompt], mask[:, :prompt], cache)
   pieces = [logits]
   for t in range(prompt, total):
@@ -88,12 +89,13 @@ def test_kv_cache_decode_equals_full_recompute(family):
   assert step._cache_size() == 2  # one trace for the prefill shape, one for decode
 
 
-def test_cache_rows_can_be_at_different_offsets():
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_cache_rows_can_be_at_different_offsets(layout):
   """Continuous batching: rows are filled at different times and decode together."""
   arch = ARCHS["qwen2"]
   model, params = Transformer(arch), _params(arch)
   a, b = _tokens(4, 1, 9), _tokens(5, 1, 6)
-  cache = model.init_cache(2, 16)
+  cache = model.init_cache(2, 16, layout)
   # Row 0 prefills 7 tokens; row 1 prefills 4 (written with a padded batch, then advanced).
   first = jnp.concatenate([a[:, :7], jnp.pad(b[:, :4], ((0, 0), (3, 0)))], 0)
   mask = jnp.stack([jnp.ones(7, bool), jnp.arange(7) >= 3])

@@ -168,8 +168,9 @@ def test_the_abstract_decode_state_is_laid_out_like_the_real_one(model):
   assert jax.tree.map(lambda x: (x.shape, x.dtype), real) == jax.tree.map(
       lambda x: (x.shape, x.dtype), abstract)
   for name in ("k", "v"):  # the cache as placed; the small fields are replicated on the mesh
-    assert real.cache[name].sharding.is_equivalent_to(abstract.cache[name].sharding, 5)
-  assert abstract.cache["k"].sharding.spec[1] == "data"  # slots split over the mesh
+    for layer, placed in zip(real.cache[name], abstract.cache[name]):
+      assert layer.sharding.is_equivalent_to(placed.sharding, 4)
+  assert abstract.cache["k"][0].sharding.spec[:2] == ("data", "tensor")  # slots, kv heads
   assert abstract.active.sharding.mesh == mesh
 
 
@@ -210,8 +211,26 @@ def test_chunked_decode_equals_the_single_step_path(steps):
     np.testing.assert_allclose(a.policy_logprobs, b.policy_logprobs, rtol=1e-5, atol=1e-6)
 
 
-def test_attending_to_the_filled_part_equals_the_whole_cache(model):
-  engine = Engine(model.transformer, max_slots=4, max_len=200, max_prompt_len=16, decode_steps=1)
+def test_the_cache_layouts_give_the_same_completions():
+  # The stacked cache (TPU, GPU) and the per-layer one (CPU), both run here on the CPU:
+  # sampled responses that grow the per-layer cache through its buckets (64, 128).
+  model = _model(scale=4.0)
+  kwargs = dict(params=model.params, n=2, max_new_tokens=80, temperature=1.0, stop_token_ids=[3],
+                seed=2)
+  engines = [Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16,
+                    platform=platform) for platform in ("tpu", "cpu")]
+  assert [e.cache_layout for e in engines] == ["stacked", "per_layer"]
+  stacked, per_layer = (rollout.generate(e, PROMPTS, **kwargs) for e in engines)
+  assert max(len(c.response_tokens) for c in stacked) > 64
+  for a, b in zip(stacked, per_layer):
+    assert a.response_tokens == b.response_tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # per-layer cache (resized) / stacked
+def test_attending_to_the_filled_part_equals_the_whole_cache(model, platform):
+  engine = Engine(model.transformer, max_slots=4, max_len=200, max_prompt_len=16, decode_steps=1,
+                  platform=platform)
   prefix = engine.prefill(model.params, np.array([PROMPTS[1] + [0] * 5, PROMPTS[3] + [0] * 11]),
                           np.array([11, 5]))
   state = engine.init_decode_state()
