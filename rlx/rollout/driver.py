@@ -145,6 +145,8 @@ class _Run:
     self.results: dict[tuple[int, int], Completion] = {}  # finished
     self.index = np.zeros((engine.max_slots,), np.int64)  # each slot's cache index (host copy)
     self.firsts: list = []  # first tokens sampled at insert, not yet read
+    # While requests wait, a chunk ends once this many slots have freed, to refill them.
+    self.refill_at = max(1, engine.max_slots // 16)
 
   def run(self) -> list[Completion]:
     state = self.engine.init_decode_state()
@@ -156,7 +158,9 @@ class _Run:
       owned = [s for s, o in enumerate(self.owner) if o is not None]
       if owned:
         attend_len = self.engine.attend_bucket(int(self.index[owned].max()))
-        state, chunk = self.engine.generate(self.params, state, attend_len)
+        waiting = self.batching == "continuous" and (self.pending or self.prefixes)
+        refill_at = self.refill_at if waiting else None
+        state, chunk = self.engine.generate(self.params, state, attend_len, refill_at)
         # One host round trip per chunk: the first tokens of the slots filled before it, then
         # the chunk's tokens.
         firsts, chunk = jax.device_get((self.firsts, chunk))

@@ -249,12 +249,13 @@ class Engine:
       raise ValueError(f"cache length {length} is outside 1..max_len={self.max_len}")
     return state if cache_len(state) == length else _resize(state, length)
 
-  def generate(self, params: Params, state: DecodeState,
-               attend_len: int | None = None) -> tuple[DecodeState, StepResult]:
+  def generate(self, params: Params, state: DecodeState, attend_len: int | None = None,
+               refill_at: int | None = None) -> tuple[DecodeState, StepResult]:
     """Advances every active slot by up to ``decode_steps`` tokens in one dispatch.
 
     The StepResult's fields are [decode_steps, S]. A slot that finishes inside the chunk
-    emits nothing after; the chunk ends early once no slot is active. ``attend_len`` (see
+    emits nothing after; the chunk ends early once no slot is active, or once ``refill_at``
+    slots have finished in it (so that the caller can refill them; None: never). ``attend_len`` (see
     ``attend_bucket``) limits attention to the filled part of the cache; every active slot
     must keep ``index + decode_steps <= attend_len``. A ``per_layer`` cache is resized to it
     (None: to ``max_len``).
@@ -263,8 +264,9 @@ class Engine:
       state, attend_len = self.resize(state, attend_len or self.max_len), None
     if self.decode_steps == 1:
       return _generate_one(self.transformer, params, state, self.max_len, attend_len)
+    refill_at = jnp.int32(self.max_slots + 1 if refill_at is None else refill_at)
     return _generate_chunk(self.transformer, params, state, self.decode_steps, self.max_len,
-                           attend_len)
+                           attend_len, refill_at)
 
 
 def cache_len(state: DecodeState) -> int:
@@ -371,10 +373,13 @@ def _generate_one(transformer: Transformer, params: Params, state: DecodeState, 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5), donate_argnums=2)
 def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState, steps: int,
-                    max_len: int, attend_len: int | None):
-  """Up to ``steps`` decode steps in one dispatch; stops early when no slot is active. Step i
-  of the result is [S]; steps that did not run emit nothing."""
+                    max_len: int, attend_len: int | None, refill_at: jax.Array | None = None):
+  """Up to ``steps`` decode steps in one dispatch; stops early when no slot is active or when
+  ``refill_at`` slots (a traced count; None: never) have finished in it. Step i of the result
+  is [S]; steps that did not run emit nothing."""
   S = state.active.shape[0]
+  started = state.active
+  refill_at = S + 1 if refill_at is None else refill_at
   if cache_layout(state.cache) == "per_layer":
     params = unstack_layers(params)  # each layer's weights sliced once, not at every step
   out = StepResult(tokens=jnp.zeros((steps, S), jnp.int32),
@@ -385,7 +390,8 @@ def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState
 
   def running(carry):
     i, state, _ = carry
-    return (i < steps) & jnp.any(state.active)
+    freed = jnp.sum(started & ~state.active)
+    return (i < steps) & jnp.any(state.active) & (freed < refill_at)
 
   def step(carry):
     i, state, out = carry

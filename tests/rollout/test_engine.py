@@ -248,3 +248,24 @@ def test_attending_to_the_filled_part_equals_the_whole_cache(model, platform):
     np.testing.assert_allclose(part.policy_logprobs, full.policy_logprobs, rtol=1e-5, atol=1e-6)
   assert engine.attend_bucket(40) == 64 and engine.attend_bucket(64) == 128
   assert engine.attend_bucket(190) == 200
+
+
+def test_a_chunk_ends_once_refill_at_slots_have_finished(model):
+  engine = Engine(model.transformer, max_slots=4, max_len=64, max_prompt_len=16, decode_steps=16)
+  prefix = engine.prefill(model.params, np.array([PROMPTS[1] + [0] * 5, PROMPTS[3] + [0] * 11]),
+                          np.array([11, 5]))
+  sampling = engine_lib.SamplingParams(
+      temperature=jnp.ones((2,)), top_k=jnp.zeros((2,), jnp.int32), top_p=jnp.ones((2,)),
+      max_new_tokens=jnp.array([4, 40], jnp.int32),
+      stop_ids=jnp.full((2, engine.max_stop_tokens), engine_lib.NO_STOP, jnp.int32))
+
+  def chunk(refill_at):
+    state = engine.insert(prefix, engine.init_decode_state(), np.array([0, 2]), np.array([0, 1]),
+                          jax.random.split(jax.random.key(0), 2), sampling)
+    return engine.generate(model.params, state, engine.attend_bucket(11), refill_at)[1]
+
+  whole, early = chunk(None), chunk(1)
+  # Slot 0 draws its 4th token at step 3 (the first was drawn at insert); the chunk stops there.
+  assert whole.emitted[:, 2].all() and whole.finished[2, 0]
+  assert early.emitted[:3].any() and not early.emitted[3:].any()
+  np.testing.assert_array_equal(early.tokens[:3], whole.tokens[:3])
