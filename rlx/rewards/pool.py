@@ -117,6 +117,27 @@ def _die_with_parent() -> None:
   threading.Thread(target=watch, name="rlx-reward-watchdog", daemon=True).start()
 
 
+def _start_ignoring_stop_signals(process) -> None:
+  """Starts ``process`` so that it cannot die of a Ctrl-C (SIGINT, SIGTERM to the process
+  group) that arrives before it has installed its own handlers, seconds later on a loaded
+  machine: the stop signals are ignored while it starts, a disposition that survives the
+  spawn's exec (a blocked signal mask does not). Only the main thread may change signal
+  dispositions; elsewhere (a worker restarted by a scoring thread) it just starts. The
+  parent ignores the stop signals for the few milliseconds of the start."""
+  handlers = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+  if (threading.current_thread() is not threading.main_thread()
+      or any(handler is None for handler in handlers.values())):  # set outside Python
+    process.start()
+    return
+  for sig in _STOP_SIGNALS:
+    signal.signal(sig, signal.SIG_IGN)
+  try:
+    process.start()
+  finally:
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+
+
 class _Worker:
   """One worker process and the parent's end of its pipe."""
 
@@ -124,13 +145,7 @@ class _Worker:
     self.connection, child = context.Pipe()
     self.process = context.Process(target=_serve, args=(child, reward, memory_mb), daemon=True,
                                    name="rlx-reward-worker")
-    # Started with SIGINT/SIGTERM blocked, so that the child (which inherits the mask) never
-    # dies of a Ctrl-C that arrives before it has installed its own handlers.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-      self.process.start()
-    finally:
-      signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    _start_ignoring_stop_signals(self.process)
     child.close()
     self.ready = False
     self.index = -1  # the position of the response this worker is scoring, -1 when idle

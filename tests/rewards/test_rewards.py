@@ -163,8 +163,14 @@ def test_pool_shared_by_two_threads_survives_raises_hangs_and_deaths():
 
 def test_workers_ignore_the_stop_signals_sent_to_the_process_group():
   with rewards.RewardPool("arithmetic", num_workers=2, timeout_s=5) as pool:
+    # Signalled while they start (a spawned child does not inherit a blocked signal mask).
+    starting = [worker.process for worker in list(pool._idle.queue)]
+    for worker in starting:
+      os.kill(worker.pid, signal.SIGINT)
+      os.kill(worker.pid, signal.SIGTERM)
     pool.score(["<answer>1</answer>"] * 4, ["1"] * 4)  # the workers are up
     workers = [worker.process for worker in list(pool._idle.queue)]
+    assert sorted(w.pid for w in workers) == sorted(w.pid for w in starting)
     for worker in workers:
       os.kill(worker.pid, signal.SIGINT)
       os.kill(worker.pid, signal.SIGTERM)
