@@ -65,7 +65,6 @@ def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
   for a batched function."""
   for sig in _STOP_SIGNALS:
     signal.signal(sig, signal.SIG_IGN)
-  signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
   _die_with_parent()
   devnull = os.open(os.devnull, os.O_WRONLY)  # what reward functions print goes nowhere
   os.dup2(devnull, 1)
