@@ -81,8 +81,8 @@ def main() -> None:
         "expired_batches": summary.get("expired_batches", 0),
         "control_events": summary.get("control_events", []),
         "samples_per_s": statistics.median(r["throughput/samples_per_s"] for r in rows),
-        "loop_seconds": summary["seconds"]["RL loop"], "wall_seconds": seconds,
-        "eval_accuracy_after": summary["eval_accuracy_after"]}
+        "loop_seconds": summary.seconds["RL loop"], "wall_seconds": seconds,
+        "eval_accuracy_after": summary.eval_accuracy_after}
   if args.report:
     from rlx import report
     results["report"] = str(report.write_report([root / arm for arm in arms], args.report))

@@ -238,14 +238,14 @@ def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
 
   run = prepare(config, workdir, _quiet)
   try:
-    learner = Learner(run, _quiet)
+    learner = Learner.for_run(run, _quiet)
     learner.publish()
     seeds = iter(range(10**6))
-    params = [run.sync.latest(like=learner.abstract_params)]
+    params = [run.sync.latest()]
     draws = []
 
     def sample():  # as the generator does: the newest published params, then a batch
-      params[0] = run.sync.latest(like=learner.abstract_params) or params[0]
+      params[0] = run.sync.latest() or params[0]
       return collect(run, lambda: params[0], seed=next(seeds))
 
     def generate():

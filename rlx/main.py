@@ -9,6 +9,7 @@ where the metrics and checkpoints are.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
 import time
@@ -69,15 +70,23 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
       f"(advantage {config.algorithm.advantage_estimator}, loss {config.algorithm.loss}), "
       f"model={config.model.path or 'built-in ' + config.model.arch.family}")
   started = time.perf_counter()
-  summary = trainer.train(config, workdir, say)
+  with contextlib.ExitStack() as stack:
+    if config.mesh.role != "both" and lead:  # its peers watch this job's status file
+      from rlx.trainer.jobstatus import JobStatus
+
+      job = config.mesh.generator_id if config.mesh.role == "generator" else 0
+      status = stack.enter_context(JobStatus(workdir, config.mesh.role, job))
+    summary = trainer.train(config, workdir, say)
+    if config.mesh.role != "both" and lead:
+      status.stopped = summary["stopped"] if isinstance(summary, dict) else summary.stopped
   minutes = (time.perf_counter() - started) / 60
   if config.mesh.role == "generator":
     say(f"rlx: generator job: {summary['written']} rollout file(s) in {minutes:.1f} min"
         + (" (stopped; rerun the same command to resume)" if summary["stopped"] else ""))
     return 0
-  say(f"rlx: {summary['steps']} steps in {minutes:.1f} min"
-      + (" (stopped early; rerun the same command to resume)" if summary["stopped"] else ""))
-  seconds = summary["seconds"]
+  say(f"rlx: {summary.steps} steps in {minutes:.1f} min"
+      + (" (stopped early; rerun the same command to resume)" if summary.stopped else ""))
+  seconds = summary.seconds
   say(f"rlx: time: start-up {seconds['start-up']:.0f}s, warm-up {seconds['warm-up']:.0f}s, "
       f"RL loop {seconds['RL loop']:.0f}s, held-out evals {seconds['evals']:.0f}s")
   from rlx import compilation
@@ -87,12 +96,12 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   say(f"rlx: compiling: {compiled['seconds']:.0f}s for {compiled['programs']} programs"
       + (f", {compiled['from_cache']} of them loaded from the cache in {cache}" if cache
          else " (trainer.compile_cache is off)"))
-  if summary["eval_accuracy_after"] is not None:
-    before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]
+  if summary.eval_accuracy_after is not None:
+    before, after = summary.eval_accuracy_before, summary.eval_accuracy_after
     change = "" if before is None else f" ({100 * (after - before):+.1f} points)"
     say(f"rlx: held-out accuracy: before RL {_percent(before)}, after RL {_percent(after)}{change}")
-  say(f"rlx: metrics:     {summary['metrics']} (TensorBoard: {workdir / 'tb'})")
-  say(f"rlx: checkpoints: {summary['checkpoints']}")
+  say(f"rlx: metrics:     {summary.metrics} (TensorBoard: {workdir / 'tb'})")
+  say(f"rlx: checkpoints: {summary.checkpoints}")
   return 0
 
 

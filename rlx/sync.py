@@ -11,7 +11,8 @@ The learner ``publish``es each new policy version; the generator asks for the
   version straight into its own shardings. Old versions are deleted. For
   learner and generator running as separate jobs.
 
-Both return the generator's params in ``generation_shardings``.
+Both return the generator's params in ``generation_shardings``, and share the
+``WeightSync`` protocol: callers never know which one they hold.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import orbax.checkpoint as ocp
@@ -27,6 +28,24 @@ import orbax.checkpoint as ocp
 from rlx import distributed
 
 Params = Any
+
+
+class WeightSync(Protocol):
+  """How the learner's policy versions reach the generator."""
+
+  last_seconds: float
+  """The seconds the last ``publish`` or ``latest`` took."""
+
+  def publish(self, params: Params, version: int) -> float:
+    """Makes ``params`` version ``version`` available to the generator; returns the seconds
+    the learner spent on it."""
+
+  def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
+    """The newest published (params in the generation layout, version), if its version is
+    above ``newer_than``; else None."""
+
+  def close(self) -> None:
+    """Waits for what is being published, then lets go of storage."""
 
 
 class ReshardSync:
@@ -52,10 +71,8 @@ class ReshardSync:
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
-  def latest(self, newer_than: int = -1, like: Params | None = None) -> tuple[Params, int] | None:
-    """The newest published (params, version) if its version is above ``newer_than``
-    (``like`` is for the same call on ``OrbaxSync``, and unused here)."""
-    del like
+  def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
+    """The newest published (params, version) if its version is above ``newer_than``."""
     with self._lock:
       if self._latest is None or self._latest[1] <= newer_than:
         return None
@@ -66,16 +83,23 @@ class ReshardSync:
 
 
 class OrbaxSync:
-  """Policy versions as Orbax checkpoints under ``directory`` (keeps the newest ``keep``)."""
+  """Policy versions as Orbax checkpoints under ``directory`` (keeps the newest ``keep``).
 
-  def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, keep: int = 2):
+  ``like``: the params' tree of shapes and dtypes (arrays or ``ShapeDtypeStruct``s), which a
+  reader restores into, in ``generation_shardings``.
+  """
+
+  def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
+               keep: int = 2):
     self.directory = pathlib.Path(directory).absolute()
     self.generation_shardings = generation_shardings
+    self._abstract = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        like, generation_shardings)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
-    self._abstract = None
     self.last_seconds = 0.0
 
   def publish(self, params: Params, version: int) -> float:
@@ -87,23 +111,13 @@ class OrbaxSync:
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
-  def latest(self, newer_than: int = -1, like: Params | None = None) -> tuple[Params, int] | None:
-    """Restores the newest version above ``newer_than`` into the generation shardings.
-
-    ``like`` (params or ``ShapeDtypeStruct``s of the same tree) is needed once, the
-    first time, when this process has published nothing itself.
-    """
+  def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
+    """Restores the newest version above ``newer_than`` into the generation shardings."""
     with self._lock:
       self._manager.reload()  # another job may have written new versions
       version = self._manager.latest_step()
     if version is None or version <= newer_than:
       return None
-    if self._abstract is None:
-      if like is None:
-        raise ValueError("OrbaxSync.latest needs like= (the params' structure) the first time")
-      self._abstract = jax.tree.map(
-          lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-          like, self.generation_shardings)
     started = time.perf_counter()
     with self._lock:
       params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))

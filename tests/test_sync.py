@@ -27,13 +27,15 @@ def _learner_params(meshes, seed):
 
 def test_reshard_and_orbax_give_identical_generator_params(meshes, tmp_path):
   generation = param_shardings(ARCH, meshes.generation, RULES)
-  reshard, orbax = sync.ReshardSync(generation), sync.OrbaxSync(tmp_path / "weights", generation)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  reshard = sync.ReshardSync(generation)
+  orbax = sync.OrbaxSync(tmp_path / "weights", generation, like=like)
   try:
     for version in (1, 2, 3):
       params = _learner_params(meshes, version)
       assert reshard.publish(params, version) > 0 and orbax.publish(params, version) > 0
     via_reshard, v1 = reshard.latest(newer_than=0)
-    via_orbax, v2 = orbax.latest(newer_than=0, like=params)
+    via_orbax, v2 = orbax.latest(newer_than=0)
     assert v1 == v2 == 3
     chex.assert_trees_all_equal(jax.device_get(via_reshard), jax.device_get(via_orbax))
     chex.assert_trees_all_equal(jax.device_get(via_orbax), jax.device_get(params))
@@ -53,17 +55,15 @@ def test_latest_only_returns_newer_versions(meshes, tmp_path):
   reshard.publish(_learner_params(meshes, 0), 4)
   assert reshard.latest(newer_than=4) is None
   assert reshard.latest(newer_than=3)[1] == 4
-  orbax = sync.OrbaxSync(tmp_path / "w", generation)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))  # structure only
+  orbax = sync.OrbaxSync(tmp_path / "w", generation, like=like)
   try:
     assert orbax.latest() is None
     orbax.publish(_learner_params(meshes, 0), 7)
     # A second reader (the generator job) sees what the writer published.
-    reader = sync.OrbaxSync(tmp_path / "w", generation)
-    like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))  # structure only
-    params, version = reader.latest(newer_than=6, like=like)
+    reader = sync.OrbaxSync(tmp_path / "w", generation, like=like)
+    params, version = reader.latest(newer_than=6)
     assert version == 7 and reader.latest(newer_than=7) is None
-    with pytest.raises(ValueError, match="needs like="):
-      sync.OrbaxSync(tmp_path / "w", generation).latest()
     reader.close()
   finally:
     orbax.close()

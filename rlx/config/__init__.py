@@ -101,9 +101,11 @@ def check(config: RunConfig) -> RunConfig:
          "of greedy sampling (rollout.temperature=0); use algorithm.entropy_control=clip_eps_high")
   buffer = config.buffer
   if buffer.enabled:
-    _check(mesh.mode == "split" and mesh.role == "both", "buffer.enabled",
-           "needs a one-process split run (mesh.mode=split, mesh.role=both); the learner and "
-           "generator jobs exchange rollout files without a buffer")
+    _check(not mesh.multihost, "buffer.enabled",
+           "needs a learner of one process (each process would age its groups by its own "
+           "clock); set mesh.multihost=false, or buffer.enabled=false")
+    _check(mesh.role != "generator", "buffer.enabled",
+           "belongs to the learner job; a generator job has no buffer")
     _check(buffer.capacity >= config.data.prompts_per_step, "buffer.capacity",
            f"must hold at least one batch (data.prompts_per_step={config.data.prompts_per_step} "
            "groups)")

@@ -39,6 +39,8 @@ class MeshConfig:
   """Split as jobs: how many generator jobs feed the learner job; generator job g of them writes rollouts g, g + generators, ... from its own share of the prompts (launch/local.sh --generator M)."""
   generator_id: int = 0
   """Split as jobs: which generator job this is, 0 .. generators - 1."""
+  job_timeout_s: float = 120.0
+  """Split as jobs: a job waiting on another (the learner on a generator, a generator on the learner) stops with an error once the other has been silent this long (no heartbeat in WORKDIR/jobs/), or has not started; a failed job, or one killed on this host, stops its peers sooner."""
   multihost: bool = False
   """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
   check_agreement: bool = False
@@ -69,14 +71,15 @@ class MeshConfig:
     _check(self.generators >= 1, "mesh.generators", "must be >= 1")
     _check(0 <= self.generator_id < self.generators, "mesh.generator_id",
            f"must be in 0 .. mesh.generators - 1 = {self.generators - 1}")
+    _check(self.job_timeout_s > 0, "mesh.job_timeout_s", "must be > 0 seconds")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BufferConfig:
-  """Split mode: a replay buffer of scored groups between generator and learner (rlx.trainer.buffer)."""
+  """A replay buffer of scored groups in front of the learner, in any deployment of a one-process learner (rlx.trainer.buffer)."""
 
   enabled: bool = False
-  """Train from a buffer of groups: the learner takes a batch whenever prompts_per_step usable groups are buffered, without waiting for the generator's next batch; groups past the lag bound (mesh.max_staleness, or mesh.lag_threshold when lower) or data.max_age_s are evicted."""
+  """Train from a buffer of groups: the learner takes a batch whenever prompts_per_step usable groups are buffered, without waiting for the generator's next batch; groups the controller no longer calls fresh (past mesh.max_staleness, mesh.lag_threshold or data.max_age_s) are evicted."""
   reuse: int = 1
   """Updates a group may be used in while it is fresh; 1 trains on every group once."""
   capacity: int = 64

@@ -1,5 +1,6 @@
-"""The training loops (colocated and split) and what they share: building a run, drawing and
-scoring rollouts, turning them into the learner's batch, and the learner.
+"""The one learner loop (``loop.py``) and its batch sources per deployment (colocated, split in
+one process, the learner job), the generator job, and what they share: building a run, drawing
+and scoring rollouts, turning them into the learner's batch, and the learner.
 
     summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
 """
@@ -9,6 +10,7 @@ from rlx.trainer.colocated import train_colocated
 from rlx.trainer.common import (DynamicSamplingError, NonFiniteError, TrainingError, collect,
                                 evaluate, prepare)
 from rlx.trainer.learner import Learner
+from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 from rlx.trainer.experience import (Sampled, layout, make_prepare, sample_arrays,
                                     sequence_advantages, shaped_rewards)
 from rlx.trainer.jobs import train_generator, train_learner
@@ -16,8 +18,9 @@ from rlx.trainer.split import Generator, train_split
 from rlx.trainer.warmup import warm_up
 
 
-def train(config, workdir, say=print) -> dict:
-  """Runs (or resumes) the loop of ``config.mesh.mode``; returns its summary."""
+def train(config, workdir, say=print):
+  """Runs (or resumes) the run ``config`` describes; returns its ``Summary`` (a generator
+  job: a dict of the files it wrote)."""
   check(config)
   if config.mesh.multihost and config.mesh.mode == "split" and config.mesh.role == "both":
     raise ConfigError(
@@ -38,7 +41,8 @@ def train(config, workdir, say=print) -> dict:
   return loop(config, workdir, say)
 
 
-__all__ = ["DynamicSamplingError", "Generator", "Learner", "NonFiniteError", "Sampled",
+__all__ = ["Batch", "BatchSource", "DynamicSamplingError", "Generator", "Learner", "Summary",
+           "learn_loop", "NonFiniteError", "Sampled",
            "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
            "sample_arrays", "sequence_advantages", "shaped_rewards", "train", "train_colocated",
            "train_generator", "train_learner", "train_split", "warm_up"]

@@ -1,6 +1,7 @@
-"""A replay buffer of scored groups with aging, for the split learner.
+"""A replay buffer of scored groups with aging, in front of any batch source.
 
-    buffer = ReplayBuffer.from_config(config)
+    source = buffered(source, config, controller, restored_meta)   # when buffer.enabled
+    buffer = ReplayBuffer.from_config(config, fresh=controller.fresh)
     buffer.put(draw)                              # a batch from the generator, split into groups
     draw = buffer.take(version, now=time.time())  # a training batch, or None
     buffer.metrics(now)                           # buffer/size, buffer/evicted, buffer/age_mean_s ...
@@ -16,28 +17,37 @@ batches from the other (``take``), which first moves every arrived group across.
 learner trains whenever ``data.prompts_per_step`` usable groups exist, without waiting
 for the generator's next batch:
 
-- a group is evicted (and counted) once its lag exceeds the bound (``mesh.max_staleness``,
-  or ``mesh.lag_threshold`` when lower) or its age ``data.max_age_s``, or when the
-  buffer holds more than ``buffer.capacity`` groups (oldest first);
+- a group is evicted (and counted) once the controller no longer calls it fresh (its lag
+  past the bound k or the lag threshold, or its age past ``data.max_age_s``: the one rule
+  of ``rlx.trainer.control``), or when the buffer holds more than ``buffer.capacity``
+  groups (oldest first);
 - ``take`` picks the least-used groups first, newest among equals, all sampled at the
   temperature of the newest group (a batch has one sampling temperature); a group leaves
   once it has been trained on ``buffer.reuse`` times.
 
 The buffer's groups are saved in the learner's checkpoint (``state``/``restore``), so a
 resumed run loses none of them.
+
+``BufferedSource`` puts the buffer in front of any batch source of ``rlx.trainer.loop``
+(inline, thread or files): the learner trains whenever the buffer can make a batch, and
+waits for the source only when it cannot.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 from rlx.config import RunConfig
 from rlx.rollout import Completion
+from rlx.trainer import control
 from rlx.trainer.common import Draw
 from rlx.trainer.exchange import decode, encode
+from rlx.trainer.loop import Batch, BatchSource
 
 
 @dataclasses.dataclass
@@ -57,9 +67,11 @@ class ReplayBuffer:
   """Groups waiting to be trained on (see the module docstring)."""
 
   def __init__(self, *, group_size: int, groups_per_batch: int, capacity: int, reuse: int,
-               max_lag: int, max_age_s: float | None):
+               fresh: Callable[[int, float], bool]):
+    """``fresh(lag, age_s)``: whether a group ``lag`` versions behind, sampled ``age_s``
+    seconds ago, may still be trained on (``Controller.fresh``)."""
     self.group_size, self.groups_per_batch = group_size, groups_per_batch
-    self.capacity, self.reuse, self.max_lag, self.max_age_s = capacity, reuse, max_lag, max_age_s
+    self.capacity, self.reuse, self.fresh = capacity, reuse, fresh
     self._arrived: list[Group] = []  # the side the generator's batches land on
     self._ready: list[Group] = []    # the side the learner takes from
     self._counts: dict | None = None  # the newest arrived draw's sampling metrics
@@ -68,13 +80,9 @@ class ReplayBuffer:
     """Groups taken again after their first use."""
 
   @classmethod
-  def from_config(cls, config: RunConfig) -> ReplayBuffer:
-    mesh = config.mesh
-    bound = (mesh.max_staleness if mesh.lag_threshold is None
-             else min(mesh.lag_threshold, mesh.max_staleness))
+  def from_config(cls, config: RunConfig, fresh: Callable[[int, float], bool]) -> ReplayBuffer:
     return cls(group_size=config.rollout.group_size, groups_per_batch=config.data.prompts_per_step,
-               capacity=config.buffer.capacity, reuse=config.buffer.reuse, max_lag=bound,
-               max_age_s=config.data.max_age_s)
+               capacity=config.buffer.capacity, reuse=config.buffer.reuse, fresh=fresh)
 
   def put(self, draw: Draw) -> None:
     """Adds ``draw``'s groups (its rows are whole groups, in order)."""
@@ -93,9 +101,7 @@ class ReplayBuffer:
   def _evict(self, version: int, now: float) -> None:
     self._ready += self._arrived  # swap: everything arrived is the learner's now
     self._arrived = []
-    kept = [group for group in self._ready
-            if version - group.version <= self.max_lag
-            and (self.max_age_s is None or now - group.born <= self.max_age_s)]
+    kept = [group for group in self._ready if self.fresh(version - group.version, now - group.born)]
     kept.sort(key=lambda group: group.born)
     overflow = max(0, len(kept) - self.capacity)
     self.evicted += len(self._ready) - len(kept) + overflow
@@ -157,3 +163,56 @@ class ReplayBuffer:
                                draw.correct[i * g:(i + 1) * g],
                                min(c.policy_version for c in rows), born, temperature, uses))
     self.evicted, self.reused = int(state["evicted"]), int(state["reused"])
+
+
+class BufferedSource:
+  """A ``ReplayBuffer`` in front of a batch source: arrivals go into the buffer, batches come
+  out of it, and the source is waited on only while the buffer cannot make a batch."""
+
+  def __init__(self, source: BatchSource, buffer: ReplayBuffer, data_state: dict):
+    self.source, self.buffer = source, buffer
+    self.data_state = data_state
+    """The position after the newest arrival: the buffer's groups are saved with it."""
+    self._starved = True
+    self._arrived: Batch | None = None
+
+  def next(self, version: int, wait: bool = True) -> Batch | None:
+    arrived = self.source.next(version, wait=wait and self._starved)
+    if arrived is not None:
+      self.buffer.put(arrived.draw)
+      self.source.settle(arrived, control.TRAIN)  # it is the buffer's now: the gate moves on
+      self.data_state, self._arrived = arrived.data_state, arrived
+    draw = self.buffer.take(version, time.time())
+    self._starved = draw is None
+    if draw is None:
+      return None
+    # only this step's arrival, if any, speaks for the source's current setting
+    latest, self._arrived = self._arrived, None
+    return Batch(draw, self.data_state, current=latest is None or latest.current,
+                 metrics=dict(latest.metrics) if latest else {})
+
+  def settle(self, batch: Batch, verdict: str) -> None:
+    pass  # the source settled each batch as it arrived
+
+  def retune(self, controller: control.Controller) -> None:
+    self.source.retune(controller)
+
+  def metrics(self, learn_seconds: float) -> dict:
+    return {**self.source.metrics(learn_seconds), **self.buffer.metrics(time.time())}
+
+  def state(self) -> dict:
+    return {**self.source.state(), "buffer": self.buffer.state()}
+
+  def close(self) -> None:
+    self.source.close()
+
+
+def buffered(source: BatchSource, config: RunConfig, controller: control.Controller,
+             restored_meta: dict, data_state: dict) -> BatchSource:
+  """``source`` behind a replay buffer when ``buffer.enabled`` (its groups restored from the
+  checkpoint's metadata; ``data_state``: the data position now), else ``source`` itself."""
+  if not config.buffer.enabled:
+    return source
+  buffer = ReplayBuffer.from_config(config, fresh=controller.fresh)
+  buffer.restore(restored_meta.get("buffer"))
+  return BufferedSource(source, buffer, data_state)

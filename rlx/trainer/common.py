@@ -37,7 +37,8 @@ from rlx.models import (
 from rlx.rewards import RewardPool, Scored, check, from_config
 from rlx.rewards.sandbox import capabilities
 from rlx.rollout import Completion
-from rlx.sync import OrbaxSync, ReshardSync
+from rlx.sync import OrbaxSync, ReshardSync, WeightSync
+from rlx.trainer import control
 from rlx.trainer.warmup import warm_up
 
 Say = Callable[[str], None]
@@ -64,7 +65,7 @@ class Run:
   tokenizer: Tokenizer
   model: Model
   engine: rollout.Engine
-  sync: ReshardSync | OrbaxSync
+  sync: WeightSync
   pool: RewardPool
   source: object
   """Where the prompts come from (a file or a built-in task)."""
@@ -125,8 +126,8 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                           decode_steps=r.decode_steps)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
   # versions a reader may still be restoring stay on storage: k + 2 of them
-  sync = (OrbaxSync(workdir / "policy_versions", shardings,
-                    keep=max(config.mesh.max_staleness + 2, 2))
+  sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
+                    keep=control.bound(config) + 2)
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,

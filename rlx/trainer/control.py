@@ -2,7 +2,7 @@
 entropy up, decided from the metrics the loop already measures.
 
     control = Controller.from_config(config)
-    control.expired(lag_max, age_s)          # -> "lag" | "age" | None: drop the batch
+    control.verdict(lag_max, age_s)          # -> TRAIN | DROP | EXPIRE: what the learner does
     events = control.observe(step, lag_mean=..., is_clip_frac=..., entropy=...)
     control.k, control.temperature, control.clip_eps_high   # the knobs' current values
     control.metrics()                        # {"control/k": ..., ...}
@@ -23,9 +23,16 @@ generator may run). The controller holds an effective k in ``[0, max_staleness]`
 - after a change it waits a whole window of new batches before the next, so that each
   decision sees the effect of the last.
 
-A batch is expired (dropped and counted) when its largest lag exceeds ``mesh.lag_threshold``
-or it was sampled longer than ``data.max_age_s`` seconds ago; independent of k, this is
-what keeps data the learner would be hurt by out of the update.
+**Verdicts.** This module is the one place that decides whether data is too stale; the
+learner loop, the generator's gate, the replay buffer and the generator job all ask it:
+
+- a batch holding a rollout more than ``mesh.max_staleness`` versions behind the learner is
+  *dropped* (``rollout/dropped_batches``): the generator's gate makes that impossible, so a
+  drop means the gate was bypassed, and the check is the guarantee;
+- a batch whose largest lag exceeds ``mesh.lag_threshold``, or that was sampled longer than
+  ``data.max_age_s`` seconds ago, is *expired* (``rollout/expired_batches``); independent
+  of k, this is what keeps data the learner would be hurt by out of the update;
+- anything else is trained on.
 
 **Entropy floor.** When the mean ``policy/entropy`` over a window falls below
 ``algorithm.entropy_floor``, the controller raises the knob ``algorithm.entropy_control``
@@ -42,12 +49,35 @@ import collections
 import dataclasses
 import math
 
+import numpy as np
+
 from rlx.config import RunConfig
 
 KNOB_STEPS = 4
 """Steps from a knob's base value to its maximum."""
 RECOVERED = 1.25
 """Entropy counts as recovered at this multiple of the floor (hysteresis: no flapping)."""
+
+TRAIN, DROP, EXPIRE = "train", "drop", "expire"
+"""The verdicts on a batch (see the module docstring)."""
+
+
+def bound(config: RunConfig) -> int:
+  """The most versions any rollout may lag the learner: ``mesh.max_staleness`` (how far
+  ahead a generator may run, and how many policy versions a reader may still need)."""
+  return config.mesh.max_staleness
+
+
+def lag(policy_versions, version: int) -> tuple[float, int]:
+  """(mean, max) lag, in policy versions, of rollouts sampled at ``policy_versions`` were
+  the learner to train on them at ``version``."""
+  lags = version - np.asarray(policy_versions)
+  return float(np.mean(lags)), int(np.max(lags))
+
+
+def past_bound(lag_max: int, max_staleness: int) -> bool:
+  """Whether a batch whose largest lag is ``lag_max`` breaks the bound k = ``max_staleness``."""
+  return lag_max > max_staleness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +181,7 @@ class Controller:
   def __init__(self, staleness: Staleness, entropy: EntropyFloor, *, temperature: float,
                clip_eps_high: float, lag_threshold: int | None, max_age_s: float | None):
     self.staleness, self.entropy = staleness, entropy
+    self.max_staleness = staleness.max_k
     self._temperature, self._clip_eps_high = temperature, clip_eps_high
     self.lag_threshold, self.max_age_s = lag_threshold, max_age_s
     self.events: list[Event] = []
@@ -187,13 +218,21 @@ class Controller:
     """Whether batches can expire (a lag threshold or an age limit is set)."""
     return self.lag_threshold is not None or self.max_age_s is not None
 
-  def expired(self, lag_max: int, age_s: float) -> str | None:
-    """Why a batch is too old to train on ('lag' or 'age'), or None."""
+  def verdict(self, lag_max: int, age_s: float) -> str:
+    """What the learner does with a batch whose largest lag is ``lag_max`` versions and whose
+    sampling started ``age_s`` seconds ago: TRAIN, DROP (past the bound k) or EXPIRE (past
+    the lag threshold or the age limit)."""
+    if past_bound(lag_max, self.max_staleness):
+      return DROP
     if self.lag_threshold is not None and lag_max > self.lag_threshold:
-      return "lag"
+      return EXPIRE
     if self.max_age_s is not None and age_s > self.max_age_s:
-      return "age"
-    return None
+      return EXPIRE
+    return TRAIN
+
+  def fresh(self, lag_max: int, age_s: float) -> bool:
+    """Whether data this old may still be trained on (the replay buffer's eviction rule)."""
+    return self.verdict(lag_max, age_s) == TRAIN
 
   def observe(self, step: int, *, lag_mean: float | None, is_clip_frac: float | None = None,
               entropy: float | None = None) -> list[Event]:

@@ -26,9 +26,19 @@ from its own share of the prompts (every n-th row of the source), and the learne
 them in order. The staleness gate is the same, so at most k + 1 batches are in flight
 over all of them: more generator jobs than k + 1 wait on the gate.
 
-The learner's controller (``rlx.trainer.control``) runs as in one process: it expires
-batches past the lag or age limit, and hands its effective k and sampling temperature to
-the generator job through ``rollouts/control.json``.
+The learner job runs the one learner loop (``rlx.trainer.loop``) over a ``FileSource``;
+its controller (``rlx.trainer.control``) runs as in one process: it expires batches past
+the lag or age limit, and hands its effective k and sampling temperature to the generator
+job through ``rollouts/control.json``.
+
+Jobs fail loudly: each writes ``WORKDIR/jobs/<role>-<id>.json`` (``rlx.trainer.jobstatus``:
+running with a heartbeat, then finished, stopped or failed with its error). The learner
+stops with an error naming the generator job it waits on once that job failed, died, or
+was silent past ``mesh.job_timeout_s``; a generator does the same for its learner.
+
+This deployment adds to the loop's metrics ``rollout/index`` (the file trained on),
+``rollout/generator`` (which job wrote it, with several), ``data/prompts_drawn``,
+``rollout/expired_files`` and ``time/generator_sync_s``.
 """
 
 from __future__ import annotations
@@ -43,132 +53,131 @@ import jax
 from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
-from rlx.metrics import MetricsSink, ProfileWindow
-from rlx.trainer.common import (Draw, Say, collect, device_memory, evaluate, evaluation_due,
-                               prepare, throughput)
-from rlx.trainer.control import Controller
-from rlx.trainer.learner import begin, finish
+from rlx.trainer import control, jobstatus
+from rlx.trainer.buffer import buffered
+from rlx.trainer.common import Draw, Run, Say, TrainingError, collect, prepare
 from rlx.trainer.exchange import RolloutFiles
-from rlx.trainer.split import apply, expired, lag
+from rlx.trainer.learner import begin
+from rlx.trainer.loop import Batch, Summary, learn_loop
 
 POLL_S = 0.1
 NOTICE_S = 60.0
+WATCH_S = 1.0
+"""How often a waiting job reads the status files of the job it waits on."""
 
 
-def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
+class PeerWatch:
+  """Raises ``TrainingError`` on every process of a job once the job it waits on will never
+  deliver (process 0 reads the status files; every process follows its answer)."""
+
+  def __init__(self, workdir: pathlib.Path, role: str, jobs: int, timeout_s: float):
+    self.workdir, self.role, self.jobs, self.timeout_s = workdir, role, jobs, timeout_s
+    self.since = time.time()
+    self._checked = 0.0
+
+  def check(self, job: int) -> None:
+    """Raises when job ``job`` of the watched role failed, died or went silent."""
+    if time.monotonic() - self._checked < WATCH_S:
+      return
+    self._checked = time.monotonic()
+    problem = None
+    if distributed.lead():
+      name = (f"{self.role} job" if self.jobs == 1 else f"{self.role} job {job}")
+      status = jobstatus.read_statuses(self.workdir, self.role, self.jobs)[job]
+      problem = jobstatus.silent_or_failed(f"the {name}", status, now=time.time(),
+                                           since=self.since, timeout_s=self.timeout_s)
+    problem = distributed.agree(problem or "")
+    if problem:
+      raise TrainingError(problem)
+
+
+class FileSource:
+  """The batch source of the learner job: rollout files, in order, from the generator jobs."""
+
+  def __init__(self, run: Run, restored_meta: dict, say: Say):
+    config = run.config
+    self.files = RolloutFiles(run.workdir / "rollouts", config.mesh.generators)
+    self.say = say
+    self.index = distributed.agree(max(int(restored_meta.get("rollout_index", 0)),
+                                       self.files.progress()["done"]))
+    self.expired_files = 0
+    if distributed.lead():
+      self.files.clear_done()
+      self.expired_files = self.files.expire_below(self.index)
+    if self.expired_files:
+      say(f"rlx: learner: deleted {self.expired_files} rollout file(s) consumed before the "
+          "restart")
+    self.setting = int(restored_meta.get("control_setting", 0))
+    """How many changes of k the learner has made: a batch started under an earlier one says
+    nothing about the current k."""
+    self._k = None
+    self.watch = PeerWatch(run.workdir, "generator", config.mesh.generators,
+                           config.mesh.job_timeout_s)
+    self._noticed = time.perf_counter()
+
+  def next(self, version: int, wait: bool = True) -> Batch | None:
+    files, index = self.files, self.index
+    # process 0 looks for the file, and every process of the job follows its answer
+    if not distributed.agree(files.path(index).is_file()):
+      self.watch.check(index % files.generators)
+      if time.perf_counter() - self._noticed > NOTICE_S:
+        source = ("the generator job" if files.generators == 1
+                  else f"generator job {index % files.generators}")
+        self.say(f"rlx: learner: waiting for rollout file {files.path(index)} from {source}")
+        self._noticed = time.perf_counter()
+      if wait:
+        time.sleep(POLL_S)
+      return None
+    self._noticed = time.perf_counter()
+    draw, extra = _read(files, index)
+    metrics = {"rollout/index": index, "rollout/expired_files": self.expired_files,
+               # prompts the generator had drawn after this batch: its consecutive batches
+               # never repeat or skip prompts, across restarts too
+               "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
+               "time/generator_sync_s": extra["generator_sync_s"]}
+    if files.generators > 1:
+      metrics["rollout/generator"] = index % files.generators  # which job wrote it
+    return Batch(_local_share(draw), draw.data_state,
+                 current=extra.get("setting", 0) == self.setting, metrics=metrics,
+                 # the whole batch's versions: the same lag on every process
+                 policy_versions=[c.policy_version for c in draw.completions])
+
+  def settle(self, batch: Batch, verdict: str) -> None:
+    if distributed.lead():  # after a trained batch's publish: the generator's gate opens
+      self.files.finish(self.index, batch.data_state)
+    self.index += 1
+
+  def retune(self, controller: control.Controller) -> None:
+    if self._k is not None and controller.k != self._k:
+      self.setting += 1
+    self._k = controller.k
+    if distributed.lead():
+      self.files.write_control({"k": controller.k, "temperature": controller.temperature,
+                                "setting": self.setting})
+
+  def metrics(self, learn_seconds: float) -> dict:
+    return {}
+
+  def state(self) -> dict:
+    return {"rollout_index": self.index, "control_setting": self.setting}
+
+  def close(self) -> None:
+    pass
+
+
+def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Summary:
   """The learner job: trains on rollout files as they come, publishes every version."""
   run, learner, start, accuracy_before = begin(config, workdir, say)
-  files = RolloutFiles(run.workdir / "rollouts", config.mesh.generators)
-  index = distributed.agree(max(int(learner.restored_meta.get("rollout_index", 0)),
-                                files.progress()["done"]))
-  expired_files = 0
-  if distributed.lead():
-    files.clear_done()
-    expired_files = files.expire_below(index)
-  if expired_files:
-    say(f"rlx: learner: deleted {expired_files} rollout file(s) consumed before the restart")
-  k = config.mesh.max_staleness
-  step, dropped, expired_batches = start or 0, 0, 0
-  controller = Controller.from_config(config)
+  controller = control.Controller.from_config(config)
   controller.restore(learner.restored_meta.get("control"))
-  setting = int(learner.restored_meta.get("control_setting", 0))
-
-  def tell_generator():
-    if distributed.lead():
-      files.write_control({"k": controller.k, "temperature": controller.temperature,
-                           "setting": setting})
-
-  def react(events):
-    nonlocal setting
-    setting += any(event.knob == "k" for event in events)
-    apply(events, controller, say)
-    if events:
-      tell_generator()
-
-  tell_generator()
-  data_state = run.stream.get_state()
-  sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
-                     resume_step=start, write=jax.process_index() == 0)
-  try:
-    with StopSignal(say=say) as stop, sink, ProfileWindow(
-        config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
-      waited_since = time.perf_counter()
-      while step < config.trainer.steps and not stop.agree():
-        profile.at(step)
-        # process 0 looks for the file, and every process of the job follows its answer
-        if not distributed.agree(files.path(index).is_file()):
-          if time.perf_counter() - waited_since > NOTICE_S:
-            source = ("the generator job" if files.generators == 1
-                      else f"generator job {index % files.generators}")
-            say(f"rlx: learner: waiting for rollout file {files.path(index)} from {source}")
-            waited_since = time.perf_counter()
-          time.sleep(POLL_S)
-          continue
-        draw, extra = _read(files, index)
-        lag_mean, lag_max = lag(draw, learner.version)  # of the whole batch: the same everywhere
-        # only batches started under the current k tell the controller about it
-        current = extra.get("setting", 0) == setting
-        draw = _local_share(draw)
-        received = time.perf_counter()
-        too_old = distributed.agree(  # clocks differ between hosts: process 0 decides
-            bool(controller.expired(lag_max, time.time() - draw.born)))
-        if expired(draw, learner.version, k) or too_old:
-          dropped += not too_old
-          expired_batches += too_old
-          if distributed.lead():
-            files.finish(index, draw.data_state)
-          index += 1
-          if too_old and current:
-            react(controller.observe(step, lag_mean=lag_mean))
-          continue
-        learner.clip_eps_high = controller.clip_eps_high
-        metrics = learner.learn(draw)
-        learned = time.perf_counter()
-        sync_seconds = learner.publish()
-        if distributed.lead():  # after the publish: the generator's gate opens
-          files.finish(index, draw.data_state)
-        index += 1
-        step += 1
-        data_state = draw.data_state
-        finished = time.perf_counter()
-        elapsed = finished - waited_since
-        react(controller.observe(step, lag_mean=lag_mean if current else None,
-                                 is_clip_frac=metrics["policy/is_clip_frac"],
-                                 entropy=metrics["policy/entropy"]))
-        metrics.update(controller.metrics())
-        if controller.expires:
-          metrics["rollout/expired_batches"] = expired_batches
-        metrics.update(device_memory())
-        if files.generators > 1:
-          metrics["rollout/generator"] = (index - 1) % files.generators  # which job wrote it
-        metrics.update({
-            "rollout/index": index - 1, "rollout/dropped_batches": dropped,
-            # prompts the generator had drawn after this batch: its consecutive batches
-            # never repeat or skip prompts, across restarts too
-            "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
-            "rollout/expired_files": expired_files,
-            "time/step_s": elapsed, "time/wait_for_data_s": received - waited_since,
-            "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
-            "time/sync_s": sync_seconds, "time/generator_sync_s": extra["generator_sync_s"],
-            **throughput(draw, elapsed)})
-        waited_since = finished
-        if evaluation_due(config, step, stop.agreed):
-          metrics.update(evaluate(run, learner.generation_params()))
-        sink.write(step, metrics)
-        if learner.checkpoint_due(step, stop.agreed):
-          learner.save(step, data_state, rollout_index=index, control=controller.state(),
-                       control_setting=setting)
-        learner.export_due(step)
-      summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
-                       accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say,
-                       save_meta={"rollout_index": index, "control": controller.state(),
-                                  "control_setting": setting})
-  finally:
-    run.close()
-  if not summary["stopped"] and distributed.lead():
-    files.mark_done()  # the generator job exits; a stopped learner's generator waits for it
-  return dict(summary, dropped_batches=dropped, expired_batches=expired_batches,
-              control_events=[str(event) for event in controller.events])
+  files = FileSource(run, learner.restored_meta, say)
+  files.retune(controller)  # the generator jobs follow the restored knobs
+  source = buffered(files, config, controller, learner.restored_meta, run.stream.get_state())
+  summary = learn_loop(run, learner, source, controller, start=start,
+                       accuracy_before=accuracy_before, say=say)
+  if not summary.stopped and distributed.lead():
+    files.files.mark_done()  # the generator job exits; a stopped learner's generator waits
+  return summary
 
 
 def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
@@ -190,7 +199,7 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
     run.stream.set_state(data_state)
   if index >= jobs:
     say(f"rlx: {name}: resuming at rollout {index}")
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), run.model.params)
+  learner_watch = PeerWatch(run.workdir, "learner", 1, config.mesh.job_timeout_s)
   params, version, written, sync_seconds = None, -1, 0, 0.0
   waited_since = time.perf_counter()
   try:
@@ -199,12 +208,15 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
         # the learner's progress and controller settings, as process 0 reads them
         seen = json.loads(distributed.agree(json.dumps(
             {"done": files.progress()["done"], "control": files.control() or {}})))
-        k = seen["control"].get("k", config.mesh.max_staleness)
+        k = seen["control"].get("k", control.bound(config))
         gate_open = seen["done"] >= index - k
-        newest = _latest(run, version, like) if gate_open else None
+        newest = _latest(run, version) if gate_open else None
         if newest is not None:
           (params, version), sync_seconds = newest, run.sync.last_seconds
         if not gate_open or params is None:  # the learner is k batches behind, or not started
+          if files.done():
+            break
+          learner_watch.check(0)
           if time.perf_counter() - waited_since > NOTICE_S:
             say(f"rlx: {name}: waiting for the learner job (rollout {index}, policy version "
                 f"{version})")
@@ -250,12 +262,12 @@ def _read(files: RolloutFiles, index: int):
       time.sleep(POLL_S)
 
 
-def _latest(run, version: int, like) -> tuple | None:
+def _latest(run, version: int) -> tuple | None:
   """The newest policy version above ``version``, retrying when the learner deletes the one
   being read (it keeps k + 2)."""
   for attempt in range(5):
     try:
-      return run.sync.latest(newer_than=version, like=like)
+      return run.sync.latest(newer_than=version)
     except (FileNotFoundError, ValueError, OSError):
       if attempt == 4:
         raise

@@ -3,8 +3,8 @@ the critic's, for PPO), the reference policy, the jitted programs (prepare, upda
 their shardings, and the checkpoints.
 
     run, learner, start, accuracy_before = begin(config, workdir, say)
-    metrics = learner.learn(draw)                   # one rollout batch's updates
-    summary = finish(run, learner, start=start, step=step, stop=stop, ...)
+    metrics = learner.learn(draw, clip_eps_high=...)   # one rollout batch's updates
+    ended = finish(run, learner, start=start, step=step, stop=stop, ...)
 
 The same ``Learner.learn`` runs in every deployment: the loss code never knows how fresh its
 data is beyond what each rollout's policy version says.
@@ -12,7 +12,6 @@ data is beyond what each rollout's policy version says.
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import time
 
@@ -23,22 +22,32 @@ import numpy as np
 from rlx import algorithms, distributed, update
 from rlx.checkpoint import Checkpointer
 from rlx.config import RunConfig
-from rlx.trainer.common import Draw, NonFiniteError, Run, Say, evaluate, prepare, save_hf
+from rlx.models import Model
+from rlx.sync import WeightSync
+from rlx.trainer.common import Draw, NonFiniteError, Run, Say, evaluate, prepare
 from rlx.trainer.experience import make_prepare, sample_arrays
 
 
 def begin(config: RunConfig, workdir: str | pathlib.Path,
           say: Say) -> tuple[Run, Learner, int | None, float | None]:
-  """Builds a run and its learner, resumes from the newest checkpoint if there is one, publishes
-  the first weights and (on a fresh run) measures the held-out accuracy before RL.
+  """Builds a run and its learner, resumes from the newest checkpoint if there is one (the
+  data stream continues from the checkpoint's position), publishes the first weights and (on
+  a fresh run) measures the held-out accuracy before RL.
 
   Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
   """
   started = time.perf_counter()
   run = prepare(config, workdir, say)
-  learner = Learner(run, say)
-  start = learner.restore()
-  if start is not None:
+  learner = Learner.for_run(run, say)
+  restored = learner.restore()
+  start = None
+  if restored is not None:
+    start = restored.step
+    run.stream.set_state(restored.data_state)
+    saved, now = restored.meta.get("data_fingerprint"), run.source.fingerprint()
+    if saved is not None and saved != now:
+      say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
+          f"{now} now); the run resumes at the saved position of the changed data")
     say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
   learner.publish()
   accuracy_before = (evaluate(run, learner.generation_params()).get("eval/accuracy")
@@ -52,11 +61,10 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
 
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
-           accuracy_before: float | None, metrics_path: pathlib.Path, say: Say,
-           save_meta: dict | None = None) -> dict:
+           say: Say, save_meta: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
-  and returns the run's summary with the held-out accuracy after RL (skipped after a stop
-  signal, so that a stop takes seconds)."""
+  and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
+  after RL}`` (skipped after a stop signal, so that a stop takes seconds)."""
   seconds = run.seconds
   seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
                         - (seconds["evals"] - seconds.pop("evals before loop")))
@@ -76,44 +84,44 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
     accuracy_after = None
   else:
     accuracy_after = evaluate(run, learner.generation_params()).get("eval/accuracy")
-  run.close()
-  return {"steps": step, "seconds": dict(seconds), "eval_accuracy_before": accuracy_before,
-          "eval_accuracy_after": accuracy_after, "metrics": str(metrics_path),
-          "checkpoints": str(learner.checkpointer.directory), "stopped": stop.agreed}
+  return {"seconds": dict(seconds), "eval_accuracy_after": accuracy_after}
 
 
 class Learner:
   """The policy's train state (and the critic's, for PPO), the reference policy, the jitted
   steps and the checkpoints; ``learn`` turns a draw into one update."""
 
-  def __init__(self, run: Run, say: Say = print):
-    config = self.config = run.config
+  def __init__(self, config: RunConfig, model: Model, learning_mesh, sync: WeightSync, *,
+               pad_id: int, directory: pathlib.Path, say: Say = print):
+    """``model``: the policy to start from (its params on ``learning_mesh``); ``sync``: where
+    new versions are published; ``directory``: the checkpoints' home."""
+    self.config = config
     self.say = say
-    self.run = run
+    self.sync, self.pad_id = sync, pad_id
     updates = config.trainer.steps * config.trainer.ppo_epochs * config.trainer.mini_batches
     optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=updates)
-    algo, transformer = config.algorithm, run.model.transformer
+    algo, transformer = config.algorithm, model.transformer
     # One sharding plan: the params' logical axes and the batch's rows over (data, fsdp); every
     # jitted program of the learner has explicit shardings, so none retraces as steps go by.
     self.batch_sharding = update.batch_sharding(
-        run.meshes.learning, config.mesh.logical_axis_rules,
+        learning_mesh, config.mesh.logical_axis_rules,
         config.data.prompts_per_step * config.rollout.group_size)
-    if not update.batch_is_split(self.batch_sharding) and run.meshes.learning.size > 1:
+    if not update.batch_is_split(self.batch_sharding) and learning_mesh.size > 1:
       say(f"rlx: warning: a batch of {config.data.prompts_per_step * config.rollout.group_size} "
-          f"sequences does not split over the learning mesh {dict(run.meshes.learning.shape)}: "
+          f"sequences does not split over the learning mesh {dict(learning_mesh.shape)}: "
           "every learning device computes the whole batch; make data.prompts_per_step x "
           "rollout.group_size a multiple of mesh data x fsdp")
-    self.state = update.init_train_state(run.model.params, optimizer,
+    self.state = update.init_train_state(model.params, optimizer,
                                          jax.random.key(config.trainer.seed))
     self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-    self.ref_params = jax.tree.map(jnp.copy, run.model.params) if algo.uses_reference else None
+    self.ref_params = jax.tree.map(jnp.copy, model.params) if algo.uses_reference else None
     self.critic = self.critic_step = None
     critic_shardings = None
     if algo.uses_critic:
       critic_optimizer, _ = update.make_optimizer(
           config.optimizer, total_steps=updates,
           peak=config.optimizer.critic_learning_rate)
-      critic_params = update.init_critic_params(jax.tree.map(jnp.copy, run.model.params),
+      critic_params = update.init_critic_params(jax.tree.map(jnp.copy, model.params),
                                                 jax.random.key(config.trainer.seed + 1))
       self.critic = update.init_train_state(critic_params, critic_optimizer,
                                             jax.random.key(config.trainer.seed + 1))
@@ -122,9 +130,6 @@ class Learner:
       self.critic_step = update.make_critic_step(config, transformer, critic_optimizer,
                                                  state_shardings=critic_state_shardings,
                                                  batch_shardings=self.batch_sharding)
-    self.clip_eps_high = algo.clip_eps_high
-    """The upper clip range of the next updates (the entropy controller may raise it): a traced
-    input of the step, like each batch's sampling temperature, so neither recompiles."""
     self.step_fn = update.make_update_step(config, transformer, optimizer, schedule,
                                            state_shardings=self.state_shardings,
                                            batch_shardings=self.batch_sharding)
@@ -140,30 +145,29 @@ class Learner:
     """The step of the newest save started by this learner (it may still be writing)."""
     self.restored_meta: dict = {}
     """The metadata of the checkpoint the learner resumed from (empty on a fresh run)."""
-    self.checkpointer = Checkpointer(run.workdir / "checkpoints", config.checkpoint)
-    self.abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                        self.state.params)
-    """The params' shapes and dtypes (what ``OrbaxSync.latest`` restores into)."""
+    self.checkpointer = Checkpointer(directory, config.checkpoint)
+
+  @classmethod
+  def for_run(cls, run: Run, say: Say = print) -> Learner:
+    """The learner of ``run``: its model, learning mesh, weight sync and checkpoints."""
+    return cls(run.config, run.model, run.meshes.learning, run.sync,
+               pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say)
 
   @property
   def version(self) -> int:
     return int(self.state.policy_version)
 
-  def restore(self) -> int | None:
-    """Resumes from the newest checkpoint, if any; returns its step."""
+  def restore(self):
+    """Resumes the train state from the newest checkpoint, if any; returns what was restored
+    (its ``step``, ``data_state`` and ``meta``), or None on a fresh run."""
     restored = self.checkpointer.restore(self.state, like_critic=self.critic, say=self.say)
     if restored is None:
       return None
     self.state, self.critic = restored.state, restored.critic
     self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
-    self.run.stream.set_state(restored.data_state)
-    saved, now = restored.meta.get("data_fingerprint"), self.run.source.fingerprint()
-    if saved is not None and saved != now:
-      self.say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
-               f"{now} now); the run resumes at the saved position of the changed data")
     self.saved_step = restored.step
     self.restored_meta = restored.meta
-    return restored.step
+    return restored
 
   def save(self, step: int, data_state: dict, **meta) -> None:
     """Starts saving ``step`` (with ``meta`` beside the learner's own: version, KL
@@ -171,40 +175,37 @@ class Learner:
     self.saved_step = step
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef,
-                                 "data_fingerprint": self.run.source.fingerprint(), **meta})
+                                 **meta})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:
     every = self.config.checkpoint.every_steps
     return stopping or bool(every and step % every == 0)
 
-  def export_due(self, step: int) -> pathlib.Path | None:
-    """Writes the policy as a Hugging Face directory ``WORKDIR/hf/step_N`` every
-    ``checkpoint.export_hf_every`` steps; returns where, or None."""
-    every = self.config.checkpoint.export_hf_every
-    if not every or step % every:
-      return None
-    model = dataclasses.replace(self.run.model, params=self.state.params)
-    return save_hf(model, self.run.tokenizer, self.run.workdir / "hf" / f"step_{step}")
-
   def publish(self) -> float:
     """Hands the current params to the generator; returns the sync's seconds."""
-    return self.run.sync.publish(self.state.params, self.version)
+    return self.sync.publish(self.state.params, self.version)
 
   def generation_params(self):
     """The newest published params, in the generation layout."""
-    return self.run.sync.latest(like=self.abstract_params)[0]
+    return self.sync.latest()[0]
 
-  def learn(self, draw: Draw) -> dict:
+  def learn(self, draw: Draw, *, clip_eps_high: float | None = None) -> dict:
     """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
-    ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's."""
+    ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's.
+
+    ``clip_eps_high``: the upper clip range (an entropy controller may raise it; None:
+    ``algorithm.clip_eps_high``), a traced input of the step like each batch's sampling
+    temperature, so neither recompiles."""
     config = self.config
+    if clip_eps_high is None:
+      clip_eps_high = config.algorithm.clip_eps_high
     # every process lays its rows out at the same (bucketed) lengths: the batch is one array
     lengths = distributed.max_over_processes(
         [max(len(c.prompt_tokens) for c in draw.completions),
          max(len(c.response_tokens) for c in draw.completions)])
     temperature = config.rollout.temperature if draw.temperature is None else draw.temperature
     sampled, stats = sample_arrays(draw.completions, draw.rewards, config,
-                                   pad_id=self.run.tokenizer.pad_id, lengths=tuple(lengths),
+                                   pad_id=self.pad_id, lengths=tuple(lengths),
                                    temperature=temperature)
     lag = self.version - sampled.policy_version
     sampled = distributed.global_tree(self.batch_sharding, sampled)
@@ -215,7 +216,7 @@ class Learner:
     if self.critic is not None:
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
-    self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef, self.clip_eps_high)
+    self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef, clip_eps_high)
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
     self._count_skipped(int(metrics.pop("train/skipped")))
@@ -236,8 +237,7 @@ class Learner:
     metrics.update(draw.counts)
     if algo.entropy_floor is not None and algo.entropy_control == "temperature":
       metrics["rollout/temperature"] = temperature  # what the data was sampled at
-    metrics.update({"train/skipped_steps": self.skipped_steps,
-                    "data/skipped_rows": self.run.source.skipped + self.run.stream.skipped})
+    metrics["train/skipped_steps"] = self.skipped_steps
     return metrics
 
   def _count_skipped(self, skipped: int) -> None:

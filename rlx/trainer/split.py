@@ -1,33 +1,29 @@
-"""The split loop: generation and learning on disjoint sub-meshes, at the same time.
+"""Split in one process: generation and learning on disjoint sub-meshes, at the same time.
 
     summary = train_split(config, workdir)
 
-A generator thread samples and scores batches on the generation sub-mesh and
-hands them to the learner through a bounded queue; the learner trains on the
-learning sub-mesh and publishes every new policy version (reshard across
-sub-meshes, or an Orbax checkpoint). Staleness is bounded by
-``mesh.max_staleness`` = k:
+A generator thread samples and scores batches on the generation sub-mesh and hands them to
+the learner through a bounded queue (``ThreadSource``, the batch source of the one learner
+loop, ``rlx.trainer.loop``); the learner trains on the learning sub-mesh and publishes every
+new policy version (reshard across sub-meshes, or an Orbax checkpoint). Staleness is bounded
+by ``mesh.max_staleness`` = k:
 
-- the generator starts the batch the learner will train on at policy version v
-  only once version v - k is published (it blocks when k versions ahead), and
-  samples with the newest version it has; so with k = 0 the two take turns
-  (synchronous), with k >= 1 they overlap;
-- the learner checks every batch: one holding a rollout more than k versions
-  behind is dropped and counted (it cannot happen with the gate above, unless
-  the gate is bypassed; the check is the guarantee);
-- the loss corrects what staleness remains with the configured off-policy
-  weights (``algorithm.off_policy``: truncated importance sampling of the
-  recomputed old log-probs against the behaviour log-probs of the engine).
+- the generator starts the batch the learner will train on at policy version v only once
+  version v - k is published (it blocks when k versions ahead), and samples with the newest
+  version it has; so with k = 0 the two take turns (synchronous), with k >= 1 they overlap;
+- the learner's controller (``rlx.trainer.control``) drops a batch holding a rollout more
+  than k versions behind (the gate above makes that impossible unless it is bypassed; the
+  check is the guarantee), expires batches past ``mesh.lag_threshold`` or ``data.max_age_s``,
+  lowers the effective k while the lag or the importance weights' clip fraction stay too
+  high, and raises the sampling temperature or the clip-high while entropy is under
+  ``algorithm.entropy_floor``;
+- the loss corrects what staleness remains with the configured off-policy weights
+  (``algorithm.off_policy``: truncated importance sampling of the recomputed old log-probs
+  against the behaviour log-probs of the engine).
 
-A controller (``rlx.trainer.control``) closes the loop when configured: it expires batches
-past ``mesh.lag_threshold`` versions or ``data.max_age_s`` seconds, lowers the effective k
-while the lag or the importance weights' clip fraction stay too high (and raises it again
-when healthy), and raises the sampling temperature or the clip-high while entropy is under
-``algorithm.entropy_floor``; every change is said and logged as a ``control/*`` metric.
-
-Metrics add the policy lag (mean, max), dropped and expired batches, the busy fraction of
-each side (cumulative since the loop started, and over the last 10 steps), the sync
-seconds of each side and the tokens/s of each side.
+This deployment adds to the loop's metrics the busy fraction of each side (cumulative since
+the loop started, and over the last 10 steps), the generator's sync and wait seconds and
+the generation tokens/s.
 """
 
 from __future__ import annotations
@@ -38,17 +34,13 @@ import queue
 import threading
 import time
 
-import jax
-import numpy as np
-
-from rlx.checkpoint import StopSignal
 from rlx.config import ConfigError, RunConfig
-from rlx.metrics import BusyWindow, MetricsSink, ProfileWindow
-from rlx.trainer.common import (Draw, Run, Say, collect, device_memory, evaluate,
-                                 evaluation_due)
+from rlx.metrics import BusyWindow
 from rlx.trainer import control
-from rlx.trainer.buffer import ReplayBuffer
-from rlx.trainer.learner import begin, finish
+from rlx.trainer.buffer import buffered
+from rlx.trainer.common import Draw, Run, Say, collect
+from rlx.trainer.learner import begin
+from rlx.trainer.loop import Batch, Summary, learn_loop
 
 
 @dataclasses.dataclass
@@ -72,12 +64,13 @@ class Generator(threading.Thread):
   ``max_staleness`` versions old when the learner trains on it, whatever was dropped before it.
   """
 
-  def __init__(self, run: Run, *, like, first_step: int, versions_per_step: int,
-               delay_s: float = 0.0, collect_fn=collect):
+  def __init__(self, run: Run, *, first_step: int, versions_per_step: int,
+               delay_s: float = 0.0, collect_fn=collect, like=None):
+    del like  # the weight sync knows the params' structure; accepted for older callers
     super().__init__(name="rlx-generator", daemon=True)
-    self.job, self.like, self.delay_s, self.collect_fn = run, like, delay_s, collect_fn
+    self.job, self.delay_s, self.collect_fn = run, delay_s, collect_fn
     self.versions_per_step = versions_per_step
-    self.ahead = run.config.mesh.max_staleness // versions_per_step
+    self.ahead = control.bound(run.config) // versions_per_step
     """Batches it may start before the learner is done (the controller may lower it)."""
     self.setting = 0
     """Staleness changes taken so far (a batch started before the last one is not evidence
@@ -115,7 +108,7 @@ class Generator(threading.Thread):
   def _refresh(self) -> float:
     """Takes the newest published params, if newer than those held; returns the seconds."""
     started = time.perf_counter()
-    newer = self.job.sync.latest(self._version, like=self.like)
+    newer = self.job.sync.latest(self._version)
     if newer is not None:
       self._params, self._version = newer
     return time.perf_counter() - started
@@ -169,30 +162,60 @@ class Generator(threading.Thread):
 
 
 def expired(draw: Draw, version: int, max_staleness: int) -> bool:
-  """Whether ``draw`` holds a rollout more than ``max_staleness`` versions behind ``version``."""
-  return any(version - c.policy_version > max_staleness for c in draw.completions)
+  """Whether ``draw`` holds a rollout more than ``max_staleness`` versions behind ``version``
+  (the controller's rule, ``control.past_bound``)."""
+  _, lag_max = control.lag([c.policy_version for c in draw.completions], version)
+  return control.past_bound(lag_max, max_staleness)
 
 
-def lag(draw: Draw, version: int) -> tuple[float, int]:
-  """(mean, max) policy lag of ``draw``'s rollouts, were the learner to train on them at
-  ``version``."""
-  versions = np.array([c.policy_version for c in draw.completions])
-  return float(np.mean(version - versions)), int(np.max(version - versions))
+class ThreadSource:
+  """The batch source of split in one process: the generator thread's hand-over queue."""
 
+  def __init__(self, generator: Generator):
+    self.generator = generator
+    self.started = time.perf_counter()
+    self.learn_seconds = 0.0
+    self.busy = BusyWindow(window=10)
 
-def apply(events: list[control.Event], controller: control.Controller, say: Say,
-          generator: Generator | None = None) -> None:
-  """Announces a controller's changes and hands the new knobs to the generator thread."""
-  for event in events:
-    say(f"rlx: control: {event}")
-  if events and generator is not None:
-    generator.set_staleness(controller.k)
-    generator.temperature = controller.temperature
+  def next(self, version: int, wait: bool = True) -> Batch | None:
+    try:  # waits at most half a second: the loop checks for a stop signal twice a second
+      produced = self.generator.next(timeout=0.5 if wait else 0.0)
+    except queue.Empty:
+      return None
+    return Batch(produced.draw, produced.draw.data_state,
+                 current=produced.setting == self.generator.setting,
+                 metrics={"time/generator_sync_s": produced.sync_seconds,
+                          "time/generator_wait_s": produced.waited_seconds})
+
+  def settle(self, batch: Batch, verdict: str) -> None:
+    self.generator.finished()
+
+  def retune(self, controller: control.Controller) -> None:
+    self.generator.set_staleness(controller.k)
+    self.generator.temperature = controller.temperature
+
+  def metrics(self, learn_seconds: float) -> dict:
+    self.learn_seconds += learn_seconds
+    generator = self.generator
+    wall = time.perf_counter() - self.started
+    return {"time/generation_busy_frac": min(generator.busy_seconds / wall, 1.0),
+            "time/learning_busy_frac": min(self.learn_seconds / wall, 1.0),
+            **self.busy.update(wall, {"time/generation_busy_frac_window": generator.busy_seconds,
+                                      "time/learning_busy_frac_window": self.learn_seconds}),
+            "throughput/generation_tokens_per_s": generator.tokens / max(generator.busy_seconds,
+                                                                         1e-9)}
+
+  def state(self) -> dict:
+    return {}
+
+  def close(self) -> None:
+    self.generator.stop()
+    self.generator.join(timeout=30)
 
 
 def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print, *,
-                learner_delay_s: float = 0.0, generator_delay_s: float = 0.0) -> dict:
-  """Runs (or resumes) a split run; returns a summary with the eval accuracy before and after.
+                learner_delay_s: float = 0.0, generator_delay_s: float = 0.0) -> Summary:
+  """Runs (or resumes) a split run in one process; returns its summary.
 
   ``learner_delay_s`` / ``generator_delay_s`` slow one side down on purpose (for tests
   and benchmarks of the staleness control).
@@ -204,130 +227,13 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
         "config.mesh.mode=split runs generation in a thread of one controller and does not "
         "span processes yet (config.mesh.multihost=true)")
   run, learner, start, accuracy_before = begin(config, workdir, say)
-  try:
-    return _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
-                 generator_delay_s)
-  finally:
-    run.close()
-
-
-def _loop(config, run, learner, start, accuracy_before, say, learner_delay_s,
-          generator_delay_s) -> dict:
-  step = start or 0
-  generator = Generator(run, like=learner.abstract_params, first_step=step,
-                        versions_per_step=1, delay_s=generator_delay_s)
-  k = config.mesh.max_staleness
   controller = control.Controller.from_config(config)
   controller.restore(learner.restored_meta.get("control"))
-  generator.set_staleness(controller.k)
-  generator.temperature = controller.temperature
-  expired_batches = 0
-  buffer = ReplayBuffer.from_config(config) if config.buffer.enabled else None
-  if buffer is not None:
-    buffer.restore(learner.restored_meta.get("buffer"))
-  starved = True  # the buffer could not make a batch: wait for the generator
-  sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
-                     resume_step=start, write=jax.process_index() == 0)
-  dropped_batches, learn_seconds, learn_tokens = 0, 0.0, 0
-  busy = BusyWindow(window=10)
-  data_state = run.stream.get_state()
+  generator = Generator(run, first_step=start or 0, versions_per_step=1,
+                        delay_s=generator_delay_s)
+  source = ThreadSource(generator)
+  source.retune(controller)
+  source = buffered(source, config, controller, learner.restored_meta, run.stream.get_state())
   generator.start()
-  loop_started = time.perf_counter()
-  with StopSignal(say=say) as stop, sink, ProfileWindow(
-      config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
-    try:
-      while step < config.trainer.steps and not stop.requested:
-        profile.at(step)
-        started = time.perf_counter()
-        try:  # with a buffer that can make a batch, only take what has already arrived
-          produced = generator.next(timeout=0.5 if buffer is None or starved else 0.0)
-        except queue.Empty:  # checks for a stop signal twice a second
-          produced = None
-          if buffer is None:
-            continue
-        except StopIteration:  # a finite data.num_epochs is used up
-          say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
-          break
-        received = time.perf_counter()
-        if buffer is not None:
-          if produced is not None:
-            buffer.put(produced.draw)
-            generator.finished()
-            data_state = produced.draw.data_state  # the buffer's groups are saved with it
-          draw = buffer.take(learner.version, time.time())
-          starved = draw is None
-          if draw is None:
-            continue
-        else:
-          draw = produced.draw
-        lag_mean, lag_max = lag(draw, learner.version)
-        # only batches started under the current k tell the controller about it
-        current = produced is None or produced.setting == generator.setting
-        if expired(draw, learner.version, k):
-          dropped_batches += 1
-          generator.finished()
-          continue
-        if controller.expired(lag_max, time.time() - draw.born):
-          expired_batches += 1
-          generator.finished()
-          if current:
-            apply(controller.observe(step, lag_mean=lag_mean), controller, say, generator)
-          continue
-        learner.clip_eps_high = controller.clip_eps_high
-        metrics = learner.learn(draw)
-        if learner_delay_s:
-          time.sleep(learner_delay_s)
-        learned = time.perf_counter()
-        sync_seconds = learner.publish()
-        if buffer is None:
-          generator.finished()
-          data_state = draw.data_state
-        finished = time.perf_counter()
-        step += 1
-        learn_seconds += finished - received
-        tokens = sum(len(c.response_tokens) for c in draw.completions)
-        learn_tokens += tokens
-        wall = finished - loop_started
-        elapsed = finished - started
-        apply(controller.observe(step, lag_mean=lag_mean if current else None,
-                                 is_clip_frac=metrics["policy/is_clip_frac"],
-                                 entropy=metrics["policy/entropy"]), controller, say, generator)
-        metrics.update(controller.metrics())
-        if controller.expires:
-          metrics["rollout/expired_batches"] = expired_batches
-        if buffer is not None:
-          metrics.update(buffer.metrics(time.time()))
-        metrics.update({
-            "rollout/dropped_batches": dropped_batches,
-            "time/step_s": elapsed, "time/wait_for_data_s": received - started,
-            "time/learn_s": learned - received, "time/sync_s": sync_seconds,
-            # of the batch that arrived this step (none may have, with a buffer)
-            "time/generate_s": produced.draw.generate_seconds if produced else 0.0,
-            "time/generator_sync_s": produced.sync_seconds if produced else 0.0,
-            "time/generator_wait_s": produced.waited_seconds if produced else 0.0,
-            "time/generation_busy_frac": min(generator.busy_seconds / wall, 1.0),
-            "time/learning_busy_frac": min(learn_seconds / wall, 1.0),
-            **busy.update(wall, {"time/generation_busy_frac_window": generator.busy_seconds,
-                                 "time/learning_busy_frac_window": learn_seconds}),
-            **device_memory(),
-            "throughput/tokens_per_s": tokens / elapsed,
-            "throughput/samples_per_s": len(draw.completions) / elapsed,
-            "throughput/generation_tokens_per_s": generator.tokens / max(generator.busy_seconds,
-                                                                         1e-9),
-            "throughput/learning_tokens_per_s": learn_tokens / max(learn_seconds, 1e-9)})
-        if evaluation_due(config, step, stop.requested):
-          metrics.update(evaluate(run, learner.generation_params()))
-        sink.write(step, metrics)
-        if learner.checkpoint_due(step, stop.requested):
-          learner.save(step, data_state, control=controller.state(),
-                       buffer=None if buffer is None else buffer.state())
-        learner.export_due(step)
-    finally:
-      generator.stop()
-      generator.join(timeout=30)
-    summary = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
-                     accuracy_before=accuracy_before, metrics_path=sink.jsonl_path, say=say,
-                     save_meta={"control": controller.state(),
-                                "buffer": None if buffer is None else buffer.state()})
-  return dict(summary, dropped_batches=dropped_batches, expired_batches=expired_batches,
-              control_events=[str(event) for event in controller.events])
+  return learn_loop(run, learner, source, controller, start=start,
+                    accuracy_before=accuracy_before, say=say, learner_delay_s=learner_delay_s)

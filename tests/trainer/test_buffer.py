@@ -25,8 +25,9 @@ def _draw(version: int, born: float, prompts: int = 2, temperature=None, first: 
 
 
 def _buffer(**overrides):
-  options = dict(group_size=GROUP, groups_per_batch=2, capacity=8, reuse=1, max_lag=1,
-                 max_age_s=None)
+  max_lag, max_age_s = overrides.pop("max_lag", 1), overrides.pop("max_age_s", None)
+  options = dict(group_size=GROUP, groups_per_batch=2, capacity=8, reuse=1,
+                 fresh=lambda lag, age: lag <= max_lag and (max_age_s is None or age <= max_age_s))
   return ReplayBuffer(**dict(options, **overrides))
 
 
@@ -109,7 +110,7 @@ def test_a_split_run_trains_on_reused_groups_while_the_generator_is_slow(tmp_pat
                        "--config.mesh.max_staleness=2")
   summary = train_split(config, tmp_path, generator_delay_s=0.5, say=lambda m: None)
   rows = tiny.metrics(tmp_path)
-  assert summary["steps"] == 6 and len(rows) == 6
+  assert summary.steps == 6 and len(rows) == 6
   assert rows[-1]["buffer/reused"] > 0  # the learner did not wait for every batch
   assert max(row["rollout/policy_lag_max"] for row in rows) <= 2
   assert {"buffer/size", "buffer/evicted", "buffer/age_mean_s"} <= set(rows[-1])
@@ -124,10 +125,12 @@ def test_a_split_run_trains_on_reused_groups_while_the_generator_is_slow(tmp_pat
   assert len(tiny.metrics(tmp_path)) == 7
 
 
-def test_the_buffer_needs_a_one_process_split_run():
+def test_the_buffer_needs_a_learner_of_one_process():
   from rlx.config import ConfigError, check
 
+  check(tiny.config("grpo_colocated", "--config.buffer.enabled=true"))  # every deployment
   with pytest.raises(ConfigError, match="buffer.enabled"):
-    check(tiny.config("grpo_colocated", "--config.buffer.enabled=true"))
+    check(tiny.config("grpo_colocated", "--config.buffer.enabled=true",
+                      "--config.mesh.multihost=true"))
   with pytest.raises(ConfigError, match="buffer.reuse"):
     check(tiny.config("dapo_split", "--config.buffer.reuse=2"))

@@ -6,7 +6,8 @@ import pytest
 
 from rlx.config import ConfigError, check
 from rlx.trainer import train_colocated, train_split
-from rlx.trainer.control import KNOB_STEPS, Controller, EntropyFloor, Staleness
+from rlx.trainer.control import (DROP, EXPIRE, KNOB_STEPS, TRAIN, Controller, EntropyFloor,
+                                Staleness)
 from tests.trainer import tiny
 
 
@@ -97,9 +98,11 @@ def test_a_batch_past_the_lag_threshold_or_the_age_limit_is_expired():
   control = Controller.from_config(tiny.config(
       "dapo_split", "--config.mesh.max_staleness=3", "--config.mesh.lag_threshold=1",
       "--config.data.max_age_s=30"))
-  assert control.expired(1, 29.0) is None
-  assert control.expired(2, 0.0) == "lag"
-  assert control.expired(0, 31.0) == "age"
+  assert control.verdict(1, 29.0) == TRAIN
+  assert control.verdict(2, 0.0) == EXPIRE  # past the lag threshold
+  assert control.verdict(0, 31.0) == EXPIRE  # past the age limit
+  assert control.verdict(4, 0.0) == DROP  # past the bound k: the gate was bypassed
+  assert control.fresh(1, 29.0) and not control.fresh(2, 0.0)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -133,11 +136,11 @@ def test_a_slow_learner_gets_k_lowered_until_the_lag_is_under_the_threshold(tmp_
   ks = [row["control/k"] for row in rows]
   assert ks[0] == 3 and ks[-1] == 1 and ks == sorted(ks, reverse=True), ks
   assert all(row["rollout/policy_lag_max"] <= 1 for row in rows)  # expired, never trained on
-  assert rows[-1]["rollout/expired_batches"] == summary["expired_batches"] > 0
+  assert rows[-1]["rollout/expired_batches"] == summary.expired_batches > 0
   assert any("control/k 3 -> 2" in line for line in said), said
   # each step down waited for batches started under the new k: no overshoot to 0
-  assert [e.split(": ", 1)[1][:16] for e in summary["control_events"]] == [
-      "control/k 3 -> 2", "control/k 2 -> 1"], summary["control_events"]
+  assert [e.split(": ", 1)[1][:16] for e in summary.control_events] == [
+      "control/k 3 -> 2", "control/k 2 -> 1"], summary.control_events
 
 
 def test_an_entropy_floor_on_clip_high_moves_the_learners_clip_range(tmp_path):

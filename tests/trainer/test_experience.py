@@ -166,7 +166,7 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
                        "--config.trainer.mini_batches=2")
   run = common.prepare(config, tmp_path, say=lambda line: None)
   try:
-    learner = Learner(run, say=lambda line: None)
+    learner = Learner.for_run(run, say=lambda line: None)
     rng = np.random.default_rng(0)
 
     def draw(prompt_len, temperature=None):

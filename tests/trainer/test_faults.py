@@ -82,7 +82,7 @@ def test_the_newest_checkpoint_unreadable_resumes_from_the_previous_one(tmp_path
   config = tiny.config("grpo_colocated", "--config.trainer.steps=4",
                        "--config.checkpoint.every_steps=1")
   summary = train(config, tmp_path, say=said.append)
-  assert summary["steps"] == 4
+  assert summary.steps == 4
   assert any("resumed from" in line and "at step 1" in line for line in said), said
   moved = [line for line in said if "does not read back" in line]
   assert len(moved) == 2, said
@@ -115,7 +115,7 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
   (tmp_path / "run" / "warmup.partial" / "config.json").write_text("{")
   said = []
   summary = train(config, tmp_path / "run", say=said.append)
-  assert summary["steps"] == 3  # 6 rows, 2 prompts a step
+  assert summary.steps == 3  # 6 rows, 2 prompts a step
   assert any("the data ran out after 1 epoch(s), at step 3" in line for line in said), said
   assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
   assert (tmp_path / "run" / "hf" / "step_2" / "model.safetensors").is_file()

@@ -17,7 +17,7 @@ def test_each_config_runs_a_few_steps(name, tmp_path):
   # dynamic sampling needs groups of varied rewards, which a random tiny model rarely gives
   config = tiny.config(name, "--config.trainer.steps=2", "--config.algorithm.dynamic_sampling=false")
   summary = train(config, tmp_path, say=lambda message: None)
-  assert summary["steps"] == 2 and not summary["stopped"]
+  assert summary.steps == 2 and not summary.stopped
   rows = tiny.metrics(tmp_path)
   assert [row["step"] for row in rows] == [1, 2]
   for key in EXPECTED:

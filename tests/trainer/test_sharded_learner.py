@@ -18,7 +18,7 @@ def test_the_learners_compiled_step_is_data_parallel(tmp_path):
                        "--config.trainer.mini_batches=2")
   run = common.prepare(config, tmp_path, say=lambda line: None)
   try:
-    learner = Learner(run, say=lambda line: None)
+    learner = Learner.for_run(run, say=lambda line: None)
     assert dict(run.meshes.learning.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert learner.batch_sharding.spec == P(("data", "fsdp"))
     rng = np.random.default_rng(0)

@@ -31,7 +31,7 @@ def test_the_staleness_bound_holds_with_a_slow_side(tmp_path, k, learner_delay, 
   summary = train_split(config, tmp_path, learner_delay_s=learner_delay,
                         generator_delay_s=generator_delay, **QUIET)
   rows = tiny.metrics(tmp_path)
-  assert len(rows) == 5 and summary["dropped_batches"] == 0
+  assert len(rows) == 5 and summary.dropped_batches == 0
   # no lag threshold or age limit: nothing can expire, and no constant 0 is reported
   assert "rollout/expired_batches" not in rows[-1] and not any("control/" in k for k in rows[-1])
   lags = [row["rollout/policy_lag_max"] for row in rows]

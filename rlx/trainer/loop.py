@@ -1,0 +1,220 @@
+"""The one learner loop, for every deployment: colocated, split in one process, and the
+learner job of a split run as jobs.
+
+    summary = learn_loop(run, learner, source, controller, start=..., accuracy_before=..., say=say)
+
+Deployments differ only in where batches come from, a ``BatchSource``:
+
+- ``InlineSource`` (colocated): samples a batch with the current weights when asked;
+- ``ThreadSource`` (split in one process): a generator thread on the generation sub-mesh;
+- ``FileSource`` (the learner job): rollout files written by generator jobs;
+
+any of them behind a ``BufferedSource`` when ``buffer.enabled``. One pass of the loop:
+
+1. take a batch from the source (``None``: nothing yet; the loop asks again);
+2. ask the controller for its verdict: train, drop (past the bound k) or expire (past the
+   lag threshold or the age limit), agreed across the job's processes;
+3. tell the source what happened to the batch (a generator's gate opens on it);
+4. learn, with the controller's knobs passed as arguments;
+5. publish the new weights;
+6. let the controller observe the step, and retune the source with its new knobs;
+7. merge the metrics: the same keys in every deployment, plus the source's own;
+8. evaluate, write the metrics, checkpoint (with the source's and the controller's state),
+   export.
+
+Stopping always goes through the cross-process agreement (``StopSignal.agree``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+import zlib
+from typing import Protocol
+
+import jax
+
+from rlx import distributed
+from rlx.checkpoint import StopSignal
+from rlx.metrics import MetricsSink, ProfileWindow
+from rlx.trainer import control
+from rlx.trainer.common import (Draw, Run, Say, device_memory, evaluate, evaluation_due,
+                                save_hf, throughput)
+from rlx.trainer.learner import Learner, finish
+
+
+@dataclasses.dataclass
+class Batch:
+  """A batch as a source hands it to the loop."""
+
+  draw: Draw
+  data_state: dict
+  """The data position a checkpoint taken after this batch resumes from."""
+  current: bool = True
+  """Whether it was started under the controller's current k: only such batches tell the
+  controller about that k."""
+  metrics: dict = dataclasses.field(default_factory=dict)
+  """The source's own metrics of this batch (deployment-specific keys)."""
+  policy_versions: list[int] | None = None
+  """The policy version of every rollout of the whole batch, where ``draw`` holds only this
+  process's share of it (None: the draw's own): the lag is the same on every process."""
+
+
+class BatchSource(Protocol):
+  """Where the learner's batches come from (see the module docstring)."""
+
+  def next(self, version: int, wait: bool = True) -> Batch | None:
+    """The next batch for a learner at policy ``version``, or None when none is ready (after
+    waiting a short while when ``wait``: the loop checks for a stop and asks again). Raises
+    ``StopIteration`` when the data ran out, and what a producer raised."""
+
+  def settle(self, batch: Batch, verdict: str) -> None:
+    """The loop is done with ``batch``: trained on (after its weights were published),
+    dropped or expired."""
+
+  def retune(self, controller: control.Controller) -> None:
+    """The controller changed a knob: sample with its k and temperature from now on."""
+
+  def metrics(self, learn_seconds: float) -> dict:
+    """The source's own metrics after a step whose learning took ``learn_seconds``."""
+
+  def state(self) -> dict:
+    """What a checkpoint keeps of the source, beside the data position."""
+
+  def close(self) -> None:
+    """Stops producers; never raises for a producer that already failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """How a run ended."""
+
+  steps: int
+  stopped: bool
+  """Stopped by a signal (saved; rerunning resumes) rather than finished."""
+  seconds: dict
+  eval_accuracy_before: float | None
+  eval_accuracy_after: float | None
+  metrics: str
+  checkpoints: str
+  dropped_batches: int = 0
+  expired_batches: int = 0
+  control_events: tuple[str, ...] = ()
+
+
+def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: control.Controller,
+               *, start: int | None, accuracy_before: float | None, say: Say,
+               learner_delay_s: float = 0.0) -> Summary:
+  """Trains until ``trainer.steps`` (or a stop signal, or the data runs out); returns the
+  summary. ``learner_delay_s`` slows the learner down on purpose (tests and benchmarks of
+  the staleness control)."""
+  config = run.config
+  step = start or 0
+  counts = {control.DROP: 0, control.EXPIRE: 0}
+  sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
+                     resume_step=start, write=distributed.lead())
+  data_state = run.stream.get_state()
+  learned_tokens, learning_seconds = 0.0, 0.0
+
+  def meta() -> dict:  # what a checkpoint keeps beside the train state and data position
+    return {"control": controller.state(), "data_fingerprint": run.source.fingerprint(),
+            **source.state()}
+
+  try:
+    with StopSignal(say=say) as stop, sink, ProfileWindow(
+        config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
+      try:
+        since = time.perf_counter()
+        while step < config.trainer.steps and not stop.agree():
+          profile.at(step)
+          try:
+            batch = source.next(learner.version)
+          except StopIteration:  # a finite data.num_epochs is used up
+            say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
+            break
+          if batch is None:
+            continue
+          received = time.perf_counter()
+          draw = batch.draw
+          versions = batch.policy_versions or [c.policy_version for c in draw.completions]
+          lag_mean, lag_max = control.lag(versions, learner.version)
+          # clocks differ between hosts: process 0 decides, every process follows
+          verdict = distributed.agree(controller.verdict(lag_max, time.time() - draw.born))
+          if verdict != control.TRAIN:
+            counts[verdict] += 1
+            source.settle(batch, verdict)
+            if verdict == control.EXPIRE and batch.current:
+              _retune(controller.observe(step, lag_mean=lag_mean), controller, source, say)
+            continue
+          metrics = learner.learn(draw, clip_eps_high=controller.clip_eps_high)
+          if learner_delay_s:
+            time.sleep(learner_delay_s)
+          learned = time.perf_counter()
+          sync_seconds = learner.publish()
+          source.settle(batch, verdict)
+          data_state = batch.data_state
+          step += 1
+          finished = time.perf_counter()
+          elapsed = finished - since
+          _retune(controller.observe(step, lag_mean=lag_mean if batch.current else None,
+                                     is_clip_frac=metrics["policy/is_clip_frac"],
+                                     entropy=metrics["policy/entropy"]), controller, source, say)
+          metrics.update(controller.metrics())
+          if controller.expires:
+            metrics["rollout/expired_batches"] = counts[control.EXPIRE]
+          metrics.update({
+              "rollout/dropped_batches": counts[control.DROP],
+              "data/skipped_rows": run.source.skipped + run.stream.skipped,
+              "time/step_s": elapsed, "time/wait_for_data_s": received - since,
+              "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
+              "time/sync_s": sync_seconds, **throughput(draw, elapsed), **device_memory(),
+              **batch.metrics, **source.metrics(finished - received)})
+          learned_tokens += metrics["throughput/tokens_per_s"] * elapsed  # every process's
+          learning_seconds += finished - received
+          metrics["throughput/learning_tokens_per_s"] = learned_tokens / learning_seconds
+          since = finished
+          stopping = stop.agree()  # every process stops after the same step
+          if config.mesh.check_agreement:
+            distributed.check_same(
+                {"step": step, "policy_version": learner.version,
+                 "data_state": zlib.crc32(json.dumps(data_state, sort_keys=True).encode())},
+                f"the loop's state after step {step}")
+          if evaluation_due(config, step, stopping):
+            metrics.update(evaluate(run, learner.generation_params()))
+          sink.write(step, metrics)
+          if learner.checkpoint_due(step, stopping):
+            learner.save(step, data_state, **meta())
+          _export(run, learner, step)
+      finally:
+        source.close()
+      ended = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
+                     say=say, save_meta=meta())
+  finally:
+    run.close()
+  return Summary(steps=step, stopped=stop.agreed, seconds=ended["seconds"],
+                 eval_accuracy_before=accuracy_before,
+                 eval_accuracy_after=ended["eval_accuracy_after"],
+                 metrics=str(sink.jsonl_path), checkpoints=str(learner.checkpointer.directory),
+                 dropped_batches=counts[control.DROP], expired_batches=counts[control.EXPIRE],
+                 control_events=tuple(str(event) for event in controller.events))
+
+
+def _retune(events: list[control.Event], controller: control.Controller, source: BatchSource,
+            say: Say) -> None:
+  """Announces a controller's changes and hands the new knobs to the source."""
+  for event in events:
+    say(f"rlx: control: {event}")
+  if events:
+    source.retune(controller)
+
+
+def _export(run: Run, learner: Learner, step: int) -> pathlib.Path | None:
+  """Writes the policy as a Hugging Face directory ``WORKDIR/hf/step_N`` every
+  ``checkpoint.export_hf_every`` steps; returns where, or None."""
+  every = run.config.checkpoint.export_hf_every
+  if not every or step % every:
+    return None
+  model = dataclasses.replace(run.model, params=learner.state.params)
+  return save_hf(model, run.tokenizer, run.workdir / "hf" / f"step_{step}")
