@@ -19,9 +19,12 @@
 #   only the workdir: weights as Orbax versions, rollouts as files; generator job g writes
 #   rollouts g, g + M, ... from every M-th prompt.
 #
-# Process 0 of each job prints. Exits with a failing process's status; Ctrl-C reaches every
-# process (each saves and stops).
+# Process 0 of each job prints. As soon as any process fails, the others are stopped (SIGTERM:
+# each saves and stops; SIGKILL after 60 s) and this script exits with the failed process's
+# status; otherwise it returns when all have finished. Ctrl-C reaches every process (each
+# saves and stops).
 set -euo pipefail
+source "$(dirname "$0")/wait_all.sh"
 usage="usage: launch/local.sh (--processes N | --learner N --generator M) --config FILE --workdir DIR [--config.a.b=value ...]"
 processes=0 learner=0 generator=0
 while [ $# -gt 0 ]; do
@@ -72,5 +75,5 @@ else
   exit 2
 fi
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+wait_all "${pids[@]}" || status=$?
 exit "$status"

@@ -12,6 +12,7 @@
 #
 # Exits with a failing job's status.
 set -euo pipefail
+source "$(dirname "$0")/wait_all.sh"
 : "${LEARNER_TPU:?set LEARNER_TPU}" "${GENERATOR_TPUS:?set GENERATOR_TPUS}" "${ZONE:?set ZONE}"
 IFS=, read -r -a generators <<< "$GENERATOR_TPUS"
 args=$(printf '%q ' "$@")
@@ -25,6 +26,8 @@ for g in "${!generators[@]}"; do
     "cd ~/rlx && python -m rlx.main $args $common --config.mesh.role=generator --config.mesh.generator_id=$g" &
   pids+=($!)
 done
+# a failed job stops the others' ssh sessions at once (and with them their processes); a job
+# that loses its peer without that signal stops itself (config.mesh.job_timeout_s)
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+wait_all "${pids[@]}" || status=$?
 exit "$status"

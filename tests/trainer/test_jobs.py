@@ -159,3 +159,87 @@ def test_roles_need_split_and_orbax():
     check(tiny.config("dapo_split", "--config.mesh.generators=2"))
   with pytest.raises(ConfigError, match="config.mesh.generator_id: must be in 0 .. "):
     tiny.config("dapo_split", "--config.mesh.generators=2", "--config.mesh.generator_id=2")
+
+
+def test_a_generator_killed_without_a_word_stops_the_learner_naming_it(tmp_path):
+  learner = _start("learner", tmp_path, "--config.trainer.steps=50")
+  generator = _start("generator", tmp_path)
+  try:
+    deadline = time.monotonic() + 240
+    while _steps(tmp_path) < 1:
+      assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
+      time.sleep(0.2)
+    os.killpg(generator.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = learner.communicate(timeout=90)
+    assert time.monotonic() - killed < 60, out
+  finally:
+    for p in (learner, generator):
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert learner.returncode == 1, out
+  assert "the generator job died without a word" in out, out
+  status = json.loads((tmp_path / "jobs" / "learner-0.json").read_text())
+  assert status["state"] == "failed" and "generator job died" in status["error"]
+
+
+def test_a_failing_generator_job_stops_the_launcher_with_its_status(tmp_path):
+  """The generator raises (dynamic sampling finds no usable group: every reward is alike);
+  the learner stops naming its error, and launch/local.sh returns with a failing status."""
+  started = time.monotonic()
+  launcher = subprocess.run(
+      ["bash", "launch/local.sh", "--learner", "1", "--generator", "1", "--config",
+       "configs/dapo_split.py", "--workdir", str(tmp_path), *tiny.OVERRIDES,
+       "--config.mesh.cpu_devices=1", "--config.trainer.warmup_sft_steps=0",
+       "--config.trainer.eval_prompts=0", "--config.reward.name=tests.trainer.toy_rewards:constant",
+       "--config.algorithm.dynamic_sampling_max_draws=1", "--config.trainer.steps=5"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  out = launcher.stdout + launcher.stderr
+  assert launcher.returncode != 0, out
+  assert "dynamic sampling kept 0 of 2 groups" in out, out
+  failed = json.loads((tmp_path / "jobs" / "generator-0.json").read_text())
+  assert failed["state"] == "failed" and "DynamicSamplingError" in failed["error"]
+  assert time.monotonic() - started < 240, out
+
+
+def _status(state="running", host="here", pid=1, beat=100.0, error=None):
+  return {"state": state, "host": host, "pid": pid, "heartbeat": beat, "error": error}
+
+
+def test_a_peer_counts_as_gone_when_failed_killed_silent_or_never_started():
+  from rlx.trainer.jobstatus import DEAD_GRACE_S, silent_or_failed
+
+  def verdict(status, now=100.0, since=0.0, alive=True):
+    return silent_or_failed("the generator job", status, now=now, since=since, timeout_s=60,
+                            host="here", alive=lambda pid: alive)
+
+  assert verdict(_status()) is None
+  assert "failed: DynamicSamplingError: no group" in verdict(
+      _status("failed", error="DynamicSamplingError: no group"))
+  # killed on this host: its process is gone; a restart gets DEAD_GRACE_S to take its place
+  assert verdict(_status(), now=100 + DEAD_GRACE_S - 1, alive=False) is None
+  assert "died without a word" in verdict(_status(), now=100 + DEAD_GRACE_S + 1, alive=False)
+  # on another host only the heartbeat tells
+  assert verdict(_status(host="elsewhere"), now=150, alive=False) is None
+  assert "silent for 61s" in verdict(_status(host="elsewhere"), now=161)
+  assert verdict(None, now=59) is None and "has not started" in verdict(None, now=61)
+  assert verdict(_status("finished"), now=1000) is None
+  assert verdict(_status("stopped"), now=150) is None
+  assert "stopped 100s ago" in verdict(_status("stopped"), now=200)
+
+
+def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
+  from rlx.trainer.jobstatus import JobStatus, read_statuses
+
+  with JobStatus(tmp_path, "generator", 1):
+    assert read_statuses(tmp_path, "generator", 2)[1]["state"] == "running"
+    assert read_statuses(tmp_path, "generator", 2)[0] is None
+  assert read_statuses(tmp_path, "generator", 2)[1]["state"] == "finished"
+  with pytest.raises(ValueError):
+    with JobStatus(tmp_path, "learner"):
+      raise ValueError("config.x: bad\nmore detail")
+  ended = read_statuses(tmp_path, "learner", 1)[0]
+  assert ended["state"] == "failed" and ended["error"] == "ValueError: config.x: bad"
+  with JobStatus(tmp_path, "learner") as status:
+    status.stopped = True
+  assert read_statuses(tmp_path, "learner", 1)[0]["state"] == "stopped"

@@ -1,0 +1,217 @@
+"""The one learner loop, driven by a fake source and a fake learner (no model is built):
+train / drop / expire verdicts, controller retunes reaching the source and the learner, a
+stop signal, the data running out, and a checkpoint-resume that continues the source's and
+the controller's state."""
+
+import os
+import signal
+import time
+import types
+
+import pytest
+
+from rlx.rollout import Completion
+from rlx.trainer import control
+from rlx.trainer.common import Draw
+from rlx.trainer.loop import Batch, learn_loop
+from tests.trainer import tiny
+
+QUIET = {"say": lambda message: None}
+
+
+class FakeSource:
+  """Hands out batches from a script of (lag, age_s) pairs, relative to the learner's version
+  when asked; records every settle and retune."""
+
+  def __init__(self, script, first=0):
+    self.script, self.index = list(script), first
+    self.settled, self.retuned = [], []
+
+  def next(self, version, wait=True):
+    if self.index >= len(self.script):
+      raise StopIteration
+    lag, age = self.script[self.index]
+    completions = [Completion(prompt_tokens=[1], response_tokens=[2, 3], logprobs=[0.0, 0.0],
+                              policy_logprobs=[0.0, 0.0], finish_reason="stop",
+                              policy_version=version - lag, prompt_index=i, sample_index=0)
+                   for i in range(2)]
+    draw = Draw(completions, None, None, {}, 0.01, {"next_index": self.index + 1},
+                born=time.time() - age)
+    return Batch(draw, draw.data_state, metrics={"fake/index": self.index})
+
+  def settle(self, batch, verdict):
+    self.settled.append(verdict)
+    self.index += 1
+
+  def retune(self, controller):
+    self.retuned.append((controller.k, controller.temperature))
+
+  def metrics(self, learn_seconds):
+    return {"fake/learn_s": learn_seconds}
+
+  def state(self):
+    return {"fake_index": self.index}
+
+  def close(self):
+    pass
+
+
+class FakeLearner:
+  """Counts versions, records the knobs it was given and what it saved."""
+
+  def __init__(self, directory, config, version=0, entropy=0.5, stop_at=None):
+    self.version, self.entropy, self.stop_at, self.config = version, entropy, stop_at, config
+    self.clip_eps_highs, self.saves = [], {}
+    self.saved_step, self.restored_meta = None, {}
+    self.checkpointer = types.SimpleNamespace(directory=directory, latest_step=self._latest)
+
+  def _latest(self):
+    return max(self.saves, default=None)
+
+  def learn(self, draw, *, clip_eps_high):
+    self.clip_eps_highs.append(clip_eps_high)
+    self.version += 1
+    if self.version == self.stop_at:
+      os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would, mid-step
+    return {"loss": 1.0 / self.version, "policy/entropy": self.entropy,
+            "policy/is_clip_frac": 0.0}
+
+  def publish(self):
+    return 0.001
+
+  def checkpoint_due(self, step, stopping):
+    every = self.config.checkpoint.every_steps
+    return stopping or bool(every and step % every == 0)
+
+  def save(self, step, data_state, **meta):
+    self.saved_step = step
+    self.saves[step] = {"data_state": data_state, **meta}
+
+  def generation_params(self):
+    return None
+
+  def close(self):
+    pass
+
+
+def _run(config, workdir):
+  stream = types.SimpleNamespace(get_state=lambda: {"next_index": 0}, skipped=0)
+  return types.SimpleNamespace(
+      config=config, workdir=workdir, stream=stream, eval_rows=[], close=lambda: None,
+      source=types.SimpleNamespace(skipped=0, fingerprint=lambda: "fake-data"),
+      seconds={"warm-up": 0.0, "evals": 0.0, "loop started": time.perf_counter(),
+               "evals before loop": 0.0})
+
+
+def _loop(tmp_path, script, *overrides, learner=None, source=None, start=None, controller=None):
+  config = tiny.config("dapo_split", "--config.checkpoint.every_steps=0", *overrides)
+  learner = learner or FakeLearner(tmp_path / "checkpoints", config)
+  source = source or FakeSource(script)
+  controller = controller or control.Controller.from_config(config)
+  summary = learn_loop(_run(config, tmp_path), learner, source, controller, start=start,
+                       accuracy_before=None, **QUIET)
+  return summary, learner, source, controller
+
+
+def test_each_batch_gets_the_controllers_verdict_and_the_source_hears_it(tmp_path):
+  script = [(0, 0), (3, 0), (2, 0), (0, 100), (1, 0)]  # (lag, age in seconds)
+  summary, learner, source, _ = _loop(
+      tmp_path, script, "--config.trainer.steps=2", "--config.mesh.max_staleness=2",
+      "--config.mesh.lag_threshold=1", "--config.data.max_age_s=30")
+  assert source.settled == [control.TRAIN, control.DROP, control.EXPIRE, control.EXPIRE,
+                            control.TRAIN]
+  assert (summary.steps, summary.dropped_batches, summary.expired_batches) == (2, 1, 2)
+  rows = tiny.metrics(tmp_path)
+  assert [row["step"] for row in rows] == [1, 2] and [row["fake/index"] for row in rows] == [0, 4]
+  assert rows[-1]["rollout/dropped_batches"] == 1 and rows[-1]["rollout/expired_batches"] == 2
+  assert learner.version == 2 and not summary.stopped
+  # the final step is saved with the source's state, the data position and the controller's
+  assert learner.saves[2]["fake_index"] == 5 and learner.saves[2]["data_state"] == {"next_index": 5}
+  assert learner.saves[2]["control"] == {"k": 2, "entropy_level": 0}
+
+
+def test_the_loops_metrics_keys_are_the_same_whatever_the_source(tmp_path):
+  _loop(tmp_path, [(0, 0)] * 2, "--config.trainer.steps=2")
+  row = tiny.metrics(tmp_path)[-1]
+  for key in ("time/step_s", "time/wait_for_data_s", "time/generate_s", "time/learn_s",
+              "time/sync_s", "throughput/tokens_per_s", "throughput/samples_per_s",
+              "throughput/learning_tokens_per_s", "rollout/dropped_batches",
+              "data/skipped_rows", "fake/learn_s"):
+    assert key in row, key
+  assert row["throughput/samples_per_s"] > 0 and row["fake/learn_s"] >= 0
+  assert "rollout/expired_batches" not in row  # nothing can expire: no constant 0
+
+
+def test_expired_batches_lower_k_and_the_source_is_retuned(tmp_path):
+  # lag 2 > threshold 1: expired; two in a window lower k, two more lower it again; two fresh
+  # batches in a window are healthy (mean lag 0 + 1 <= 1): k goes back up
+  script = [(2, 0)] * 4 + [(0, 0)] * 2
+  summary, _, source, controller = _loop(
+      tmp_path, script, "--config.trainer.steps=2", "--config.mesh.max_staleness=3",
+      "--config.mesh.lag_threshold=1", "--config.mesh.control_window=2")
+  assert [k for k, _ in source.retuned] == [2, 1, 2] and controller.k == 2
+  assert summary.expired_batches == 4 and summary.steps == 2
+  assert [e.split(": ", 1)[1][:16] for e in summary.control_events] == [
+      "control/k 3 -> 2", "control/k 2 -> 1", "control/k 1 -> 2"]
+
+
+def test_an_entropy_floor_retunes_the_temperature_and_the_learners_clip_high(tmp_path):
+  summary, _, source, _ = _loop(tmp_path, [(0, 0)] * 3, "--config.trainer.steps=3",
+                                "--config.algorithm.entropy_floor=100",
+                                "--config.mesh.control_window=1")
+  assert [t for _, t in source.retuned] == [1.125, 1.25, 1.375]
+  summary, learner, _, _ = _loop(tmp_path / "clip", [(0, 0)] * 3, "--config.trainer.steps=3",
+                                 "--config.algorithm.entropy_floor=100",
+                                 "--config.mesh.control_window=1",
+                                 "--config.algorithm.entropy_control=clip_eps_high")
+  # each step trains with the setting made after the one before
+  assert learner.clip_eps_highs == pytest.approx([0.28, 0.31, 0.34])
+
+
+def test_a_stop_signal_ends_the_loop_after_the_step_saved_and_stopped(tmp_path):
+  config = tiny.config("dapo_split", "--config.trainer.steps=10")
+  learner = FakeLearner(tmp_path / "checkpoints", config, stop_at=2)
+  summary, _, _, _ = _loop(tmp_path, [(0, 0)] * 10, "--config.trainer.steps=10", learner=learner)
+  assert summary.stopped and summary.steps == 2 and max(learner.saves) == 2
+  assert summary.eval_accuracy_after is None  # a stop skips the final evaluation
+
+
+def test_the_data_running_out_ends_the_loop_with_a_save(tmp_path):
+  summary, learner, _, _ = _loop(tmp_path, [(0, 0)] * 3, "--config.trainer.steps=10")
+  assert summary.steps == 3 and not summary.stopped and max(learner.saves) == 3
+
+
+def test_a_resumed_loop_continues_the_sources_and_the_controllers_state(tmp_path):
+  overrides = ("--config.algorithm.entropy_floor=100", "--config.mesh.control_window=1",
+               "--config.checkpoint.every_steps=2")
+  script = [(0, 0)] * 5
+  config = tiny.config("dapo_split", "--config.trainer.steps=2", *overrides)
+  _, first, _, _ = _loop(tmp_path, script, "--config.trainer.steps=2", *overrides)
+  saved = first.saves[2]
+  # a new process: the checkpoint's meta restores the controller, and the source resumes
+  controller = control.Controller.from_config(config)
+  controller.restore(saved["control"])
+  assert controller.temperature == 1.25
+  learner = FakeLearner(tmp_path / "checkpoints", config, version=2)
+  source = FakeSource(script, first=saved["fake_index"])
+  summary, _, _, _ = _loop(tmp_path, script, "--config.trainer.steps=4", *overrides,
+                           learner=learner, source=source, start=2, controller=controller)
+  rows = tiny.metrics(tmp_path)
+  assert [row["step"] for row in rows] == [1, 2, 3, 4]
+  assert [row["fake/index"] for row in rows] == [0, 1, 2, 3]
+  assert [row["control/temperature"] for row in rows] == [1.125, 1.25, 1.375, 1.5]
+  assert summary.steps == 4 and learner.saves[4]["fake_index"] == 4
+
+
+def test_the_profile_window_traces_the_steps_asked_for(tmp_path):
+  said = []
+  config = tiny.config("dapo_split", "--config.trainer.steps=3", "--config.logging.profile_steps=1:2")
+  learner = FakeLearner(tmp_path / "checkpoints", config)
+  learn_loop(_run(config, tmp_path), learner, FakeSource([(0, 0)] * 3),
+             control.Controller.from_config(config), start=None, accuracy_before=None,
+             say=said.append)
+  traces = list((tmp_path / "profile" / "process_0").rglob("*.xplane.pb"))
+  assert len(traces) == 1
+  assert any("profile of steps 1..1" in line for line in said)
+  with pytest.raises(Exception, match="profile_steps"):
+    tiny.config("dapo_split", "--config.logging.profile_steps=3:1")
