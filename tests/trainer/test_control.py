@@ -5,7 +5,6 @@ threshold."""
 import pytest
 
 from rlx.config import ConfigError, check
-from rlx.trainer import train_colocated, train_split
 from rlx.trainer.control import (DROP, EXPIRE, KNOB_STEPS, TRAIN, Controller, EntropyFloor,
                                 Staleness)
 from tests.trainer import tiny
@@ -119,48 +118,3 @@ def test_the_entropy_floor_cannot_raise_greedy_sampling():
   with pytest.raises(ConfigError, match="entropy_control=clip_eps_high"):
     check(tiny.config("dapo_split", "--config.algorithm.entropy_floor=0.5",
                       "--config.rollout.temperature=0"))
-
-
-def test_a_slow_learner_gets_k_lowered_until_the_lag_is_under_the_threshold(tmp_path):
-  """max_staleness 3 lets the generator run 3 versions ahead of a slow learner; the lag
-  threshold of 1 expires those batches and the controller brings k down to 1, after which
-  every batch is trained on, at most 1 version old."""
-  said = []
-  config = tiny.config("dapo_split", "--config.algorithm.dynamic_sampling=false",
-                       "--config.checkpoint.every_steps=0", "--config.trainer.steps=6",
-                       "--config.mesh.max_staleness=3", "--config.mesh.lag_threshold=1",
-                       "--config.mesh.control_window=2")
-  summary = train_split(config, tmp_path, learner_delay_s=0.6, say=said.append)
-  rows = tiny.metrics(tmp_path)
-  assert len(rows) == 6
-  ks = [row["control/k"] for row in rows]
-  assert ks[0] == 3 and ks[-1] == 1 and ks == sorted(ks, reverse=True), ks
-  assert all(row["rollout/policy_lag_max"] <= 1 for row in rows)  # expired, never trained on
-  assert rows[-1]["rollout/expired_batches"] == summary.expired_batches > 0
-  assert any("control/k 3 -> 2" in line for line in said), said
-  # each step down waited for batches started under the new k: no overshoot to 0
-  assert [e.split(": ", 1)[1][:16] for e in summary.control_events] == [
-      "control/k 3 -> 2", "control/k 2 -> 1"], summary.control_events
-
-
-def test_an_entropy_floor_on_clip_high_moves_the_learners_clip_range(tmp_path):
-  config = tiny.config("dapo_split", "--config.algorithm.dynamic_sampling=false",
-                       "--config.checkpoint.every_steps=0", "--config.trainer.steps=3",
-                       "--config.algorithm.entropy_floor=100", "--config.mesh.control_window=1",
-                       "--config.algorithm.entropy_control=clip_eps_high")
-  train_split(config, tmp_path, say=lambda m: None)
-  rows = tiny.metrics(tmp_path)
-  # the setting after each step; each step trained with the one before (from 0.28)
-  assert [row["control/clip_eps_high"] for row in rows] == pytest.approx([0.31, 0.34, 0.37])
-  assert "control/temperature" not in rows[-1] and "rollout/temperature" not in rows[-1]
-
-
-def test_the_entropy_floor_raises_the_temperature_of_a_colocated_run(tmp_path):
-  config = tiny.config("grpo_colocated", "--config.checkpoint.every_steps=0",
-                       "--config.trainer.steps=2", "--config.algorithm.entropy_floor=100",
-                       "--config.mesh.control_window=1")
-  train_colocated(config, tmp_path, say=lambda m: None)
-  rows = tiny.metrics(tmp_path)
-  assert [row["control/temperature"] for row in rows] == [1.125, 1.25]
-  assert [row["rollout/temperature"] for row in rows] == [1.0, 1.125]  # sampled before each rise
-  assert "control/k" not in rows[-1]

@@ -215,3 +215,29 @@ def test_the_profile_window_traces_the_steps_asked_for(tmp_path):
   assert any("profile of steps 1..1" in line for line in said)
   with pytest.raises(Exception, match="profile_steps"):
     tiny.config("dapo_split", "--config.logging.profile_steps=3:1")
+
+
+def test_the_inline_source_samples_with_the_published_weights_at_the_retuned_temperature(
+    tmp_path, monkeypatch):
+  from rlx.trainer import colocated
+
+  calls = []
+
+  def fake_collect(run, params_fn, seed, temperature=None):
+    calls.append((params_fn(), seed, temperature))
+    return Draw([], None, None, {}, 0.0, {"next_index": len(calls)})
+
+  monkeypatch.setattr(colocated, "collect", fake_collect)
+  config = tiny.config("grpo_colocated", "--config.algorithm.entropy_floor=100",
+                       "--config.mesh.control_window=1")
+  sync = types.SimpleNamespace(latest=lambda: ("params-v3", 3))
+  source = colocated.InlineSource(types.SimpleNamespace(config=config, sync=sync), 5, 1.0)
+  assert source.next(version=3, wait=False) is None  # nothing is ready without sampling
+  batch = source.next(version=3)
+  controller = control.Controller.from_config(config)
+  controller.observe(1, lag_mean=None, entropy=0.0)  # under the floor: the temperature rises
+  source.retune(controller)
+  source.next(version=4)
+  seed = config.trainer.seed * 1_000_003
+  assert calls == [(("params-v3", 3), seed + 5, 1.0), (("params-v3", 3), seed + 6, 1.125)]
+  assert batch.data_state == {"next_index": 1}

@@ -9,26 +9,20 @@ import sys
 import pytest
 
 from rlx.trainer import prepare
+from rlx.trainer.common import warms_up
 from tests.trainer import tiny
 
 QWEN2 = "tests/fixtures/hf/qwen2"
 
 
-def test_a_checkpoint_gets_no_warm_up_unless_asked(tmp_path):
-  said = []
+def test_a_checkpoint_gets_no_warm_up_unless_asked():
   # the base config asks for warm-up steps (tiny.OVERRIDES: 2), meant for the built-in model
-  config = tiny.config("grpo_colocated", f"--config.model.path={QWEN2}",
-                       "--config.rollout.max_prompt_len=128")
-  run = prepare(config, tmp_path / "default", say=said.append)
-  run.close()
-  assert not (tmp_path / "default" / "warmup").exists()
-  assert not any("warm-up" in line for line in said), said
-  config = tiny.config("grpo_colocated", f"--config.model.path={QWEN2}",
-                       "--config.rollout.max_prompt_len=128", "--config.trainer.warmup_sft=always")
-  run = prepare(config, tmp_path / "always", say=said.append)
-  run.close()
-  assert (tmp_path / "always" / "warmup" / "config.json").is_file()
-  assert any(f"supervised warm-up of {QWEN2}: 2 steps" in line for line in said), said
+  assert warms_up(tiny.config("grpo_colocated"))
+  assert not warms_up(tiny.config("grpo_colocated", f"--config.model.path={QWEN2}"))
+  assert warms_up(tiny.config("grpo_colocated", f"--config.model.path={QWEN2}",
+                              "--config.trainer.warmup_sft=always"))
+  assert not warms_up(tiny.config("grpo_colocated", "--config.trainer.warmup_sft=never"))
+  assert not warms_up(tiny.config("grpo_colocated", "--config.trainer.warmup_sft_steps=0"))
 
 
 def test_file_data_holds_out_rows_for_evaluation_and_never_trains_on_them(tmp_path):

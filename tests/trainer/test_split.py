@@ -1,5 +1,5 @@
-"""The split loop: the staleness bound holds whichever side is slow, expired batches are
-dropped, and the two weight syncs drive identical runs."""
+"""Split in one process: the staleness bound holds with a slow side, the generator's gate never
+deadlocks or lets the lag pass k, and a batch past the bound is expired."""
 
 import dataclasses
 import threading
@@ -24,8 +24,9 @@ def _split(*overrides):
                      "--config.checkpoint.every_steps=0", *overrides)
 
 
-@pytest.mark.parametrize("k, learner_delay, generator_delay",
-                         [(0, 0.0, 0.0), (1, 0.3, 0.0), (1, 0.0, 0.3), (2, 0.3, 0.0)])
+# end to end, one case: the loop's verdicts are tested on a fake source (test_loop.py), the
+# generator's gate under random delays and drops below
+@pytest.mark.parametrize("k, learner_delay, generator_delay", [(1, 0.3, 0.0)])
 def test_the_staleness_bound_holds_with_a_slow_side(tmp_path, k, learner_delay, generator_delay):
   config = _split("--config.trainer.steps=5", f"--config.mesh.max_staleness={k}")
   summary = train_split(config, tmp_path, learner_delay_s=learner_delay,
@@ -109,20 +110,6 @@ def test_no_deadlock_and_no_lag_past_k_under_random_delays_and_drops(k, versions
   assert max(lags) <= k and dropped > 100
   if k >= versions_per_step:  # the generator did work ahead
     assert max(lags) > 0
-
-
-def test_orbax_and_reshard_syncs_drive_identical_runs(tmp_path):
-  # with max_staleness 0 the split loop is synchronous, so two runs see the same weights
-  runs = {}
-  for sync in ("reshard", "orbax"):
-    config = _split("--config.trainer.steps=3", "--config.mesh.max_staleness=0",
-                    f"--config.mesh.weight_sync={sync}")
-    train_split(config, tmp_path / sync, **QUIET)
-    runs[sync] = tiny.metrics(tmp_path / sync)
-  for a, b in zip(runs["reshard"], runs["orbax"]):
-    for key in ("loss", "reward/mean", "policy/entropy", "response/length_mean"):
-      assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-8), key
-  assert (tmp_path / "orbax" / "policy_versions").is_dir()
 
 
 def test_split_needs_split_mode_and_one_controller(tmp_path):
