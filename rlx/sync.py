@@ -9,7 +9,15 @@ The learner ``publish``es each new policy version; the generator asks for the
 - ``OrbaxSync``: the learner writes each version with Orbax (tensorstore) under
   a directory on local or shared storage; the generator restores the newest
   version straight into its own shardings. Old versions are deleted. For
-  learner and generator running as separate jobs.
+  learner and generator running as separate jobs. With ``asynchronous`` (the
+  learner job), ``publish`` returns once the params are copied off the devices and
+  the write goes on in the background: Orbax writes a version under a temporary
+  name and renames it when complete, so a reader never sees half a version, and
+  each save waits for the one before, so versions land in order.
+
+A resumed learner first discards the versions it is about to write again
+(``discard_from``): a dead run's newer versions are moved aside, never silently kept
+in place of the restored one.
 
 Both return the generator's params in ``generation_shardings``, and share the
 ``WeightSync`` protocol: callers never know which one they hold.
@@ -43,6 +51,10 @@ class WeightSync(Protocol):
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """The newest published (params in the generation layout, version), if its version is
     above ``newer_than``; else None."""
+
+  def discard_from(self, version: int) -> int:
+    """Removes published versions ``version`` and newer (a resumed run writes them again);
+    returns how many."""
 
   def close(self) -> None:
     """Waits for what is being published, then lets go of storage."""
@@ -78,6 +90,13 @@ class ReshardSync:
         return None
       return self._latest
 
+  def discard_from(self, version: int) -> int:
+    with self._lock:
+      if self._latest is None or self._latest[1] < version:
+        return 0
+      self._latest = None
+      return 1
+
   def close(self) -> None:
     pass
 
@@ -90,30 +109,35 @@ class OrbaxSync:
   """
 
   def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
-               keep: int = 2):
+               keep: int = 2, asynchronous: bool = False):
     self.directory = pathlib.Path(directory).absolute()
     self.generation_shardings = generation_shardings
     self._abstract = jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         like, generation_shardings)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
-                                           create=True)
+    self.asynchronous = asynchronous
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                           enable_async_checkpointing=asynchronous, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self.last_seconds = 0.0
 
   def publish(self, params: Params, version: int) -> float:
-    """Writes version ``version``; returns the seconds until it is on storage."""
+    """Writes version ``version``; returns the seconds until it is on storage (asynchronous:
+    until the write is started, after the previous one finished)."""
     started = time.perf_counter()
     with self._lock:
       self._manager.save(version, args=ocp.args.StandardSave(params))
-      self._manager.wait_until_finished()
+      if not self.asynchronous:
+        self._manager.wait_until_finished()
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """Restores the newest version above ``newer_than`` into the generation shardings."""
     with self._lock:
+      if self.asynchronous:  # this process's own writes first (the learner's evaluation)
+        self._manager.wait_until_finished()
       self._manager.reload()  # another job may have written new versions
       version = self._manager.latest_step()
     if version is None or version <= newer_than:
@@ -129,5 +153,24 @@ class OrbaxSync:
       self._manager.reload()
       return list(self._manager.all_steps())
 
+  def discard_from(self, version: int) -> int:
+    """Moves versions ``version`` and newer aside, into ``DIRECTORY.discarded/`` (process 0;
+    every process of the job then sees the same versions)."""
+    moved = 0
+    with self._lock:
+      self._manager.wait_until_finished()
+      self._manager.reload()
+      if distributed.lead():
+        aside = self.directory.with_name(self.directory.name + ".discarded")
+        for step in self._manager.all_steps():
+          if step >= version:
+            aside.mkdir(exist_ok=True)
+            (self.directory / str(step)).rename(aside / f"{step}.{time.time_ns()}")
+            moved += 1
+      moved = distributed.agree(moved)  # every process waits until the versions are gone
+      self._manager.reload()
+    return moved
+
   def close(self) -> None:
+    self._manager.wait_until_finished()
     self._manager.close()

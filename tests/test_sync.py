@@ -68,3 +68,24 @@ def test_latest_only_returns_newer_versions(meshes, tmp_path):
   finally:
     orbax.close()
 
+
+
+def test_a_resumed_writer_discards_the_versions_it_writes_again(meshes, tmp_path):
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  orbax = sync.OrbaxSync(tmp_path / "w", generation, like=like, keep=5, asynchronous=True)
+  try:
+    for version in (1, 2, 3):
+      orbax.publish(_learner_params(meshes, version), version)
+    assert orbax.discard_from(2) == 2 and orbax.versions() == [1]
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "w.discarded").iterdir()) == ["2", "3"]
+    fresh = _learner_params(meshes, 20)
+    orbax.publish(fresh, 2)  # written again, not declined as "not newer"
+    params, version = orbax.latest(newer_than=1)
+    assert version == 2
+    chex.assert_trees_all_equal(jax.device_get(params), jax.device_get(fresh))
+  finally:
+    orbax.close()
+  reshard = sync.ReshardSync(generation)
+  reshard.publish(_learner_params(meshes, 0), 4)
+  assert reshard.discard_from(5) == 0 and reshard.discard_from(4) == 1 and reshard.latest() is None

@@ -126,8 +126,11 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                           decode_steps=r.decode_steps)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
   # versions a reader may still be restoring stay on storage: k + 2 of them
+  # the learner job's writes go on in the background (a reader in another job sees only
+  # complete versions); in one process the generator thread reads the same manager
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
-                    keep=control.bound(config) + 2)
+                    keep=control.bound(config) + 2,
+                    asynchronous=config.mesh.role == "learner")
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,

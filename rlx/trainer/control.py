@@ -28,7 +28,9 @@ learner loop, the generator's gate, the replay buffer and the generator job all 
 
 - a batch holding a rollout more than ``mesh.max_staleness`` versions behind the learner is
   *dropped* (``rollout/dropped_batches``): the generator's gate makes that impossible, so a
-  drop means the gate was bypassed, and the check is the guarantee;
+  drop means the gate was bypassed, and the check is the guarantee; so is a batch holding a
+  rollout *ahead* of the learner (a negative lag: sampled with a version a stopped run wrote
+  after the checkpoint this one resumed from);
 - a batch whose largest lag exceeds ``mesh.lag_threshold``, or that was sampled longer than
   ``data.max_age_s`` seconds ago, is *expired* (``rollout/expired_batches``); independent
   of k, this is what keeps data the learner would be hurt by out of the update;
@@ -218,11 +220,11 @@ class Controller:
     """Whether batches can expire (a lag threshold or an age limit is set)."""
     return self.lag_threshold is not None or self.max_age_s is not None
 
-  def verdict(self, lag_max: int, age_s: float) -> str:
-    """What the learner does with a batch whose largest lag is ``lag_max`` versions and whose
-    sampling started ``age_s`` seconds ago: TRAIN, DROP (past the bound k) or EXPIRE (past
-    the lag threshold or the age limit)."""
-    if past_bound(lag_max, self.max_staleness):
+  def verdict(self, lag_max: int, age_s: float, lag_min: int = 0) -> str:
+    """What the learner does with a batch whose lags span ``lag_min`` .. ``lag_max`` versions
+    and whose sampling started ``age_s`` seconds ago: TRAIN, DROP (past the bound k, or from
+    a version the learner never made) or EXPIRE (past the lag threshold or the age limit)."""
+    if past_bound(lag_max, self.max_staleness) or lag_min < 0:
       return DROP
     if self.lag_threshold is not None and lag_max > self.lag_threshold:
       return EXPIRE

@@ -210,6 +210,8 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
             {"done": files.progress()["done"], "control": files.control() or {}})))
         k = seen["control"].get("k", control.bound(config))
         gate_open = seen["done"] >= index - k
+        if gate_open and version >= 0 and max(run.sync.versions(), default=-1) < version:
+          version = -1  # the learner resumed from an earlier checkpoint: take its version
         newest = _latest(run, version) if gate_open else None
         if newest is not None:
           (params, version), sync_seconds = newest, run.sync.last_seconds

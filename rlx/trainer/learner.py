@@ -49,6 +49,11 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
       say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
           f"{now} now); the run resumes at the saved position of the changed data")
     say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
+  # versions from this one on are written again; a dead run's are never sampled from
+  discarded = run.sync.discard_from(learner.version)
+  if discarded:
+    say(f"rlx: moved {discarded} policy version(s) from {learner.version} on aside: a stopped "
+        "run wrote them after the checkpoint this run resumes from")
   learner.publish()
   accuracy_before = (evaluate(run, learner.generation_params()).get("eval/accuracy")
                      if start is None else None)

@@ -141,7 +141,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           versions = batch.policy_versions or [c.policy_version for c in draw.completions]
           lag_mean, lag_max = control.lag(versions, learner.version)
           # clocks differ between hosts: process 0 decides, every process follows
-          verdict = distributed.agree(controller.verdict(lag_max, time.time() - draw.born))
+          verdict = distributed.agree(controller.verdict(
+              lag_max, time.time() - draw.born, lag_min=learner.version - max(versions)))
           if verdict != control.TRAIN:
             counts[verdict] += 1
             source.settle(batch, verdict)

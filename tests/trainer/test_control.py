@@ -101,6 +101,7 @@ def test_a_batch_past_the_lag_threshold_or_the_age_limit_is_expired():
   assert control.verdict(2, 0.0) == EXPIRE  # past the lag threshold
   assert control.verdict(0, 31.0) == EXPIRE  # past the age limit
   assert control.verdict(4, 0.0) == DROP  # past the bound k: the gate was bypassed
+  assert control.verdict(0, 0.0, lag_min=-1) == DROP  # from a version a dead run wrote
   assert control.fresh(1, 29.0) and not control.fresh(2, 0.0)
 
 

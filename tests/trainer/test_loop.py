@@ -114,19 +114,19 @@ def _loop(tmp_path, script, *overrides, learner=None, source=None, start=None, c
 
 
 def test_each_batch_gets_the_controllers_verdict_and_the_source_hears_it(tmp_path):
-  script = [(0, 0), (3, 0), (2, 0), (0, 100), (1, 0)]  # (lag, age in seconds)
+  script = [(0, 0), (3, 0), (2, 0), (0, 100), (-1, 0), (1, 0)]  # (lag, age in seconds)
   summary, learner, source, _ = _loop(
       tmp_path, script, "--config.trainer.steps=2", "--config.mesh.max_staleness=2",
       "--config.mesh.lag_threshold=1", "--config.data.max_age_s=30")
   assert source.settled == [control.TRAIN, control.DROP, control.EXPIRE, control.EXPIRE,
-                            control.TRAIN]
-  assert (summary.steps, summary.dropped_batches, summary.expired_batches) == (2, 1, 2)
+                            control.DROP, control.TRAIN]
+  assert (summary.steps, summary.dropped_batches, summary.expired_batches) == (2, 2, 2)
   rows = tiny.metrics(tmp_path)
-  assert [row["step"] for row in rows] == [1, 2] and [row["fake/index"] for row in rows] == [0, 4]
-  assert rows[-1]["rollout/dropped_batches"] == 1 and rows[-1]["rollout/expired_batches"] == 2
+  assert [row["step"] for row in rows] == [1, 2] and [row["fake/index"] for row in rows] == [0, 5]
+  assert rows[-1]["rollout/dropped_batches"] == 2 and rows[-1]["rollout/expired_batches"] == 2
   assert learner.version == 2 and not summary.stopped
   # the final step is saved with the source's state, the data position and the controller's
-  assert learner.saves[2]["fake_index"] == 5 and learner.saves[2]["data_state"] == {"next_index": 5}
+  assert learner.saves[2]["fake_index"] == 6 and learner.saves[2]["data_state"] == {"next_index": 6}
   assert learner.saves[2]["control"] == {"k": 2, "entropy_level": 0}
 
 

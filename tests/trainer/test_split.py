@@ -119,3 +119,25 @@ def test_split_needs_split_mode_and_one_controller(tmp_path):
   config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, multihost=True))
   with pytest.raises(ConfigError, match="does not "):
     train_split(config, tmp_path, **QUIET)
+
+
+def test_a_resume_never_samples_with_the_stopped_runs_newer_weights(tmp_path):
+  """Killed after step 5 with checkpoint 3 (checkpoints 4 and 5 lost, versions 4 and 5 on
+  storage): the resumed run moves those versions aside, and trains on no batch from them."""
+  import shutil
+
+  overrides = ("--config.mesh.weight_sync=orbax", "--config.mesh.max_staleness=1",
+               "--config.checkpoint.every_steps=1")
+  train_split(_split("--config.trainer.steps=5", *overrides), tmp_path, **QUIET)
+  for step in (4, 5):
+    shutil.rmtree(tmp_path / "checkpoints" / str(step))
+  assert sorted(int(p.name) for p in (tmp_path / "policy_versions").iterdir()
+                if p.name.isdigit())[-1] == 5
+  said = []
+  train_split(_split("--config.trainer.steps=7", *overrides), tmp_path, say=said.append)
+  assert any("moved 3 policy version(s) from 3 on aside" in line for line in said), said
+  rows = tiny.metrics(tmp_path)
+  resumed = [row for row in rows if row["step"] > 3][-4:]
+  assert [row["step"] for row in resumed] == [4, 5, 6, 7]
+  assert all(row["rollout/policy_lag_mean"] >= 0 for row in resumed)
+  assert resumed[-1]["rollout/dropped_batches"] == 0
