@@ -64,5 +64,5 @@ def _sampled(learner, draw):
   from rlx.trainer import sample_arrays
 
   sampled, _ = sample_arrays(draw.completions, draw.rewards, learner.config,
-                             pad_id=learner.run.tokenizer.pad_id)
+                             pad_id=learner.pad_id)
   return distributed.global_tree(learner.batch_sharding, sampled)
