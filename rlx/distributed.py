@@ -158,6 +158,12 @@ def sum_over_processes(values: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(values)).sum(0)
 
 
+def sums_over_processes(named: dict[str, float]) -> dict[str, float]:
+  """Each named value summed over processes (every process passes the same names)."""
+  names = sorted(named)
+  return dict(zip(names, map(float, sum_over_processes([named[name] for name in names]))))
+
+
 def union_over_processes(names) -> list[str]:
   """The sorted union of every process's ``names`` (strings), the same on every process."""
   names = sorted(set(names))

@@ -7,8 +7,10 @@ and scoring rollouts, turning them into the learner's batch, and the learner.
 
 from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
-from rlx.trainer.common import (DynamicSamplingError, NonFiniteError, TrainingError, collect,
-                                evaluate, prepare)
+from rlx.trainer.collect import Draw, collect
+from rlx.trainer.common import DynamicSamplingError, NonFiniteError, TrainingError
+from rlx.trainer.evaluate import evaluate
+from rlx.trainer.run import Run, prepare
 from rlx.trainer.learner import Learner
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 from rlx.trainer.experience import (Sampled, layout, make_prepare, sample_arrays,
@@ -41,7 +43,8 @@ def train(config, workdir, say=print):
   return loop(config, workdir, say)
 
 
-__all__ = ["Batch", "BatchSource", "DynamicSamplingError", "Generator", "Learner", "Summary",
+__all__ = ["Batch", "BatchSource", "Draw", "DynamicSamplingError", "Generator", "Learner", "Run",
+           "Summary",
            "learn_loop", "NonFiniteError", "Sampled",
            "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
            "sample_arrays", "sequence_advantages", "shaped_rewards", "train", "train_colocated",

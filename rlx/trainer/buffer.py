@@ -45,7 +45,7 @@ import numpy as np
 from rlx.config import RunConfig
 from rlx.rollout import Completion
 from rlx.trainer import control
-from rlx.trainer.common import Draw
+from rlx.trainer.collect import Draw
 from rlx.trainer.exchange import decode, encode
 from rlx.trainer.loop import Batch, BatchSource
 

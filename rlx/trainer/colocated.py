@@ -20,7 +20,9 @@ import pathlib
 
 from rlx.trainer import control
 from rlx.trainer.buffer import buffered
-from rlx.trainer.common import Run, Say, collect
+from rlx.trainer.collect import collect
+from rlx.trainer.common import Say
+from rlx.trainer.run import Run
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, Summary, learn_loop
 

@@ -33,7 +33,7 @@ import numpy as np
 from flax import serialization
 
 from rlx.rollout import Completion
-from rlx.trainer.common import Draw
+from rlx.trainer.collect import Draw
 
 SUFFIX = ".rollout"
 DONE = "DONE"

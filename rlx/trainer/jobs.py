@@ -55,7 +55,9 @@ from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.trainer import control, jobstatus
 from rlx.trainer.buffer import buffered
-from rlx.trainer.common import Draw, Run, Say, TrainingError, collect, prepare
+from rlx.trainer.collect import Draw, collect
+from rlx.trainer.common import Say, TrainingError
+from rlx.trainer.run import Run, prepare
 from rlx.trainer.exchange import RolloutFiles
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, Summary, learn_loop

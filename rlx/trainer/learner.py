@@ -24,7 +24,10 @@ from rlx.checkpoint import Checkpointer
 from rlx.config import RunConfig
 from rlx.models import Model
 from rlx.sync import WeightSync
-from rlx.trainer.common import Draw, NonFiniteError, Run, Say, evaluate, prepare
+from rlx.trainer.collect import Draw
+from rlx.trainer.common import NonFiniteError, Say
+from rlx.trainer.evaluate import evaluate
+from rlx.trainer.run import Run, prepare
 from rlx.trainer.experience import make_prepare, sample_arrays
 
 

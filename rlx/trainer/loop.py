@@ -40,8 +40,10 @@ from rlx import distributed
 from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer import control
-from rlx.trainer.common import (Draw, Run, Say, device_memory, evaluate, evaluation_due,
-                                save_hf, throughput)
+from rlx.trainer.collect import Draw
+from rlx.trainer.common import Say, device_memory, throughput
+from rlx.trainer.evaluate import evaluate, evaluation_due
+from rlx.trainer.run import Run, save_hf
 from rlx.trainer.learner import Learner, finish
 
 

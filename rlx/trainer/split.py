@@ -38,7 +38,9 @@ from rlx.config import ConfigError, RunConfig
 from rlx.metrics import BusyWindow
 from rlx.trainer import control
 from rlx.trainer.buffer import buffered
-from rlx.trainer.common import Draw, Run, Say, collect
+from rlx.trainer.collect import Draw, collect
+from rlx.trainer.common import Say
+from rlx.trainer.run import Run
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, Summary, learn_loop
 

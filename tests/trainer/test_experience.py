@@ -159,12 +159,12 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
   responses and prompts of any length within a bucket reuse the bucket's compilation, and so
   do data sampled at another temperature and another upper clip range (an entropy
   controller's moves)."""
-  from rlx.trainer import Learner, common
+  from rlx.trainer import Draw, Learner, prepare
   from tests.trainer import tiny
 
   config = tiny.config("ppo_colocated", "--config.trainer.warmup_sft_steps=0",
                        "--config.trainer.mini_batches=2")
-  run = common.prepare(config, tmp_path, say=lambda line: None)
+  run = prepare(config, tmp_path, say=lambda line: None)
   try:
     learner = Learner.for_run(run, say=lambda line: None)
     rng = np.random.default_rng(0)
@@ -172,7 +172,7 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
     def draw(prompt_len, temperature=None):
       completions = [_completion(rng.integers(1, 32, prompt_len), rng.integers(1, 32, rng.integers(1, 9)),
                                  version=learner.version) for _ in range(4)]
-      return common.Draw(completions, np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+      return Draw(completions, np.array([1.0, 0.0, 0.0, 1.0], np.float32),
                          np.array([True, False, False, True]), {}, 0.0, {}, temperature)
 
     programs = ["prepare", "update_step", "critic_step"]

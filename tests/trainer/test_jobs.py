@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rlx.rollout import Completion
-from rlx.trainer.common import Draw
+from rlx.trainer.collect import Draw
 from rlx.trainer.exchange import RolloutFiles, decode, encode
 from tests.trainer import tiny
 

@@ -12,7 +12,7 @@ import pytest
 
 from rlx.rollout import Completion
 from rlx.trainer import control
-from rlx.trainer.common import Draw
+from rlx.trainer.collect import Draw
 from rlx.trainer.loop import Batch, learn_loop
 from tests.trainer import tiny
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from rlx.trainer import Learner, common
+from rlx.trainer import Draw, Learner, prepare
 from tests.trainer import tiny
 from tests.trainer.test_experience import _completion
 
@@ -16,14 +16,14 @@ def test_the_learners_compiled_step_is_data_parallel(tmp_path):
                        "--config.data.prompts_per_step=8", "--config.mesh.data=2",
                        "--config.mesh.fsdp=-1", "--config.mesh.cpu_devices=8",
                        "--config.trainer.mini_batches=2")
-  run = common.prepare(config, tmp_path, say=lambda line: None)
+  run = prepare(config, tmp_path, say=lambda line: None)
   try:
     learner = Learner.for_run(run, say=lambda line: None)
     assert dict(run.meshes.learning.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert learner.batch_sharding.spec == P(("data", "fsdp"))
     rng = np.random.default_rng(0)
     completions = [_completion(rng.integers(1, 32, 5), rng.integers(1, 32, 6)) for _ in range(16)]
-    draw = common.Draw(completions, rng.random(16).round().astype(np.float32),
+    draw = Draw(completions, rng.random(16).round().astype(np.float32),
                        np.ones(16, bool), {}, 0.0, {})
     metrics = learner.learn(draw)  # the real path runs
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["critic/loss"])

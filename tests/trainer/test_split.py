@@ -12,7 +12,7 @@ import pytest
 from rlx.config import ConfigError
 from rlx.rollout import Completion
 from rlx.trainer import train_split
-from rlx.trainer.common import Draw
+from rlx.trainer.collect import Draw
 from rlx.trainer.split import Generator, expired
 from tests.trainer import tiny
 

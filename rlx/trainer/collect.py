@@ -1,0 +1,204 @@
+"""Drawing and scoring rollouts: a full batch of groups with DAPO's dynamic sampling, across
+processes, each completion scored as soon as it finishes.
+
+    draw = collect(run, params_fn, seed)            # a full batch of groups, scored
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlx import algorithms, distributed, rollout
+from rlx.rewards import Scored
+from rlx.rollout import Completion
+from rlx.trainer.common import DynamicSamplingError
+from rlx.trainer.run import Run
+
+
+def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
+                       seed: int, version: int,
+                       first_prompt_index: int = 0) -> tuple[list[Completion], Scored]:
+  """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
+  (``first_prompt_index``: where ``rows`` start in the batch the processes share). Each
+  completion is scored as soon as it finishes, while the others are still decoding."""
+  r = run.config.rollout
+  scorer = _Scorer(run, rows)
+  try:
+    completions = rollout.generate(
+        run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
+        max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+        stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
+        first_prompt_index=first_prompt_index, on_finished=scorer.submit)
+  finally:
+    parts = scorer.finish()
+  return completions, _in_order(completions, parts)
+
+
+class _Scorer:
+  """Scores completions in a thread as generation hands them over, in batches of whatever
+  has finished since the last call of the pool."""
+
+  def __init__(self, run: Run, rows: list[dict]):
+    self.run, self.rows = run, rows
+    self.queue: queue.Queue[Completion | None] = queue.Queue()
+    self.parts: list[tuple[list[Completion], Scored]] = []
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._work, name="rlx-scorer", daemon=True)
+    self.thread.start()
+
+  def submit(self, completion: Completion) -> None:
+    self.queue.put(completion)
+
+  def _work(self) -> None:
+    done = False
+    while not done:
+      batch = [self.queue.get()]
+      while True:
+        try:
+          batch.append(self.queue.get_nowait())
+        except queue.Empty:
+          break
+      done = batch[-1] is None
+      batch = [c for c in batch if c is not None]
+      if not batch or self.error is not None:
+        continue
+      try:
+        texts = [self.run.tokenizer.decode(c.response_tokens) for c in batch]
+        self.parts.append((batch, self.run.pool.score(
+            texts, [self.rows[c.prompt_index] for c in batch])))
+      except BaseException as error:  # noqa: BLE001 - raised in the generating thread
+        self.error = error
+
+  def finish(self) -> list[tuple[list[Completion], Scored]]:
+    self.queue.put(None)
+    self.thread.join()
+    if self.error is not None:
+      raise self.error
+    return self.parts
+
+
+def _in_order(completions: list[Completion],
+              parts: list[tuple[list[Completion], Scored]]) -> Scored:
+  """One ``Scored`` for ``completions`` from the parts scored as they finished."""
+  where = {(c.prompt_index, c.sample_index): i for i, c in enumerate(completions)}
+  count = len(completions)
+  rewards, correct = np.zeros(count, np.float32), np.zeros(count, bool)
+  counts: dict[str, int] = {"reward/errors": 0, "reward/timeouts": 0}
+  components: dict[str, np.ndarray] = {}
+  for batch, scored in parts:
+    index = [where[(c.prompt_index, c.sample_index)] for c in batch]
+    rewards[index], correct[index] = scored.rewards, scored.correct
+    for key, value in scored.counts.items():
+      counts[key] = counts.get(key, 0) + value
+    for name, values in scored.components.items():
+      components.setdefault(name, np.full(count, np.nan, np.float32))[index] = values
+  return Scored(rewards, correct, counts, components)
+
+
+def _component_key(name: str) -> str:
+  """The metric of a reward's named component (never one of the loop's own reward metrics)."""
+  own = ("mean", "accuracy", "errors", "timeouts")
+  return f"reward/{name}" if name not in own else f"reward/component_{name}"
+
+
+@dataclasses.dataclass
+class Draw:
+  """A full batch of scored groups (this process's share of it), and what it cost."""
+
+  completions: list[Completion]
+  rewards: np.ndarray
+  """float32 [N]: the reward of each kept completion."""
+  correct: np.ndarray
+  """bool [N]: the verifier's verdict on each kept completion."""
+  counts: dict
+  """Metrics of the draw: reward mean and accuracy, errors, dropped groups, components..."""
+  generate_seconds: float
+  data_state: dict
+  temperature: float | None = None
+  """The sampling temperature (an entropy controller may have raised it); None: rollout.temperature."""
+  born: float = 0.0
+  """Wall-clock time (``time.time()``) sampling started: the data's age is measured from it."""
+
+
+def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
+            temperature: float | None = None) -> Draw:
+  """``prompts_per_step`` groups of ``group_size`` samples. With dynamic sampling, groups whose
+  rewards are all equal are dropped and more prompts drawn (at most
+  ``algorithm.dynamic_sampling_max_draws`` draws).
+
+  ``params_fn()`` gives the (params, version) to sample with; it is asked before every
+  draw, so a refill uses the newest policy the generator has. ``temperature`` overrides
+  ``rollout.temperature`` (the entropy controller's).
+
+  With several processes, every process draws the same prompt batches and samples its own
+  contiguous share of them (groups never cross processes); they draw again as long as any
+  of them lacks groups, so that their data streams and control flow stay the same, and the
+  counts (``reward/mean`` ...) are over every process's samples.
+  """
+  config, group = run.config, run.config.rollout.group_size
+  max_draws = config.algorithm.dynamic_sampling_max_draws
+  wanted = config.data.prompts_per_step * group // jax.process_count()
+  completions, rewards, correct, draws, dropped, alike = [], [], [], 0, 0, 0
+  counts: dict[str, int] = {}
+  sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
+  parts: dict[str, list[float]] = {}  # a reward's named components: [sum, count]
+  started, born = time.perf_counter(), time.time()
+  temperature = config.rollout.temperature if temperature is None else temperature
+  while distributed.any_process(len(completions) < wanted):
+    if draws == max_draws:
+      raise DynamicSamplingError(
+          f"dynamic sampling kept {len(completions) // group} of {wanted // group} groups after "
+          f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
+          "raise config.rollout.group_size or config.algorithm.dynamic_sampling_max_draws, or set "
+          "config.algorithm.dynamic_sampling=false")
+    rows, first = distributed.local_share(next(run.stream), "prompts per step")
+    params, version = params_fn()
+    drawn, scored = generate_and_score(
+        run, params, rows, n=group, temperature=temperature, seed=seed * max_draws + draws,
+        version=version, first_prompt_index=first)
+    scores = scored.rewards
+    sampled_reward += float(np.sum(scores))
+    sampled_correct += float(np.sum(scored.correct))
+    sampled += len(scores)
+    for key, value in scored.counts.items():
+      counts[key] = counts.get(key, 0) + value
+    for name, values in scored.components.items():
+      given = values[~np.isnan(values)]
+      part = parts.setdefault(name, [0.0, 0])
+      part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
+    varied = np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
+    alike += int((~varied).sum()) // group  # groups with a zero group-relative advantage
+    keep = varied if config.algorithm.dynamic_sampling else np.ones(len(scores), bool)
+    dropped += int((~keep).sum()) // group
+    completions += [drawn[i] for i in np.flatnonzero(keep)]
+    rewards += [scores[i] for i in np.flatnonzero(keep)]
+    correct += [scored.correct[i] for i in np.flatnonzero(keep)]
+    draws += 1
+  names = distributed.union_over_processes(parts)  # components may differ between processes
+  totals = distributed.sums_over_processes({
+      "reward": sampled_reward, "correct": sampled_correct, "sampled": sampled,
+      "dropped": dropped, "alike": alike,
+      **{f"count:{key}": value for key, value in counts.items()},  # the same keys everywhere
+      **{f"part_sum:{name}": parts.get(name, (0.0, 0))[0] for name in names},
+      **{f"part_count:{name}": parts.get(name, (0.0, 0))[1] for name in names}})
+  counts = {key: int(totals[f"count:{key}"]) for key in counts}
+  for name in names:
+    if totals[f"part_count:{name}"]:
+      counts[_component_key(name)] = totals[f"part_sum:{name}"] / totals[f"part_count:{name}"]
+  counts.update({"rollout/dropped_groups": int(totals["dropped"]), "rollout/draws": draws,
+                 # what the sampling policy produced, before dynamic sampling dropped any group
+                 "reward/mean": totals["reward"] / totals["sampled"],
+                 "reward/accuracy": totals["correct"] / totals["sampled"],
+                 # of every group drawn: samples that all scored alike give no gradient
+                 "advantage/zero_groups_frac": totals["alike"] * group / totals["sampled"]})
+  return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
+              np.array(correct[:wanted], bool), counts,
+              time.perf_counter() - started, run.stream.get_state(), temperature, born)

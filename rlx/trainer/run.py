@@ -1,0 +1,217 @@
+"""Building a run from its config: meshes, tokenizer, model (warmed up when asked), prompt
+stream, held-out rows, rollout engine, weight sync and reward pool.
+
+    run = prepare(config, workdir, say)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+import time
+
+import jax
+
+from rlx import rollout
+from rlx.config import ConfigError, RunConfig
+from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
+from rlx.mesh import Meshes, make_meshes
+from rlx.models import (
+  Model,
+  Tokenizer,
+  build_model,
+  builtin_tokenizer,
+  load_tokenizer,
+  param_shardings,
+  save_pretrained,
+)
+from rlx.rewards import RewardPool, check, from_config
+from rlx.rewards.sandbox import capabilities
+from rlx.sync import OrbaxSync, ReshardSync, WeightSync
+from rlx.trainer import control
+from rlx.trainer.common import Say
+from rlx.trainer.warmup import warm_up
+
+
+@dataclasses.dataclass
+class Run:
+  """A run's parts, built once from its config."""
+
+  config: RunConfig
+  meshes: Meshes
+  tokenizer: Tokenizer
+  model: Model
+  engine: rollout.Engine
+  sync: WeightSync
+  pool: RewardPool
+  source: object
+  """Where the prompts come from (a file or a built-in task)."""
+  stream: PromptStream
+  eval_rows: list[dict]
+  workdir: pathlib.Path
+  seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Where the run's time went: start-up, warm-up, RL loop, evals (the closing summary)."""
+
+  def close(self) -> None:
+    self.pool.close()
+    self.sync.close()
+
+
+def check_reward(config: RunConfig) -> dict | None:
+  """Raises RewardError (naming the file and function) when the run's reward cannot be
+  imported, and SandboxUnavailable when it is 'code' and this system cannot isolate programs;
+  returns the sandbox's capabilities for 'code'."""
+  reward = from_config(config.reward, config.data.source)
+  check(reward)
+  return capabilities() if reward.name == "code" else None
+
+
+def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Run:
+  """Meshes, tokenizer, model (warmed up when asked), prompt stream, eval rows, rollout engine,
+  weight sync and reward pool."""
+  workdir = pathlib.Path(workdir)
+  sandbox = check_reward(config)  # an unusable reward is reported before the model is built
+  if sandbox:
+    say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
+        "seccomp, rlimits, no network, a tmpfs root")
+  processes = jax.process_count()
+  if config.data.prompts_per_step % processes:
+    raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "
+                      f"split over {processes} processes (each samples its share of the "
+                      f"prompts); choose a multiple of {processes}")
+  # one side of a split run as its own job: every device of the job is that side's
+  meshes = make_meshes(config.mesh if config.mesh.role == "both"
+                       else dataclasses.replace(config.mesh, mode="colocated"))
+  model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
+  tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
+  if tokenizer.vocab_size > model.arch.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab is "
+                      f"{model.arch.vocab_size}; the tokenizer belongs to another model")
+  source, eval_rows = _sources(config, tokenizer, say)
+  stream = PromptStream(source, batch_size=config.data.prompts_per_step,
+                        seed=config.data.shuffle_seed, num_epochs=config.data.num_epochs,
+                        encode=tokenizer.encode_prompt,
+                        max_prompt_tokens=config.rollout.max_prompt_len,
+                        on_bad_row=config.data.on_bad_row,
+                        # a generator job of several: its own share of the prompts
+                        shard=((config.mesh.generator_id, config.mesh.generators)
+                               if config.mesh.role == "generator" else (0, 1)))
+  r = config.rollout
+  engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
+                          max_len=r.max_prompt_len + r.max_new_tokens,
+                          max_prompt_len=r.max_prompt_len, mesh=meshes.generation,
+                          decode_steps=r.decode_steps)
+  shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
+  # versions a reader may still be restoring stay on storage: k + 2 of them
+  # the learner job's writes go on in the background (a reader in another job sees only
+  # complete versions); in one process the generator thread reads the same manager
+  sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
+                    keep=control.bound(config) + 2,
+                    asynchronous=config.mesh.role == "learner")
+          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
+  pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
+                    timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
+                    batch_size=config.reward.batch_size)
+  warmup_started = time.perf_counter()
+  if warms_up(config) and config.mesh.role != "generator":  # it gets the learner's
+    if config.model.path:
+      say(f"rlx: supervised warm-up of {config.model.path}: "
+          f"{config.trainer.warmup_sft_steps} steps at lr {config.trainer.warmup_sft_learning_rate} "
+          "before RL (config.trainer.warmup_sft=always)")
+    model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
+  run = Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
+            workdir)
+  run.seconds["warm-up"] = time.perf_counter() - warmup_started
+  return run
+
+
+def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object, list[dict]]:
+  """The training source and the held-out rows (tokenized): a built-in task's eval split, the
+  rows of data.eval_source, or data.eval_fraction of the data file, held out."""
+  data, wanted = config.data, config.trainer.eval_prompts
+  options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field,
+                 on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
+                 eval_fraction=data.eval_fraction)
+  source = open_source(data.source, **options)
+  if source.skipped:
+    say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
+        f"the first: {source.first_skipped}")
+  held = None
+  if wanted and data.eval_source:
+    held = open_source(data.eval_source, **dict(options, split="eval"))
+  elif wanted and isinstance(source, TaskSource):
+    held = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
+                      eval_fraction=source.eval_fraction)
+  elif wanted:
+    total = len(source)
+    source, held = hold_out(source, data.eval_fraction)
+    say(f"rlx: data: {len(held)} of the {total} rows of {data.source} are held out for "
+        f"evaluation, never trained on (data.eval_fraction={data.eval_fraction}); give "
+        "data.eval_source, or set trainer.eval_prompts=0 to train on every row")
+  eval_rows, too_long = [], 0
+  for i in range(min(wanted, len(held)) if held is not None else 0):
+    row = held[i]
+    try:
+      tokens = tokenizer.encode_prompt(row["prompt"])
+    except ValueError as error:
+      raise DataError(f"{row['where']}: {error}") from None
+    if len(tokens) > config.rollout.max_prompt_len:
+      too_long += 1
+      continue
+    eval_rows.append(dict(row, prompt_tokens=tokens))
+  if too_long:
+    say(f"rlx: eval: {too_long} held-out prompt(s) are longer than config.rollout.max_prompt_len="
+        f"{config.rollout.max_prompt_len} and are left out; {len(eval_rows)} are scored")
+  if held is not None and not eval_rows:
+    raise DataError(f"no held-out prompt fits config.rollout.max_prompt_len="
+                    f"{config.rollout.max_prompt_len}; raise it")
+  return source, eval_rows
+
+
+def warms_up(config: RunConfig) -> bool:
+  """Whether the run starts with the supervised warm-up: by default only the built-in model on
+  a built-in task (a real checkpoint already knows how to answer; see trainer.warmup_sft)."""
+  trainer = config.trainer
+  if not trainer.warmup_sft_steps or trainer.warmup_sft == "never":
+    return False
+  return trainer.warmup_sft == "always" or (config.model.path is None
+                                            and config.data.source in TASKS)
+
+
+def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
+               directory: pathlib.Path, say: Say) -> Model:
+  """The model after the supervised warm-up, saved with its tokenizer in Hugging Face format
+  under ``directory`` (a resumed run loads it from there instead of training it again; any run
+  can start from it with ``--config.model.path``)."""
+  if (directory / "config.json").is_file():
+    say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
+    return build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
+                       config.mesh.logical_axis_rules)
+  trainer = config.trainer
+  stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
+                        seed=config.data.shuffle_seed + 1, encode=tokenizer.encode_prompt,
+                        max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
+  started = time.perf_counter()
+  model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
+                          learning_rate=trainer.warmup_sft_learning_rate)
+  save_hf(model, tokenizer, directory)
+  say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
+      f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
+  return model
+
+
+def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> pathlib.Path:
+  """Writes ``model`` and ``tokenizer`` in Hugging Face format under a temporary name and
+  renames it to ``directory`` when complete, so that a kill mid-write never leaves a
+  half-written model where a later start would load it."""
+  partial = directory.with_name(directory.name + ".partial")
+  if jax.process_index() == 0 and partial.exists():
+    shutil.rmtree(partial)
+  save_pretrained(model, partial)
+  if jax.process_index() == 0:
+    tokenizer.save_pretrained(partial)
+    if directory.exists():
+      shutil.rmtree(directory)
+    partial.rename(directory)
+  return directory
