@@ -180,7 +180,8 @@ class BufferedSource:
     arrived = self.source.next(version, wait=wait and self._starved)
     if arrived is not None:
       self.buffer.put(arrived.draw)
-      self.source.settle(arrived, control.TRAIN)  # it is the buffer's now: the gate moves on
+      # it is the buffer's now: the gate moves on
+      self.source.settle(arrived, control.TRAIN, version)
       self.data_state, self._arrived = arrived.data_state, arrived
     draw = self.buffer.take(version, time.time())
     self._starved = draw is None
@@ -191,7 +192,7 @@ class BufferedSource:
     return Batch(draw, self.data_state, current=latest is None or latest.current,
                  metrics=dict(latest.metrics) if latest else {})
 
-  def settle(self, batch: Batch, verdict: str) -> None:
+  def settle(self, batch: Batch, verdict: str, version: int) -> None:
     pass  # the source settled each batch as it arrived
 
   def retune(self, controller: control.Controller) -> None:

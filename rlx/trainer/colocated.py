@@ -43,7 +43,7 @@ class InlineSource:
     self.index += 1
     return Batch(draw, draw.data_state)
 
-  def settle(self, batch: Batch, verdict: str) -> None:
+  def settle(self, batch: Batch, verdict: str, version: int) -> None:
     pass
 
   def retune(self, controller: control.Controller) -> None:

@@ -146,16 +146,30 @@ class RolloutFiles:
       return progress["data_state"]
     return progress["data_states"].get(str(generator))
 
-  def finish(self, index: int, data_state: dict | None) -> None:
-    """Marks batch ``index`` (and all before it) finished: records it, then deletes its file."""
+  def finish(self, index: int, data_state: dict | None, version: int | None = None) -> None:
+    """Marks batch ``index`` (and all before it) finished: records it (and ``version``, the
+    learner's policy version after it: a generator samples the next batches with that
+    version or a newer one), then deletes its file."""
     states = dict(self.progress()["data_states"])
     if self.generators > 1:
       states[str(index % self.generators)] = data_state
     record = {"done": index + 1, "data_state": data_state, "data_states": states}
+    if version is not None:
+      record["version"] = version
+    self._write_progress(record)
+    self.path(index).unlink(missing_ok=True)
+
+  def restart_at(self, version: int) -> None:
+    """A learner resumed at policy ``version``: generators wait for no newer one (a stopped
+    run may have recorded it)."""
+    record = self.progress()
+    if record.get("version", -1) > version:
+      self._write_progress(dict(record, version=version))
+
+  def _write_progress(self, record: dict) -> None:
     partial = self.directory / ".progress.json.partial"
     partial.write_text(json.dumps(record))
     os.replace(partial, self.directory / "progress.json")
-    self.path(index).unlink(missing_ok=True)
 
   def write_control(self, settings: dict) -> None:
     """The learner's controller settings for the generator job (``control.json``)."""

@@ -96,7 +96,7 @@ class PeerWatch:
 class FileSource:
   """The batch source of the learner job: rollout files, in order, from the generator jobs."""
 
-  def __init__(self, run: Run, restored_meta: dict, say: Say):
+  def __init__(self, run: Run, restored_meta: dict, version: int, say: Say):
     config = run.config
     self.files = RolloutFiles(run.workdir / "rollouts", config.mesh.generators)
     self.say = say
@@ -105,6 +105,7 @@ class FileSource:
     self.expired_files = 0
     if distributed.lead():
       self.files.clear_done()
+      self.files.restart_at(version)
       self.expired_files = self.files.expire_below(self.index)
     if self.expired_files:
       say(f"rlx: learner: deleted {self.expired_files} rollout file(s) consumed before the "
@@ -144,9 +145,9 @@ class FileSource:
                  # the whole batch's versions: the same lag on every process
                  policy_versions=[c.policy_version for c in draw.completions])
 
-  def settle(self, batch: Batch, verdict: str) -> None:
+  def settle(self, batch: Batch, verdict: str, version: int) -> None:
     if distributed.lead():  # after a trained batch's publish: the generator's gate opens
-      self.files.finish(self.index, batch.data_state)
+      self.files.finish(self.index, batch.data_state, version)
     self.index += 1
 
   def retune(self, controller: control.Controller) -> None:
@@ -172,7 +173,7 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
   run, learner, start, accuracy_before = begin(config, workdir, say)
   controller = control.Controller.from_config(config)
   controller.restore(learner.restored_meta.get("control"))
-  files = FileSource(run, learner.restored_meta, say)
+  files = FileSource(run, learner.restored_meta, learner.version, say)
   files.retune(controller)  # the generator jobs follow the restored knobs
   source = buffered(files, config, controller, learner.restored_meta, run.stream.get_state())
   summary = learn_loop(run, learner, source, controller, start=start,
@@ -208,8 +209,10 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
     with StopSignal(say=say) as stop:
       while not files.done() and not stop.requested:
         # the learner's progress and controller settings, as process 0 reads them
+        progress = files.progress()
         seen = json.loads(distributed.agree(json.dumps(
-            {"done": files.progress()["done"], "control": files.control() or {}})))
+            {"done": progress["done"], "version": progress.get("version", -1),
+             "control": files.control() or {}})))
         k = seen["control"].get("k", control.bound(config))
         gate_open = seen["done"] >= index - k
         if gate_open and version >= 0 and max(run.sync.versions(), default=-1) < version:
@@ -217,7 +220,9 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
         newest = _latest(run, version) if gate_open else None
         if newest is not None:
           (params, version), sync_seconds = newest, run.sync.last_seconds
-        if not gate_open or params is None:  # the learner is k batches behind, or not started
+        # the learner is k batches behind, or not started, or its newest version (written in
+        # the background) has not landed yet
+        if not gate_open or params is None or version < seen["version"]:
           if files.done():
             break
           learner_watch.check(0)

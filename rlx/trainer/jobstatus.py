@@ -100,13 +100,18 @@ def read_statuses(workdir: str | pathlib.Path, role: str, jobs: int) -> dict[int
 
 
 def _alive(pid: int) -> bool:
+  """Whether process ``pid`` of this host runs (a zombie, dead but not yet reaped, does not)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:
     return True
-  return True
+  try:
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return True  # no /proc here: the signal's answer stands
+  return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def silent_or_failed(name: str, status: dict | None, *, now: float, since: float,

@@ -72,9 +72,10 @@ class BatchSource(Protocol):
     waiting a short while when ``wait``: the loop checks for a stop and asks again). Raises
     ``StopIteration`` when the data ran out, and what a producer raised."""
 
-  def settle(self, batch: Batch, verdict: str) -> None:
+  def settle(self, batch: Batch, verdict: str, version: int) -> None:
     """The loop is done with ``batch``: trained on (after its weights were published),
-    dropped or expired."""
+    dropped or expired; ``version``: the learner's policy version now (published, though
+    an asynchronous write may still be landing)."""
 
   def retune(self, controller: control.Controller) -> None:
     """The controller changed a knob: sample with its k and temperature from now on."""
@@ -147,7 +148,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
               lag_max, time.time() - draw.born, lag_min=learner.version - max(versions)))
           if verdict != control.TRAIN:
             counts[verdict] += 1
-            source.settle(batch, verdict)
+            source.settle(batch, verdict, learner.version)
             if verdict == control.EXPIRE and batch.current:
               _retune(controller.observe(step, lag_mean=lag_mean), controller, source, say)
             continue
@@ -156,7 +157,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
             time.sleep(learner_delay_s)
           learned = time.perf_counter()
           sync_seconds = learner.publish()
-          source.settle(batch, verdict)
+          source.settle(batch, verdict, learner.version)
           data_state = batch.data_state
           step += 1
           finished = time.perf_counter()

@@ -189,7 +189,7 @@ class ThreadSource:
                  metrics={"time/generator_sync_s": produced.sync_seconds,
                           "time/generator_wait_s": produced.waited_seconds})
 
-  def settle(self, batch: Batch, verdict: str) -> None:
+  def settle(self, batch: Batch, verdict: str, version: int) -> None:
     self.generator.finished()
 
   def retune(self, controller: control.Controller) -> None:

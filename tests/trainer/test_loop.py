@@ -39,7 +39,7 @@ class FakeSource:
                 born=time.time() - age)
     return Batch(draw, draw.data_state, metrics={"fake/index": self.index})
 
-  def settle(self, batch, verdict):
+  def settle(self, batch, verdict, version):
     self.settled.append(verdict)
     self.index += 1
 
