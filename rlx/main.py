@@ -18,6 +18,12 @@ from rlx import cli
 from rlx.config import ConfigError, RunConfig
 
 
+EXIT_STOPPED = 75
+"""Stopped by a signal after saving a checkpoint: rerun the same command to resume (EX_TEMPFAIL;
+a scheduler requeues on it). Finished is 0, a failed run 1, a refused config, checkpoint or
+reward 2, interrupted before training 130."""
+
+
 def write_config(config: RunConfig, workdir: pathlib.Path) -> pathlib.Path:
   """Writes the resolved config to ``workdir/config.json``; keeps a different earlier one aside."""
   workdir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +89,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   if config.mesh.role == "generator":
     say(f"rlx: generator job: {summary['written']} rollout file(s) in {minutes:.1f} min"
         + (" (stopped; rerun the same command to resume)" if summary["stopped"] else ""))
-    return 0
+    return EXIT_STOPPED if summary["stopped"] else 0
   say(f"rlx: {summary.steps} steps in {minutes:.1f} min"
       + (" (stopped early; rerun the same command to resume)" if summary.stopped else ""))
   seconds = summary.seconds
@@ -102,7 +108,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
     say(f"rlx: held-out accuracy: before RL {_percent(before)}, after RL {_percent(after)}{change}")
   say(f"rlx: metrics:     {summary.metrics} (TensorBoard: {workdir / 'tb'})")
   say(f"rlx: checkpoints: {summary.checkpoints}")
-  return 0
+  return EXIT_STOPPED if summary.stopped else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(error, TrainingError):
       raise
     print(f"rlx: error: {error}", file=sys.stderr)
-    return 1
+    from rlx.trainer.common import RewardFailedError
+
+    return 2 if isinstance(error, RewardFailedError) else 1
 
 
 if __name__ == "__main__":

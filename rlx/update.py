@@ -273,6 +273,15 @@ def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
   return loss, grads, sums
 
 
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point value of ``tree`` is finite: one reduction per leaf, inside
+  the jitted step (an update can make the weights non-finite from a finite loss and gradient,
+  e.g. at an infinite learning rate)."""
+  leaves = [x for x in jax.tree.leaves(tree)
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.True_
+
+
 def _finite_or_unchanged(ok: jax.Array, new: TrainState, old: TrainState) -> TrainState:
   """``new`` when ``ok``, else ``old`` (a skipped step: params, optimizer state, step and
   policy version all unchanged). A select inside the jitted step, so it needs no host sync."""
@@ -308,7 +317,7 @@ def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str
   for name, values in metrics.items():
     if name == "policy/ratio_max":
       reduced[name] = values.max()
-    elif name == "train/skipped":
+    elif name in ("train/skipped", "train/skipped_update"):
       reduced[name] = values.sum()
     elif name == "response/tokens":
       reduced[name] = values.sum() / epochs
@@ -347,7 +356,9 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    gradient_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    update_finite = all_finite(params) & all_finite(opt_state)
+    finite = gradient_finite & update_finite
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
     ratio_max = sums.pop("ratio_max")
     metrics = {
@@ -364,6 +375,8 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "policy/is_clip_frac": sums["is_clip"] / tokens,
         "optim/grad_norm": grad_norm,
         "train/skipped": jnp.logical_not(finite).astype(jnp.int32),
+        # skipped although the loss and gradient were finite: the update itself overflowed
+        "train/skipped_update": (gradient_finite & ~update_finite).astype(jnp.int32),
         "optim/lr": jnp.asarray(schedule(state.step) if schedule else jnp.nan, jnp.float32),
         "response/tokens": tokens,
     }
@@ -465,7 +478,8 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
     updated = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                             opt_state=opt_state)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(updated.params)
+              & all_finite(updated.opt_state))
     return _finite_or_unchanged(finite, updated, state), {
         "critic/loss": loss, "critic/value_mse": error / denominator, "critic/grad_norm": grad_norm,
         "critic/skipped": jnp.logical_not(finite).astype(jnp.int32)}

@@ -11,7 +11,7 @@ import typing
 import pytest
 
 from rlx import cli
-from rlx.config import ArchConfig, ConfigError, RunConfig
+from rlx.config import ArchConfig, ConfigError, RunConfig, check
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
@@ -298,3 +298,15 @@ def test_each_choice_has_exactly_one_table_entry():
   assert losses == set(algorithms.POLICY_LOSSES)
   assert set(PRESETS) == set(typing.get_args(hints["name"]))
   assert {a for a, _ in PRESETS.values()} <= advantages and {l for _, l in PRESETS.values()} <= losses
+
+
+@pytest.mark.parametrize("override", ["--config.optimizer.learning_rate=inf",
+                                      "--config.algorithm.kl_coef=inf",
+                                      "--config.trainer.warmup_sft_learning_rate=inf",
+                                      "--config.reward.format_weight=inf"])
+def test_inf_and_nan_are_refused_naming_the_field(override):
+  from tests.trainer import tiny
+
+  field = override.split("=")[0].removeprefix("--")
+  with pytest.raises(ConfigError, match=f"{field}: .* is not a finite number"):
+    check(tiny.config("grpo_colocated", override))

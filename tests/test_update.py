@@ -340,3 +340,23 @@ def test_one_update_without_old_logprobs_equals_one_with_them(model, name):
   for key in ("loss", "policy/loss", "policy/ratio_mean", "policy/is_weight_mean", "optim/grad_norm"):
     np.testing.assert_allclose(metrics[key], metrics_old[key], rtol=1e-5, atol=1e-6, err_msg=key)
   assert not np.allclose(without.params["embed"], model.params["embed"])  # it did move
+
+
+def test_an_update_that_overflows_the_weights_is_skipped_and_named(model):
+  """A finite loss and gradient, but a learning rate so large that the new weights overflow:
+  the step is skipped (state unchanged) and counted as an update overflow."""
+  config = _config(name="dapo")
+  config = dataclasses.replace(config, optimizer=dataclasses.replace(
+      config.optimizer, learning_rate=1e39, warmup_steps=0))  # inf in float32
+  batch = _batch(model, config)
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=2)
+  state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                  jax.random.key(0))
+  before = jax.device_get(state.params)
+  state, metrics = update.make_update_step(config, model.transformer, optimizer,
+                                           schedule)(state, batch)
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["optim/grad_norm"]))
+  assert int(metrics["train/skipped"]) == 1 and int(metrics["train/skipped_update"]) == 1
+  chex.assert_trees_all_equal(jax.device_get(state.params), before)
+  assert bool(update.all_finite({"a": jnp.ones(3), "step": jnp.int32(1)}))
+  assert not bool(update.all_finite({"a": jnp.array([1.0, jnp.inf])}))

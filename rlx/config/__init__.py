@@ -18,6 +18,7 @@ and is where every name is imported from.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from rlx.config._checks import ConfigError, _check
 from rlx.config.algorithm import GROUP_RELATIVE, PRESETS, AlgorithmConfig, OptimizerConfig
@@ -66,9 +67,22 @@ class RunConfig:
     return self.data.prompts_per_step * self.rollout.group_size
 
 
+def _finite_floats(section, prefix: str = "") -> None:
+  """Refuses inf and nan in every float field: no setting of rlx means "infinitely" (an
+  infinite learning rate or coefficient turns the weights into NaN at the first update)."""
+  for field in dataclasses.fields(section):
+    value, name = getattr(section, field.name), f"{prefix}{field.name}"
+    if dataclasses.is_dataclass(value):
+      _finite_floats(value, name + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"config.{name}: {value} is not a finite number; give a finite value"
+                        + (" (None disables it)" if field.default is None else ""))
+
+
 def check(config: RunConfig) -> RunConfig:
   """Checks what involves several fields (each field is checked when its section is built);
   returns the config. The command line calls it after the last override."""
+  _finite_floats(config)
   rollout, algorithm = config.rollout, config.algorithm
   estimator = algorithm.advantage_estimator
   _check(estimator not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",

@@ -150,9 +150,12 @@ class RewardConfig:
   """'code' reward: wall-clock seconds a program may run, all its tests together."""
   code_memory_mb: int = 512
   """'code' reward: address space a program may use."""
+  max_error_steps: int = 3
+  """Stop the run (exit code 2, with the first error's message) once every reward call of this many steps in a row raised, timed out or gave a non-finite reward: a reward that never works teaches nothing."""
 
   def __post_init__(self):
     _check(bool(self.name.strip()), "reward.name", "must not be empty")
+    _check(self.max_error_steps >= 1, "reward.max_error_steps", "must be >= 1")
     _check(self.num_workers >= 0, "reward.num_workers", "must be >= 0 (0 scores in the trainer)")
     _check(self.format_weight >= 0, "reward.format_weight", "must be >= 0")
     _check(self.memory_mb >= 0, "reward.memory_mb", "must be >= 0 (0 is unlimited)")

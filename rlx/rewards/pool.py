@@ -187,6 +187,8 @@ class RewardPool:
     self.totals = {"reward/errors": 0, "reward/timeouts": 0}
     self._lock = threading.Lock()  # guards totals, the logged-once flags and closing
     self._logged: set[str] = set()
+    self.first_error: str | None = None
+    """The first failure's message (an error or a timeout), for the stop message."""
     self._closed = False
     # spawn, not fork: the parent runs JAX's threads, which fork does not copy safely.
     self._context = multiprocessing.get_context("spawn")
@@ -222,7 +224,13 @@ class RewardPool:
 
     def record(positions, judged_list):
       for i, judged in zip(positions, judged_list):
-        rewards[i], correct[i] = judged.reward, judged.correct
+        with np.errstate(over="ignore"):
+          reward = np.float32(judged.reward)
+        if not np.isfinite(reward):  # 1e39 is inf in float32: an error, never a reward
+          self._failed(counts, "reward/errors",
+                       f"a reward function returned {judged.reward!r}, not a finite float32")
+          continue
+        rewards[i], correct[i] = reward, judged.correct
         for name, value in judged.components.items():
           components.setdefault(name, np.full(len(responses), np.nan, np.float32))[i] = value
 
@@ -329,6 +337,7 @@ class RewardPool:
     with self._lock:
       first = key not in self._logged
       self._logged.add(key)
+      self.first_error = self.first_error or message
     if first:
       log.warning("%s; it scores 0 (further %s are only counted)", message,
                   key.split("/")[-1])

@@ -8,7 +8,8 @@ and scoring rollouts, turning them into the learner's batch, and the learner.
 from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
 from rlx.trainer.collect import Draw, collect
-from rlx.trainer.common import DynamicSamplingError, NonFiniteError, TrainingError
+from rlx.trainer.common import (DynamicSamplingError, NonFiniteError, RewardFailedError,
+                                TrainingError)
 from rlx.trainer.evaluate import evaluate
 from rlx.trainer.run import Run, prepare
 from rlx.trainer.learner import Learner
@@ -45,7 +46,7 @@ def train(config, workdir, say=print):
 
 __all__ = ["Batch", "BatchSource", "Draw", "DynamicSamplingError", "Generator", "Learner", "Run",
            "Summary",
-           "learn_loop", "NonFiniteError", "Sampled",
+           "learn_loop", "NonFiniteError", "RewardFailedError", "Sampled",
            "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
            "sample_arrays", "sequence_advantages", "shaped_rewards", "train", "train_colocated",
            "train_generator", "train_learner", "train_split", "warm_up"]

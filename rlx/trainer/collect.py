@@ -19,7 +19,7 @@ import numpy as np
 from rlx import algorithms, distributed, rollout
 from rlx.rewards import Scored
 from rlx.rollout import Completion
-from rlx.trainer.common import DynamicSamplingError
+from rlx.trainer.common import DynamicSamplingError, RewardFailedError
 from rlx.trainer.run import Run
 
 
@@ -154,6 +154,12 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
   temperature = config.rollout.temperature if temperature is None else temperature
   while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
+      failed = counts.get("reward/errors", 0) + counts.get("reward/timeouts", 0)
+      if failed >= sampled:
+        raise RewardFailedError(
+            f"every reward call of {draws} draws failed, so no group has varied rewards; the "
+            f"first error: {run.pool.first_error}. Fix the reward function "
+            f"(config.reward.name={config.reward.name!r}) or the data's fields it reads")
       raise DynamicSamplingError(
           f"dynamic sampling kept {len(completions) // group} of {wanted // group} groups after "
           f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
@@ -198,7 +204,10 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
                  "reward/mean": totals["reward"] / totals["sampled"],
                  "reward/accuracy": totals["correct"] / totals["sampled"],
                  # of every group drawn: samples that all scored alike give no gradient
-                 "advantage/zero_groups_frac": totals["alike"] * group / totals["sampled"]})
+                 "advantage/zero_groups_frac": totals["alike"] * group / totals["sampled"],
+                 # samples whose reward call failed (raised, timed out, not finite)
+                 "reward/error_frac": (counts.get("reward/errors", 0)
+                                       + counts.get("reward/timeouts", 0)) / totals["sampled"]})
   return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state(), temperature, born)

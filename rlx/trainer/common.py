@@ -24,6 +24,10 @@ class DynamicSamplingError(TrainingError):
   """DAPO's dynamic sampling could not fill a batch with groups of varied rewards."""
 
 
+class RewardFailedError(TrainingError):
+  """Every reward call failed, step after step (``reward.max_error_steps``)."""
+
+
 class NonFiniteError(TrainingError):
   """Too many updates in a row had a non-finite loss or gradient norm."""
 

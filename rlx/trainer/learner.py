@@ -227,7 +227,7 @@ class Learner:
     self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef, clip_eps_high)
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
-    self._count_skipped(int(metrics.pop("train/skipped")))
+    self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)
     algo = config.algorithm
     if algo.kl_target is not None and "policy/kl" in metrics:
       self.kl_coef = float(algorithms.adaptive_kl_coef(
@@ -248,9 +248,9 @@ class Learner:
     metrics["train/skipped_steps"] = self.skipped_steps
     return metrics
 
-  def _count_skipped(self, skipped: int) -> None:
-    """Counts updates skipped for a non-finite loss or gradient; stops the run after
-    ``trainer.max_skipped_steps`` in a row."""
+  def _count_skipped(self, skipped: int, metrics: dict, draw: Draw) -> None:
+    """Counts updates skipped for a non-finite loss, gradient or update; stops the run after
+    ``trainer.max_skipped_steps`` in a row, naming the likely cause."""
     self.skipped_steps += skipped
     self.skipped_in_a_row = self.skipped_in_a_row + skipped if skipped else 0
     limit = self.config.trainer.max_skipped_steps
@@ -260,9 +260,24 @@ class Learner:
       saved = (f"the last good checkpoint is step {last} in {self.checkpointer.directory}"
                if last is not None else "no checkpoint was saved yet")
       raise NonFiniteError(
-          f"{self.skipped_in_a_row} updates in a row had a non-finite loss or gradient norm and "
-          f"were skipped (config.trainer.max_skipped_steps={limit}); {saved}. Lower "
-          "config.optimizer.learning_rate or config.optimizer.max_grad_norm, or check the rewards")
+          f"{self.skipped_in_a_row} updates in a row were skipped, non-finite (config.trainer."
+          f"max_skipped_steps={limit}): {_cause(metrics, draw, self.config)}; {saved}")
 
   def close(self) -> None:
     self.checkpointer.close()
+
+
+def _cause(metrics: dict, draw: Draw, config: RunConfig) -> str:
+  """The likely cause of a skipped update, from what the step observed, with the fix."""
+  if not np.all(np.isfinite(draw.rewards)):
+    return "some rewards are not finite; check the reward function"
+  if not np.isfinite(metrics.get("advantage/std", 0.0)):
+    return "the advantages are not finite; check the rewards' scale"
+  if metrics.get("train/skipped_update", 0):
+    return (f"the loss and gradient were finite but the update made the weights non-finite: "
+            f"lower config.optimizer.learning_rate (now {config.optimizer.learning_rate:g})")
+  if not np.isfinite(metrics.get("loss", 0.0)):
+    return ("the loss is not finite; lower config.optimizer.learning_rate, or check the "
+            "rewards and config.algorithm's coefficients")
+  return ("the gradient norm is not finite; lower config.optimizer.learning_rate or "
+          "config.optimizer.max_grad_norm")

@@ -41,7 +41,7 @@ from rlx.checkpoint import StopSignal
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer import control
 from rlx.trainer.collect import Draw
-from rlx.trainer.common import Say, device_memory, throughput
+from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.evaluate import evaluate, evaluation_due
 from rlx.trainer.run import Run, save_hf
 from rlx.trainer.learner import Learner, finish
@@ -120,6 +120,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                      resume_step=start, write=distributed.lead())
   data_state = run.stream.get_state()
   learned_tokens, learning_seconds = 0.0, 0.0
+  failing = 0  # steps in a row on which every reward call failed
 
   def meta() -> dict:  # what a checkpoint keeps beside the train state and data position
     return {"control": controller.state(), "data_fingerprint": run.source.fingerprint(),
@@ -141,6 +142,14 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
             continue
           received = time.perf_counter()
           draw = batch.draw
+          failing = failing + 1 if draw.counts.get("reward/error_frac", 0.0) >= 1.0 else 0
+          if failing >= config.reward.max_error_steps:
+            raise RewardFailedError(
+                f"every reward call of {failing} steps in a row failed (config.reward."
+                f"max_error_steps={config.reward.max_error_steps}); the first error: "
+                f"{run.pool.first_error or 'in the generator job: see its log'}. Fix the "
+                f"reward function (config.reward.name={config.reward.name!r}) or the data's "
+                "fields it reads; checkpoints so far are kept")
           versions = batch.policy_versions or [c.policy_version for c in draw.completions]
           lag_mean, lag_max = control.lag(versions, learner.version)
           # clocks differ between hosts: process 0 decides, every process follows

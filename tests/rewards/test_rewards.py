@@ -201,3 +201,10 @@ def test_unknown_verifier_is_refused():
     ("<answer>137</answer>", 0.0), ("1379", 0.0)])
 def test_sort_reward_credits_only_the_sorted_digits(response, expected):
   assert rewards.sort_reward(response, "1379") == expected
+
+
+def test_a_reward_no_float32_holds_is_a_counted_error_not_a_reward():
+  pool = rewards.RewardPool("tests.trainer.toy_rewards:huge", num_workers=0)
+  scored = pool.score(["a", "b"], ["1", "2"])
+  assert scored.counts["reward/errors"] == 2 and list(scored.rewards) == [0.0, 0.0]
+  assert "1e+39" in pool.first_error and "not a finite float32" in pool.first_error

@@ -23,8 +23,8 @@ class FakeSource:
   """Hands out batches from a script of (lag, age_s) pairs, relative to the learner's version
   when asked; records every settle and retune."""
 
-  def __init__(self, script, first=0):
-    self.script, self.index = list(script), first
+  def __init__(self, script, first=0, counts=None):
+    self.script, self.index, self.counts = list(script), first, counts or {}
     self.settled, self.retuned = [], []
 
   def next(self, version, wait=True):
@@ -35,7 +35,7 @@ class FakeSource:
                               policy_logprobs=[0.0, 0.0], finish_reason="stop",
                               policy_version=version - lag, prompt_index=i, sample_index=0)
                    for i in range(2)]
-    draw = Draw(completions, None, None, {}, 0.01, {"next_index": self.index + 1},
+    draw = Draw(completions, None, None, dict(self.counts), 0.01, {"next_index": self.index + 1},
                 born=time.time() - age)
     return Batch(draw, draw.data_state, metrics={"fake/index": self.index})
 
@@ -98,6 +98,7 @@ def _run(config, workdir):
   stream = types.SimpleNamespace(get_state=lambda: {"next_index": 0}, skipped=0)
   return types.SimpleNamespace(
       config=config, workdir=workdir, stream=stream, eval_rows=[], close=lambda: None,
+      pool=types.SimpleNamespace(first_error="KeyError: 'anwser'"),
       source=types.SimpleNamespace(skipped=0, fingerprint=lambda: "fake-data"),
       seconds={"warm-up": 0.0, "evals": 0.0, "loop started": time.perf_counter(),
                "evals before loop": 0.0})
@@ -241,3 +242,17 @@ def test_the_inline_source_samples_with_the_published_weights_at_the_retuned_tem
   seed = config.trainer.seed * 1_000_003
   assert calls == [(("params-v3", 3), seed + 5, 1.0), (("params-v3", 3), seed + 6, 1.125)]
   assert batch.data_state == {"next_index": 1}
+
+
+def test_a_reward_that_never_works_stops_the_run_with_its_first_error(tmp_path):
+  from rlx.trainer import RewardFailedError
+
+  source = FakeSource([(0, 0)] * 10, counts={"reward/error_frac": 1.0})
+  with pytest.raises(RewardFailedError, match="every reward call of 3 steps in a row failed .*"
+                     "the first error: KeyError: 'anwser'"):
+    _loop(tmp_path, [], "--config.trainer.steps=10", source=source)
+  assert [row["step"] for row in tiny.metrics(tmp_path)] == [1, 2]
+  # a step with one working call resets the count
+  source = FakeSource([(0, 0)] * 4, counts={"reward/error_frac": 0.5})
+  summary, _, _, _ = _loop(tmp_path / "some", [], "--config.trainer.steps=4", source=source)
+  assert summary.steps == 4

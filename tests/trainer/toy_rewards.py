@@ -11,3 +11,13 @@ def odd_length(response: str, row: dict) -> float:
 def constant(response: str, row: dict) -> float:
   """The same reward for every answer: no group ever has varied rewards."""
   return 0.0
+
+
+def huge(response: str, row: dict) -> float:
+  """A reward no float32 holds (1e39 is inf there)."""
+  return 1e39
+
+
+def misspelled(response: str, row: dict) -> float:
+  """Reads a field the rows do not have: raises on every call."""
+  return float(row["anwser"])
