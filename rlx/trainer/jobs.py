@@ -7,7 +7,7 @@ process (or ``jax.distributed`` cluster), sharing only the workdir.
         --config.mesh.weight_sync=orbax
 
 (``launch/local.sh --learner 1 --generator 1 ...`` starts both.) Weights go as Orbax
-policy versions in ``W/policy_versions`` (the newest k + 2 kept); rollouts as files in
+policy versions in ``W/policy_versions`` (the newest k + 3 kept); rollouts as files in
 ``W/rollouts`` (``rlx.trainer.exchange``). Staleness is bounded by ``mesh.max_staleness``
 = k exactly as in one process: the generator starts batch i once the learner has
 finished (trained or dropped) batch i - k - 1, sampling with the newest version
@@ -273,12 +273,12 @@ def _read(files: RolloutFiles, index: int):
 
 def _latest(run, version: int) -> tuple | None:
   """The newest policy version above ``version``, retrying when the learner deletes the one
-  being read (it keeps k + 2)."""
-  for attempt in range(5):
+  being read (it keeps k + 3)."""
+  for attempt in range(20):
     try:
       return run.sync.latest(newer_than=version)
     except (FileNotFoundError, ValueError, OSError):
-      if attempt == 4:
+      if attempt == 19:
         raise
       time.sleep(POLL_S)
   return None

@@ -107,7 +107,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   # the learner job's writes go on in the background (a reader in another job sees only
   # complete versions); in one process the generator thread reads the same manager
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
-                    keep=control.bound(config) + 2,
+                    keep=control.bound(config) + 3,
                     asynchronous=config.mesh.role == "learner")
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,

@@ -144,7 +144,7 @@ def test_a_learner_job_and_two_generator_jobs_with_a_generator_restart(tmp_path)
   assert not list(rollouts.glob(".*")) and (rollouts / "DONE").is_file()
   assert json.loads((rollouts / "progress.json").read_text())["done"] == steps
   versions = sorted(int(p.name) for p in (tmp_path / "policy_versions").iterdir() if p.name.isdigit())
-  assert versions == [steps - 2, steps - 1, steps]  # k + 2 kept
+  assert versions == [steps - 3, steps - 2, steps - 1, steps]  # k + 3 kept
 
 
 def test_roles_need_split_and_orbax():
