@@ -104,11 +104,10 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                           decode_steps=r.decode_steps)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
   # versions a reader may still be restoring stay on storage: k + 2 of them
-  # the learner job's writes go on in the background (a reader in another job sees only
-  # complete versions); in one process the generator thread reads the same manager
+  # versions are written synchronously: with the asynchronous write (OrbaxSync(asynchronous=
+  # True)) a generator job read a version that vanished under it in a 60-step benchmark
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
-                    keep=control.bound(config) + 3,
-                    asynchronous=config.mesh.role == "learner")
+                    keep=control.bound(config) + 3)
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
