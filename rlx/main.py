@@ -76,20 +76,21 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
       f"(advantage {config.algorithm.advantage_estimator}, loss {config.algorithm.loss}), "
       f"model={config.model.path or 'built-in ' + config.model.arch.family}")
   started = time.perf_counter()
-  with contextlib.ExitStack() as stack:
-    if config.mesh.role != "both" and lead:  # its peers watch this job's status file
-      from rlx.trainer.jobstatus import JobStatus
+  status = None
+  if config.mesh.role != "both" and lead:  # its peers watch this job's status file
+    from rlx.trainer.jobstatus import JobStatus
 
-      job = config.mesh.generator_id if config.mesh.role == "generator" else 0
-      status = stack.enter_context(JobStatus(workdir, config.mesh.role, job))
+    job = config.mesh.generator_id if config.mesh.role == "generator" else 0
+    status = JobStatus(workdir, config.mesh.role, job)
+  with status or contextlib.nullcontext():
     summary = trainer.train(config, workdir, say)
-    if config.mesh.role != "both" and lead:
-      status.stopped = summary["stopped"] if isinstance(summary, dict) else summary.stopped
+    if status:
+      status.stopped = summary.stopped
   minutes = (time.perf_counter() - started) / 60
   if config.mesh.role == "generator":
-    say(f"rlx: generator job: {summary['written']} rollout file(s) in {minutes:.1f} min"
-        + (" (stopped; rerun the same command to resume)" if summary["stopped"] else ""))
-    return EXIT_STOPPED if summary["stopped"] else 0
+    say(f"rlx: generator job: {summary.written} rollout file(s) in {minutes:.1f} min"
+        + (" (stopped; rerun the same command to resume)" if summary.stopped else ""))
+    return EXIT_STOPPED if summary.stopped else 0
   say(f"rlx: {summary.steps} steps in {minutes:.1f} min"
       + (" (stopped early; rerun the same command to resume)" if summary.stopped else ""))
   seconds = summary.seconds

@@ -9,11 +9,7 @@ The learner ``publish``es each new policy version; the generator asks for the
 - ``OrbaxSync``: the learner writes each version with Orbax (tensorstore) under
   a directory on local or shared storage; the generator restores the newest
   version straight into its own shardings. Old versions are deleted. For
-  learner and generator running as separate jobs. With ``asynchronous`` (the
-  learner job), ``publish`` returns once the params are copied off the devices and
-  the write goes on in the background: Orbax writes a version under a temporary
-  name and renames it when complete, so a reader never sees half a version, and
-  each save waits for the one before, so versions land in order.
+  learner and generator running as separate jobs.
 
 A resumed learner first discards the versions it is about to write again
 (``discard_from``): a dead run's newer versions are moved aside, never silently kept
@@ -109,35 +105,30 @@ class OrbaxSync:
   """
 
   def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
-               keep: int = 2, asynchronous: bool = False):
+               keep: int = 2):
     self.directory = pathlib.Path(directory).absolute()
     self.generation_shardings = generation_shardings
     self._abstract = jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         like, generation_shardings)
-    self.asynchronous = asynchronous
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                           enable_async_checkpointing=asynchronous, create=True)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
+                                           create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self.last_seconds = 0.0
 
   def publish(self, params: Params, version: int) -> float:
-    """Writes version ``version``; returns the seconds until it is on storage (asynchronous:
-    until the write is started, after the previous one finished)."""
+    """Writes version ``version``; returns the seconds until it is on storage."""
     started = time.perf_counter()
     with self._lock:
       self._manager.save(version, args=ocp.args.StandardSave(params))
-      if not self.asynchronous:
-        self._manager.wait_until_finished()
+      self._manager.wait_until_finished()
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """Restores the newest version above ``newer_than`` into the generation shardings."""
     with self._lock:
-      if self.asynchronous:  # this process's own writes first (the learner's evaluation)
-        self._manager.wait_until_finished()
       self._manager.reload()  # another job may have written new versions
       version = self._manager.latest_step()
     if version is None or version <= newer_than:
@@ -158,7 +149,6 @@ class OrbaxSync:
     every process of the job then sees the same versions)."""
     moved = 0
     with self._lock:
-      self._manager.wait_until_finished()
       self._manager.reload()
       if distributed.lead():
         aside = self.directory.with_name(self.directory.name + ".discarded")
@@ -172,5 +162,4 @@ class OrbaxSync:
     return moved
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
     self._manager.close()

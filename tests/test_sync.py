@@ -73,7 +73,7 @@ def test_latest_only_returns_newer_versions(meshes, tmp_path):
 def test_a_resumed_writer_discards_the_versions_it_writes_again(meshes, tmp_path):
   generation = param_shardings(ARCH, meshes.generation, RULES)
   like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
-  orbax = sync.OrbaxSync(tmp_path / "w", generation, like=like, keep=5, asynchronous=True)
+  orbax = sync.OrbaxSync(tmp_path / "w", generation, like=like, keep=5)
   try:
     for version in (1, 2, 3):
       orbax.publish(_learner_params(meshes, version), version)

@@ -23,7 +23,7 @@ from rlx.trainer.warmup import warm_up
 
 def train(config, workdir, say=print):
   """Runs (or resumes) the run ``config`` describes; returns its ``Summary`` (a generator
-  job: a dict of the files it wrote)."""
+  job: its ``GeneratorSummary``)."""
   check(config)
   if config.mesh.multihost and config.mesh.mode == "split" and config.mesh.role == "both":
     raise ConfigError(

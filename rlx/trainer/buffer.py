@@ -165,7 +165,7 @@ class ReplayBuffer:
     self.evicted, self.reused = int(state["evicted"]), int(state["reused"])
 
 
-class BufferedSource:
+class BufferedSource(BatchSource):
   """A ``ReplayBuffer`` in front of a batch source: arrivals go into the buffer, batches come
   out of it, and the source is waited on only while the buffer cannot make a batch."""
 
@@ -192,8 +192,7 @@ class BufferedSource:
     return Batch(draw, self.data_state, current=latest is None or latest.current,
                  metrics=dict(latest.metrics) if latest else {})
 
-  def settle(self, batch: Batch, verdict: str, version: int) -> None:
-    pass  # the source settled each batch as it arrived
+  # settle: nothing to do, the source settled each batch as it arrived
 
   def retune(self, controller: control.Controller) -> None:
     self.source.retune(controller)

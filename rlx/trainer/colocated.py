@@ -24,10 +24,10 @@ from rlx.trainer.collect import collect
 from rlx.trainer.common import Say
 from rlx.trainer.run import Run
 from rlx.trainer.learner import begin
-from rlx.trainer.loop import Batch, Summary, learn_loop
+from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 
 
-class InlineSource:
+class InlineSource(BatchSource):
   """Samples a batch with the newest published weights when the loop asks for one."""
 
   def __init__(self, run: Run, first_step: int, temperature: float):
@@ -43,20 +43,8 @@ class InlineSource:
     self.index += 1
     return Batch(draw, draw.data_state)
 
-  def settle(self, batch: Batch, verdict: str, version: int) -> None:
-    pass
-
   def retune(self, controller: control.Controller) -> None:
     self.temperature = controller.temperature
-
-  def metrics(self, learn_seconds: float) -> dict:
-    return {}
-
-  def state(self) -> dict:
-    return {}
-
-  def close(self) -> None:
-    pass
 
 
 def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> Summary:

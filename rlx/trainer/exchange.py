@@ -149,7 +149,7 @@ class RolloutFiles:
   def finish(self, index: int, data_state: dict | None, version: int | None = None) -> None:
     """Marks batch ``index`` (and all before it) finished: records it (and ``version``, the
     learner's policy version after it: a generator samples the next batches with that
-    version or a newer one), then deletes its file."""
+    version or a newer one, once shared storage shows it), then deletes its file."""
     states = dict(self.progress()["data_states"])
     if self.generators > 1:
       states[str(index % self.generators)] = data_state

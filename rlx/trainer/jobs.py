@@ -60,7 +60,7 @@ from rlx.trainer.common import Say, TrainingError
 from rlx.trainer.run import Run, prepare
 from rlx.trainer.exchange import RolloutFiles
 from rlx.trainer.learner import begin
-from rlx.trainer.loop import Batch, Summary, learn_loop
+from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 
 POLL_S = 0.1
 NOTICE_S = 60.0
@@ -85,7 +85,7 @@ class PeerWatch:
     problem = None
     if distributed.lead():
       name = (f"{self.role} job" if self.jobs == 1 else f"{self.role} job {job}")
-      status = jobstatus.read_statuses(self.workdir, self.role, self.jobs)[job]
+      status = jobstatus.read_status(self.workdir, self.role, job)
       problem = jobstatus.silent_or_failed(f"the {name}", status, now=time.time(),
                                            since=self.since, timeout_s=self.timeout_s)
     problem = distributed.agree(problem or "")
@@ -93,7 +93,7 @@ class PeerWatch:
       raise TrainingError(problem)
 
 
-class FileSource:
+class FileSource(BatchSource):
   """The batch source of the learner job: rollout files, in order, from the generator jobs."""
 
   def __init__(self, run: Run, restored_meta: dict, version: int, say: Say):
@@ -158,14 +158,8 @@ class FileSource:
       self.files.write_control({"k": controller.k, "temperature": controller.temperature,
                                 "setting": self.setting})
 
-  def metrics(self, learn_seconds: float) -> dict:
-    return {}
-
   def state(self) -> dict:
     return {"rollout_index": self.index, "control_setting": self.setting}
-
-  def close(self) -> None:
-    pass
 
 
 def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Summary:
@@ -183,7 +177,19 @@ def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = pri
   return summary
 
 
-def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> dict:
+@dataclasses.dataclass(frozen=True)
+class GeneratorSummary:
+  """How a generator job ended."""
+
+  written: int
+  """Rollout files it wrote."""
+  next_index: int
+  stopped: bool
+  """Stopped by a signal (rerunning resumes) rather than told the learner is done."""
+
+
+def train_generator(config: RunConfig, workdir: str | pathlib.Path,
+                    say: Say = print) -> GeneratorSummary:
   """The generator job: samples and scores batches with the newest published policy and
   writes them as rollout files, within the staleness bound; returns a summary."""
   run = prepare(config, workdir, say)
@@ -215,13 +221,15 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
              "control": files.control() or {}})))
         k = seen["control"].get("k", control.bound(config))
         gate_open = seen["done"] >= index - k
-        if gate_open and version >= 0 and max(run.sync.versions(), default=-1) < version:
-          version = -1  # the learner resumed from an earlier checkpoint: take its version
         newest = _latest(run, version) if gate_open else None
+        if (gate_open and newest is None and version >= 0
+            and max(run.sync.versions(), default=-1) < version):
+          # nothing newer because the learner resumed from an earlier checkpoint: take its
+          newest = _latest(run, -1)
         if newest is not None:
           (params, version), sync_seconds = newest, run.sync.last_seconds
-        # the learner is k batches behind, or not started, or its newest version (written in
-        # the background) has not landed yet
+        # the learner is k batches behind, or not started, or shared storage does not show
+        # the version it reached yet
         if not gate_open or params is None or version < seen["version"]:
           if files.done():
             break
@@ -246,7 +254,7 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path, say: Say = p
   finally:
     run.close()
   say(f"rlx: {name}: wrote {written} rollout file(s); the next is {index}")
-  return {"written": written, "next_index": index, "stopped": stop.requested}
+  return GeneratorSummary(written=written, next_index=index, stopped=stop.requested)
 
 
 def _local_share(draw: Draw) -> Draw:

@@ -2,8 +2,8 @@
 
     with JobStatus(workdir, "generator", 0) as status:   # running, with a heartbeat thread
       ...                                                # finished / stopped / failed on exit
-    problem = silent_or_failed(read_statuses(workdir, "generator", 2), now=time.time(),
-                               since=started, timeout_s=120)   # None, or why to stop
+    problem = silent_or_failed("the generator job", read_status(workdir, "generator", 0),
+                               now=time.time(), since=started, timeout_s=120)  # None: fine
 
 A status file holds the job's state (``running``, ``finished``, ``stopped`` or ``failed``),
 the first line of its error, its host and pid, and a heartbeat: the wall-clock time, rewritten
@@ -88,15 +88,12 @@ class JobStatus:
     self._write()
 
 
-def read_statuses(workdir: str | pathlib.Path, role: str, jobs: int) -> dict[int, dict | None]:
-  """The status of each of ``jobs`` jobs of ``role`` (None: no status file yet)."""
-  statuses = {}
-  for job in range(jobs):
-    try:
-      statuses[job] = json.loads(status_path(workdir, role, job).read_text())
-    except (OSError, ValueError):
-      statuses[job] = None
-  return statuses
+def read_status(workdir: str | pathlib.Path, role: str, job: int = 0) -> dict | None:
+  """The status of job ``job`` of ``role`` (None: no status file yet)."""
+  try:
+    return json.loads(status_path(workdir, role, job).read_text())
+  except (OSError, ValueError):
+    return None
 
 
 def _alive(pid: int) -> bool:

@@ -32,7 +32,6 @@ import json
 import pathlib
 import time
 import zlib
-from typing import Protocol
 
 import jax
 
@@ -64,27 +63,30 @@ class Batch:
   process's share of it (None: the draw's own): the lag is the same on every process."""
 
 
-class BatchSource(Protocol):
-  """Where the learner's batches come from (see the module docstring)."""
+class BatchSource:
+  """Where the learner's batches come from (see the module docstring). A source overrides
+  ``next`` and whichever of the rest it has something to do in; the defaults do nothing."""
 
   def next(self, version: int, wait: bool = True) -> Batch | None:
     """The next batch for a learner at policy ``version``, or None when none is ready (after
     waiting a short while when ``wait``: the loop checks for a stop and asks again). Raises
     ``StopIteration`` when the data ran out, and what a producer raised."""
+    raise NotImplementedError
 
   def settle(self, batch: Batch, verdict: str, version: int) -> None:
     """The loop is done with ``batch``: trained on (after its weights were published),
-    dropped or expired; ``version``: the learner's policy version now (published, though
-    an asynchronous write may still be landing)."""
+    dropped or expired; ``version``: the learner's policy version now."""
 
   def retune(self, controller: control.Controller) -> None:
     """The controller changed a knob: sample with its k and temperature from now on."""
 
   def metrics(self, learn_seconds: float) -> dict:
     """The source's own metrics after a step whose learning took ``learn_seconds``."""
+    return {}
 
   def state(self) -> dict:
     """What a checkpoint keeps of the source, beside the data position."""
+    return {}
 
   def close(self) -> None:
     """Stops producers; never raises for a producer that already failed."""

@@ -104,8 +104,6 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                           decode_steps=r.decode_steps)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
   # versions a reader may still be restoring stay on storage: k + 2 of them
-  # versions are written synchronously: with the asynchronous write (OrbaxSync(asynchronous=
-  # True)) a generator job read a version that vanished under it in a 60-step benchmark
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
                     keep=control.bound(config) + 3)
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))

@@ -42,7 +42,7 @@ from rlx.trainer.collect import Draw, collect
 from rlx.trainer.common import Say
 from rlx.trainer.run import Run
 from rlx.trainer.learner import begin
-from rlx.trainer.loop import Batch, Summary, learn_loop
+from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 
 
 @dataclasses.dataclass
@@ -170,7 +170,7 @@ def expired(draw: Draw, version: int, max_staleness: int) -> bool:
   return control.past_bound(lag_max, max_staleness)
 
 
-class ThreadSource:
+class ThreadSource(BatchSource):
   """The batch source of split in one process: the generator thread's hand-over queue."""
 
   def __init__(self, generator: Generator):
@@ -206,9 +206,6 @@ class ThreadSource:
                                       "time/learning_busy_frac_window": self.learn_seconds}),
             "throughput/generation_tokens_per_s": generator.tokens / max(generator.busy_seconds,
                                                                          1e-9)}
-
-  def state(self) -> dict:
-    return {}
 
   def close(self) -> None:
     self.generator.stop()

@@ -229,17 +229,17 @@ def test_a_peer_counts_as_gone_when_failed_killed_silent_or_never_started():
 
 
 def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
-  from rlx.trainer.jobstatus import JobStatus, read_statuses
+  from rlx.trainer.jobstatus import JobStatus, read_status
 
   with JobStatus(tmp_path, "generator", 1):
-    assert read_statuses(tmp_path, "generator", 2)[1]["state"] == "running"
-    assert read_statuses(tmp_path, "generator", 2)[0] is None
-  assert read_statuses(tmp_path, "generator", 2)[1]["state"] == "finished"
+    assert read_status(tmp_path, "generator", 1)["state"] == "running"
+    assert read_status(tmp_path, "generator", 0) is None
+  assert read_status(tmp_path, "generator", 1)["state"] == "finished"
   with pytest.raises(ValueError):
     with JobStatus(tmp_path, "learner"):
       raise ValueError("config.x: bad\nmore detail")
-  ended = read_statuses(tmp_path, "learner", 1)[0]
+  ended = read_status(tmp_path, "learner", 0)
   assert ended["state"] == "failed" and ended["error"] == "ValueError: config.x: bad"
   with JobStatus(tmp_path, "learner") as status:
     status.stopped = True
-  assert read_statuses(tmp_path, "learner", 1)[0]["state"] == "stopped"
+  assert read_status(tmp_path, "learner", 0)["state"] == "stopped"
