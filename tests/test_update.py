@@ -80,8 +80,8 @@ def test_microbatch_accumulation_equals_full_batch(model, loss_agg, name):
 
 def test_update_step_never_retraces(model, monkeypatch):
   traces = []
-  traced = update.loss_and_grads
-  monkeypatch.setattr(update, "loss_and_grads", lambda *a, **k: traces.append(1) or traced(*a, **k))
+  traced = update.policy.loss_and_grads
+  monkeypatch.setattr(update.policy, "loss_and_grads", lambda *a, **k: traces.append(1) or traced(*a, **k))
   config = _config(name="grpo", kl_coef=0.04)
   optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=10)
   params = jax.tree.map(jnp.copy, model.params)

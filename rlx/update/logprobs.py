@@ -1,0 +1,86 @@
+"""Log-probs and entropy of a sequence's target tokens, through the fused kernels (never the
+``[tokens, vocab]`` logits), at the temperature the data was sampled at."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlx.config import RunConfig
+from rlx.kernels import fused_logprobs
+from rlx.models.transformer import Params, Transformer
+
+
+def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
+                      attention_mask: jax.Array, response_mask: jax.Array | None = None, *,
+                      impl: str = "auto", temperature: float | jax.Array = 1.0,
+                      chunk: int = 128, rows: NamedSharding | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Log-prob and entropy [B, T] of every target token (position 0 gets 0), via the fused path.
+
+  Args:
+    tokens: int [B, T]; attention_mask: bool [B, T].
+    response_mask: bool [B, T] the targets that are needed (others get 0, and
+      the Pallas kernels skip whole blocks of them); None computes all.
+    temperature: the sampling temperature, so that these match the behaviour log-probs: a
+      Python float (a constant of the compiled program), or float32 [B], one per sequence
+      (traced: any temperature runs the same program). An array scales the hidden states,
+      ``(h / t) @ W == (h @ W) / t``, so the kernels see temperature 1.
+    rows: how the sequences are split over the mesh (the learner's batch sharding): the
+      Pallas kernels then run per device on its own rows (``fused_logprobs``), when the
+      sequences split evenly.
+  """
+  hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
+  B, T, D = hidden.shape
+  if not isinstance(temperature, (int, float)):
+    hidden = hidden / jnp.asarray(temperature, hidden.dtype)[:, None, None]
+    temperature = 1.0
+  if rows is not None and B % _ways(rows):  # not split after all: every device has every row
+    rows = NamedSharding(rows.mesh, PartitionSpec())
+  mask = None if response_mask is None else response_mask[:, 1:].reshape(-1)
+  logprobs, entropy = fused_logprobs(
+      hidden[:, :-1].reshape(B * (T - 1), D), transformer.unembedding(params),
+      tokens[:, 1:].reshape(-1), mask, impl=impl, temperature=temperature, chunk=chunk,
+      rows=rows)
+  pad = lambda x: jnp.pad(x.reshape(B, T - 1), ((0, 0), (1, 0)))
+  return pad(logprobs), pad(entropy)
+
+
+def _ways(sharding: NamedSharding) -> int:
+  """Into how many parts ``sharding`` splits dimension 0."""
+  axes = sharding.spec[0] if sharding.spec else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return int(math.prod(sharding.mesh.shape[a] for a in axes))
+
+
+def sampling_temperature(temperature: float) -> float:
+  """The temperature the learner takes log-probs at for data sampled at ``temperature``: itself,
+  or 1 for greedy data (0), whose behaviour log-probs the engine takes at 1."""
+  return temperature if temperature > 0 else 1.0
+
+
+def config_temperature(config: RunConfig) -> float:
+  return sampling_temperature(config.rollout.temperature)
+
+
+def policy_logprobs(config: RunConfig, transformer: Transformer, params: Params,
+                    tokens: jax.Array, attention_mask: jax.Array,
+                    response_mask: jax.Array | None = None,
+                    temperature: jax.Array | None = None, *,
+                    rows: NamedSharding | None = None) -> jax.Array:
+  """Log-probs [B, T] of the target tokens under ``params`` at the sampling temperature (float32
+  [B] per sequence, or None: the config's), through the same fused path as the loss (old and
+  reference log-probs)."""
+  temperature = config_temperature(config) if temperature is None else temperature
+  return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
+                           impl=config.model.logprob_impl, temperature=temperature,
+                           chunk=config.model.logprob_chunk, rows=rows)[0]
+
+
+def make_logprobs_fn(config: RunConfig, transformer: Transformer):
+  """Jitted ``(params, tokens, attention_mask, response_mask=None) -> logprobs [B, T]``."""
+  return jax.jit(functools.partial(policy_logprobs, config, transformer))

@@ -1,0 +1,85 @@
+"""The optimizer, its schedule, and where the train state and the learner's batches lie."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlx.config import OptimizerConfig
+from rlx.mesh import logical_to_spec
+from rlx.models.transformer import Params
+from rlx.types import TrainState
+
+
+def make_schedule(config: OptimizerConfig, total_steps: int, peak: float | None = None):
+  """Linear warm-up from 0 to the peak, then constant or cosine decay to 0 at ``total_steps``."""
+  peak = config.learning_rate if peak is None else peak
+  warmup = config.warmup_steps
+  if config.schedule == "constant":
+    after = optax.constant_schedule(peak)
+  else:
+    after = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1))
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def make_optimizer(config: OptimizerConfig, total_steps: int, peak: float | None = None):
+  """AdamW with global-norm clipping; returns (optimizer, schedule)."""
+  schedule = make_schedule(config, total_steps, peak)
+  parts = [optax.clip_by_global_norm(config.max_grad_norm)] if config.max_grad_norm > 0 else []
+  parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                           weight_decay=config.weight_decay))
+  return optax.chain(*parts), schedule
+
+
+def replicated_like(params: Params) -> NamedSharding | None:
+  """Replicated on the mesh ``params`` lie on; None for params not placed with NamedSharding."""
+  sharding = jax.tree.leaves(params)[0].sharding
+  return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
+
+
+def train_state_shardings(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+  """The shardings of a train state over ``params`` (a tree of ``NamedSharding``): the params'
+  own; the optimizer's copies of the params (Adam's moments) sharded exactly like them; the
+  optimizer's counters, the step, key and policy version replicated on the params' mesh."""
+  replicated = replicated_like(params)
+  if replicated is None:
+    raise ValueError("train_state_shardings needs params placed with NamedSharding "
+                     "(see rlx.models.param_shardings)")
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  abstract = jax.eval_shape(optimizer.init, params)
+  opt_state = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract, shardings,
+                                    transform_non_params=lambda _: replicated)
+  return TrainState(step=replicated, params=shardings, opt_state=opt_state, key=replicated,
+                    policy_version=replicated)
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation,
+                     key: jax.Array) -> TrainState:
+  """A fresh train state, created in its shardings by one jitted program
+  (``train_state_shardings``): the optimizer state is never materialised replicated, and the
+  state is laid out exactly as ``update_step`` returns it, so that the second step hits the
+  first step's compilation. (Params that are not placed with ``NamedSharding`` keep JAX's
+  default placement.)"""
+  def init(params, key):
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), key=key,
+                      policy_version=jnp.zeros((), jnp.int32))
+
+  if replicated_like(params) is None:
+    return jax.jit(init)(params, key)
+  return jax.jit(init, out_shardings=train_state_shardings(params, optimizer))(params, key)
+
+
+def batch_sharding(mesh: Mesh, rules, batch_size: int) -> NamedSharding:
+  """How the learner's batches lie on ``mesh``: rows split over the mesh axes the logical
+  ``batch`` axis maps to (``(data, fsdp)`` by default), every other dimension whole. A batch
+  that does not split evenly is replicated (``batch_is_split`` says which)."""
+  return NamedSharding(mesh, logical_to_spec(("batch",), (batch_size,), mesh, rules))
+
+
+def batch_is_split(sharding: NamedSharding) -> bool:
+  return any(axis is not None for axis in sharding.spec)

@@ -1,0 +1,114 @@
+"""What every learner step shares, the policy's and the critic's: micro-batches accumulated
+exactly, an optimizer update that is kept only when everything it produced is finite, and
+the ``ppo_epochs x mini_batches`` schedule run as one ``lax.scan``."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rlx.models.transformer import Params
+from rlx.types import RolloutBatch, TrainState
+
+Sums = dict[str, jax.Array]
+# (params, micro-batch) -> ((loss, sums), grads): the loss already divided by the whole
+# mini-batch's denominator, so that the accumulated gradient is the mini-batch's exactly
+GradFn = Callable[[Params, RolloutBatch], tuple[tuple[jax.Array, Sums], Params]]
+
+
+def split_micro(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
+  """The batch with a leading [micro_batches] axis on every leaf."""
+  if batch.batch_size % micro_batches:
+    raise ValueError(f"batch of {batch.batch_size} sequences does not split into "
+                     f"{micro_batches} micro-batches (config.optimizer.micro_batches)")
+  return jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+
+
+def accumulate(grad_fn: GradFn, params: Params, batch: RolloutBatch, micro_batches: int, *,
+               maxima: tuple[str, ...] = ()) -> tuple[jax.Array, Params, Sums]:
+  """Loss, gradient and sums of ``batch``, one micro-batch at a time (a ``lax.scan``): losses,
+  gradients and sums add up, except the sums named in ``maxima``, which take the maximum."""
+  micro = split_micro(batch, micro_batches)
+  first = jax.tree.map(lambda x: x[0], micro)
+  sums_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
+  zero_sums = {k: jnp.full(v.shape, -jnp.inf if k in maxima else 0.0, v.dtype)
+               for k, v in sums_shape.items()}
+
+  def add(carry, one):
+    loss_sum, grad_sum, sums = carry
+    (loss, one_sums), grads = grad_fn(params, one)
+    sums = {k: jnp.maximum(sums[k], v) if k in maxima else sums[k] + v
+            for k, v in one_sums.items()}
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sums), None
+
+  init = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params), zero_sums)
+  (loss, grads, sums), _ = jax.lax.scan(add, init, micro)
+  return loss, grads, sums
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point value of ``tree`` is finite: one reduction per leaf, inside
+  the jitted step (an update can make the weights non-finite from a finite loss and gradient,
+  e.g. at an infinite learning rate)."""
+  leaves = [x for x in jax.tree.leaves(tree)
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.True_
+
+
+def finite_or_unchanged(ok: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+  """``new`` when ``ok``, else ``old`` (a skipped step: params, optimizer state, step and
+  policy version all unchanged). A select inside the jitted step, so it needs no host sync."""
+  pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)
+  return new.replace(step=pick(new.step, old.step), params=pick(new.params, old.params),
+                     opt_state=pick(new.opt_state, old.opt_state),
+                     policy_version=pick(new.policy_version, old.policy_version))
+
+
+def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, loss: jax.Array,
+                    grads: Params) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on ``state``, kept only when the loss, the gradient norm, the new
+  params and the new optimizer state are all finite (else ``state`` comes back unchanged).
+  Also returns ``grad_norm``, ``skipped`` (int 0/1) and ``skipped_update`` (skipped although
+  the loss and gradient were finite: the update itself overflowed)."""
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  grad_norm = optax.tree.norm(grads)
+  gradient_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  update_finite = all_finite(params) & all_finite(opt_state)
+  finite = gradient_finite & update_finite
+  updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return finite_or_unchanged(finite, updated, state), {
+      "grad_norm": grad_norm, "skipped": jnp.logical_not(finite).astype(jnp.int32),
+      "skipped_update": (gradient_finite & ~update_finite).astype(jnp.int32)}
+
+
+def minibatch_order(batch_size: int, key: jax.Array, *, epochs: int,
+                    mini_batches: int) -> jax.Array:
+  """Row indices int [epochs * mini_batches, batch_size // mini_batches]: each pass over the
+  batch is a fresh permutation (``fold_in(key, pass)``) cut into ``mini_batches`` slices.
+  One mini-batch keeps the batch's own order (the order of a full batch changes nothing)."""
+  if batch_size % mini_batches:
+    raise ValueError(f"batch of {batch_size} sequences does not split into {mini_batches} "
+                     "mini-batches (config.trainer.mini_batches)")
+  if mini_batches == 1:
+    return jnp.tile(jnp.arange(batch_size), (epochs, 1))
+  passes = [jax.random.permutation(jax.random.fold_in(key, e), batch_size) for e in range(epochs)]
+  return jnp.stack(passes).reshape(epochs * mini_batches, batch_size // mini_batches)
+
+
+def schedule_batches(batch: RolloutBatch, order: jax.Array) -> RolloutBatch:
+  """The batch's rows gathered as ``order`` says: every leaf gets a leading [updates] axis."""
+  return jax.tree.map(lambda x: x[order], batch)
+
+
+def over_schedule(minibatch_step, state: TrainState, batch: RolloutBatch, *, epochs: int,
+                  mini_batches: int) -> tuple[TrainState, dict[str, jax.Array]]:
+  """``minibatch_step(state, mini_batch) -> (state, metrics)`` over the whole schedule: each
+  pass a fresh permutation from ``fold_in(state.key, state.step)``; metrics come back with a
+  leading [updates] axis."""
+  order = minibatch_order(batch.batch_size, jax.random.fold_in(state.key, state.step),
+                          epochs=epochs, mini_batches=mini_batches)
+  return jax.lax.scan(minibatch_step, state, schedule_batches(batch, order))
