@@ -196,18 +196,14 @@ def _init(spec: dict, in_user_namespace: bool) -> int:
   """PID 1 of the new namespace: builds the root, runs the program, returns its status."""
   _call("pdeathsig", _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
   _build_root(spec, in_user_namespace)
-  read_nonce, write_nonce = os.pipe()
-  os.write(write_nonce, spec["nonce"].encode())
-  os.close(write_nonce)
   child = os.fork()
   if child == 0:
     try:
-      os.dup2(read_nonce, 4)
       null = os.open("/dev/null", os.O_RDONLY)
       os.dup2(null, 0)
-      for fd in (0, 1, 2, 3, 4):
+      for fd in (0, 1, 2, 3):
         os.set_inheritable(fd, True)
-      os.closerange(5, 65536)
+      os.closerange(4, 65536)
       _drop_privileges(spec, in_user_namespace)
       env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox",
              "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
@@ -215,7 +211,6 @@ def _init(spec: dict, in_user_namespace: bool) -> int:
     except BaseException as error:  # noqa: BLE001 - reported through the exit status
       print(f"rlx-jail: starting the program failed: {error}", file=sys.stderr, flush=True)
       os._exit(SETUP_FAILED)
-  os.close(read_nonce)
   while True:
     pid, wait_status = os.waitpid(child, 0)
     if pid == child:

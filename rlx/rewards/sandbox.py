@@ -5,11 +5,16 @@
     capabilities()                          # which isolation this system provides
 
 The program is the last fenced code block of the response (a response without one scores
-0). Tests are assert statements (run after the program's code, in its namespace), or
-stdin/stdout pairs (the program run once per input, its output compared line by line,
-trailing whitespace aside). A test passes only when the harness that ran it says so on a
-channel the program cannot write without a per-run secret: a program that exits early,
-prints "ok" or crashes the harness passes nothing.
+0). Tests are assert statements, or stdin/stdout pairs (the program run once per input, in
+a fresh interpreter, its output compared line by line, trailing whitespace aside).
+
+The sandbox never judges. The expected outputs never enter it: it returns the program's
+outputs, and for assert tests the values of the expressions that call the program, as plain
+data (built-in types only, read here by a strict decoder). This process compares them and
+evaluates the asserts (``rlx.rewards.checker``), or, for an assert beyond its evaluator, a
+second sandbox does, one that holds the values but no line of the program. A program that
+reaches into the harness, patches the assert machinery, returns objects that claim to equal
+anything, or prints what a passing run would print passes nothing.
 
 Isolation (see ``_jail.py``, which builds it): each run is its own process tree in fresh
 mount, network, PID, IPC and UTS namespaces, with a tmpfs as its root (``pivot_root``; the
@@ -40,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from rlx.rewards import checker
 
 _JAIL = pathlib.Path(__file__).with_name("_jail.py")
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
@@ -125,71 +132,109 @@ def code_reward(response: str, row: dict, options) -> dict:
           "timed_out": float(result.timed_out)}
 
 
+# Runs in the jail. It reports values and outputs, never a verdict: the expected results are
+# not here. The stdin/stdout tests run first, each in a fresh interpreter of its own (never
+# this one); the program is loaded into this interpreter only after they are all reported.
 _HARNESS = r'''
-import io, json, os, sys
-nonce = os.read(4, 64).decode()
-os.close(4)
-with open("tests.json") as f:
-    tests = json.load(f)
-os.remove("tests.json")
-with open("main.py") as f:
-    source = f.read()
-os.remove("main.py")
+import json, os, selectors, subprocess, sys
+with open("plan.json") as f:
+    plan = json.load(f)
+os.remove("plan.json")
 report = os.fdopen(3, "w", buffering=1)
-try:
-    code = compile(source, "main.py", "exec")
-except BaseException:
-    code = None
+CAP = %d
 
-def report_result(index, ok):
-    report.write(f"{nonce} {index} {int(ok)}\n")
+def emit(record):
+    report.write(json.dumps(record) + "\n")
 
-def run(stdin_text):
-    """The program once, with stdin_text as input; its printed output, or None if it failed."""
-    real_stdin, real_stdout = sys.stdin, sys.stdout
-    sys.stdin = io.TextIOWrapper(io.BytesIO(stdin_text.encode()), encoding="utf-8")
-    sys.stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
-    try:
-        exec(code, {"__name__": "__main__"})
-        sys.stdout.flush()
-        return sys.stdout.buffer.getvalue().decode("utf-8", "replace")
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            return None
-        sys.stdout.flush()
-        return sys.stdout.buffer.getvalue().decode("utf-8", "replace")
-    except BaseException:
+def run_once(text):
+    with open("stdin.txt", "w") as f:
+        f.write(text)
+    with open("stdin.txt") as stdin:
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-B", "main.py"], stdin=stdin,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    os.set_blocking(child.stdout.fileno(), False)
+    selector = selectors.DefaultSelector()
+    selector.register(child.stdout, selectors.EVENT_READ)
+    out = b""
+    while len(out) <= CAP:
+        selector.select(timeout=0.05)
+        chunk = child.stdout.read() or b""
+        out += chunk
+        if child.poll() is not None and not chunk:
+            break  # exited, and nothing more to read (a child it left may hold the pipe)
+    child.kill()
+    status = child.wait()
+    return (out[:CAP].decode("utf-8", "replace"), status) if len(out) <= CAP else (None, status)
+
+def encode(value, depth=0):
+    kind = type(value)
+    if depth > 64:
+        raise ValueError("nested too deeply")
+    if value is None:
         return None
-    finally:
-        sys.stdin, sys.stdout = real_stdin, real_stdout
+    if kind in (bool, str):
+        return {kind.__name__: value}
+    if kind is int:
+        return {"int": str(value)}
+    if kind is float:
+        return {"float": repr(value)}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    if kind in (list, tuple, set, frozenset):
+        return {kind.__name__: [encode(item, depth + 1) for item in value]}
+    if kind is dict:
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    raise TypeError("not plain data")
 
-def lines(text):
-    return [line.rstrip() for line in text.strip().splitlines()]
+for index, text in plan["inputs"]:
+    stdout, status = run_once(text)
+    emit({"io": index, "stdout": stdout, "status": status})
 
-namespace = None
-for index, test in enumerate(tests):
-    if code is None:
-        report_result(index, False)
-        continue
-    if "assert" in test:
-        if namespace is None:
-            namespace = {"__name__": "__main__"}
+if plan["probes"]:
+    with open("main.py") as f:
+        source = f.read()
+    namespace = {"__name__": "__main__"}
+    try:
+        exec(compile(source, "main.py", "exec"), namespace)
+        emit({"ran": True})
+    except BaseException:
+        emit({"ran": False})
+        namespace = None
+    for index, prelude, expressions in plan["probes"] if namespace else ():
+        local = dict(namespace)
+        values = []
+        try:
+            exec(prelude, local)
+        except BaseException as error:
+            values = [{"error": type(error).__name__}] * len(expressions)
+        for expression in expressions[len(values):]:
             try:
-                exec(code, namespace)
-            except BaseException:
-                namespace = False
+                values.append({"value": encode(eval(expression, local))})
+            except BaseException as error:
+                values.append({"error": type(error).__name__})
+        emit({"test": index, "values": values})
+''' % _OUTPUT_CAP
+
+# Runs in a second jail that holds no line of the program: assert tests the trusted evaluator
+# does not cover, with the program's values written in as literals.
+_CHECK = r'''
+import json, os
+with open("checks.json") as f:
+    checks = json.load(f)
+report = os.fdopen(3, "w", buffering=1)
+for name in %r:
+    try:
+        globals()[name] = __import__(name)
+    except ImportError:
+        pass
+for index, code in checks:
+    try:
+        exec(code, dict(globals()))
+        ok = True
+    except BaseException:
         ok = False
-        if namespace:
-            try:
-                exec(test["assert"], namespace)
-                ok = True
-            except BaseException:
-                ok = False
-        report_result(index, ok)
-    else:
-        output = run(test["input"])
-        report_result(index, output is not None and lines(output) == lines(test["output"]))
-'''
+    report.write(json.dumps({"test": index, "ok": ok}) + "\n")
+''' % (checker.TRUSTED_MODULES,)
 
 
 def _python() -> tuple[str, str]:
@@ -207,27 +252,99 @@ def _binds(prefix: str) -> list[str]:
 
 def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
               memory_mb: int = 512) -> RunResult:
-  """Runs ``program`` against ``tests`` (as ``normalize_tests`` gives them) in the sandbox."""
-  nonce = secrets.token_hex(16)
+  """Runs ``program`` against ``tests`` (as ``normalize_tests`` gives them): the sandbox
+  computes outputs and values, this process judges them (``rlx.rewards.checker``). A
+  stdin/stdout test passes when the program's own output, in a fresh interpreter, matches;
+  an assert test when it holds with the values the program returned."""
   uid = _UID_BASE + secrets.randbelow(_UIDS) if os.geteuid() == 0 else os.geteuid()
+  plans: dict[int, checker.AssertPlan] = {}
+  for index, test in enumerate(tests):
+    if "assert" in test:
+      try:
+        plans[index] = checker.plan_asserts(test["assert"])
+      except (SyntaxError, ValueError, RecursionError, MemoryError):
+        pass  # a test that cannot be split this way fails (see supported_test)
+  plan = {"inputs": [[i, t["input"]] for i, t in enumerate(tests) if "input" in t],
+          "probes": [[i, p.prelude, p.probes] for i, p in plans.items()]}
   outputs, status, timed_out, truncated, seconds = jailed(
-      {"harness.py": _HARNESS, "main.py": program, "tests.json": json.dumps(tests)},
-      "harness.py", nonce=nonce, timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
+      {"harness.py": _HARNESS, "main.py": program, "plan.json": json.dumps(plan)},
+      "harness.py", timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
+  records = _records(outputs["results"])
   passed = [False] * len(tests)
-  for line in outputs["results"].decode(errors="replace").splitlines():
-    parts = line.split()
-    if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < len(tests):
-      passed[int(parts[1])] = parts[2] == "1"
+  for index, test in enumerate(tests):
+    record = records.get(("io", index))
+    if "input" in test and record and isinstance(record.get("stdout"), str):
+      passed[index] = record.get("status") == 0 and (
+          _lines(record["stdout"]) == _lines(test["output"]))
+  later = {}
+  if records.get(("ran", None), {}).get("ran") is True:
+    for index, assert_plan in plans.items():
+      values = _values(records.get(("test", index)), len(assert_plan.probes))
+      if values is None:
+        continue
+      verdict = checker.evaluate(assert_plan, values)
+      if verdict is None and not any(isinstance(v, checker.Raised) for v in values):
+        later[index] = checker.render(assert_plan, values)
+      passed[index] = bool(verdict)
+  if later:  # tests beyond the trusted evaluator: a second jail, without the program
+    checked, _, _, _, more = jailed({"check.py": _CHECK, "checks.json": json.dumps(
+        list(later.items()))}, "check.py", timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
+    seconds += more
+    for (kind, index), record in _records(checked["results"]).items():
+      if kind == "test" and index in later:
+        passed[index] = record.get("ok") is True
   return RunResult(passed, status, timed_out, outputs["stdout"], outputs["stderr"], truncated,
                    seconds, uid)
 
 
-def jailed(files: dict[str, str], main: str, *, nonce: str = "", timeout_s: float = 3.0,
+def _lines(text: str) -> list[str]:
+  return [line.rstrip() for line in text.strip().splitlines()]
+
+
+def _records(results: bytes) -> dict[tuple[str, int | None], dict]:
+  """The sandbox's report lines by (kind, test index); the first line for each wins, and a
+  line that is not a well-formed record is ignored."""
+  records = {}
+  for line in results.decode(errors="replace").splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if not isinstance(record, dict):
+      continue
+    for kind in ("io", "test", "ran"):
+      if kind in record:
+        index = record[kind] if kind != "ran" else None
+        if kind == "ran" or (type(index) is int):
+          records.setdefault((kind, index), record)
+        break
+  return records
+
+
+def _values(record: dict | None, count: int) -> list | None:
+  """The probes' values from a test's record (``checker.Raised`` for a probe that raised or
+  returned something that is not plain data); None for a missing or malformed record."""
+  if not record or not isinstance(record.get("values"), list) or len(record["values"]) != count:
+    return None
+  values = []
+  for item in record["values"]:
+    if isinstance(item, dict) and "value" in item:
+      try:
+        values.append(checker.decode(item["value"]))
+      except (ValueError, TypeError, RecursionError):
+        values.append(checker.Raised("a value that is not plain data"))
+    else:
+      error = item.get("error") if isinstance(item, dict) else None
+      values.append(checker.Raised(error if isinstance(error, str) else "unknown"))
+  return values
+
+
+def jailed(files: dict[str, str], main: str, *, timeout_s: float = 3.0,
            memory_mb: int = 512, processes: int = 32, open_files: int = 64, file_mb: int = 16,
            disk_mb: int = 32, uid: int | None = None):
   """Runs ``python main`` over ``files`` in the jail: (outputs {"stdout", "stderr",
   "results"}, exit status or None after a timeout, timed_out, truncated, seconds). The program
-  reads ``nonce`` from fd 4 and may report on fd 3 ("results"). As root it runs as ``uid``
+  may report on fd 3 ("results"). As root it runs as ``uid``
   (default: a random one of its own, so that no two runs share an rlimit on processes)."""
   python, prefix = _python()
   started = time.monotonic()
@@ -235,7 +352,7 @@ def jailed(files: dict[str, str], main: str, *, nonce: str = "", timeout_s: floa
     read_results, write_results = os.pipe()
     spec = {
         "root": os.path.join(scratch, "root"), "python": python, "binds": _binds(prefix),
-        "argv": [main], "nonce": nonce, "results_fd": write_results,
+        "argv": [main], "results_fd": write_results,
         "uid": _UID_BASE + secrets.randbelow(_UIDS) if uid is None else uid,
         "disk_mb": disk_mb, "inodes": 256,
         "files": files,
