@@ -109,6 +109,29 @@ def normalize_tests(tests) -> list[dict]:
   return normalized
 
 
+def check_rows(rows, options) -> None:
+  """Raises ValueError, naming the row and the fix, when a row the ``code`` reward would score
+  has no tests, malformed tests, or an assert the trusted checker cannot split (run at the
+  start of a run on a sample of its rows: a test that can never pass is a bug in the data,
+  not a reward of 0 every step)."""
+  for row in rows:
+    where = row.get("where", "a row")
+    if options.tests_field not in row:
+      raise ValueError(f"reward.name=code: {where} has no field {options.tests_field!r} with "
+                       f"tests (its fields: {', '.join(map(repr, row))}); set "
+                       "config.reward.code_tests_field to the field that holds them, or use "
+                       "another reward")
+    try:
+      tests = normalize_tests(row[options.tests_field])
+      for test in tests:
+        if "assert" in test:
+          checker.plan_asserts(test["assert"])
+    except SyntaxError as error:
+      raise ValueError(f"reward.name=code: {where}: a test does not parse: {error}") from None
+    except ValueError as error:
+      raise ValueError(f"reward.name=code: {where}: {error}") from None
+
+
 def _text(value) -> str:
   return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
 

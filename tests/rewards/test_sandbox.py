@@ -244,6 +244,16 @@ def test_malformed_tests_are_an_error_not_a_score():
     sandbox.normalize_tests([])
   with pytest.raises(ValueError, match="2 inputs but 1 outputs"):
     sandbox.normalize_tests({"inputs": ["1", "2"], "outputs": ["1"]})
+  # at the start of a run, on a sample of the rows
+  options = CodeOptions()
+  sandbox.check_rows([{"tests": ["assert f(1) == 2"]}, {"tests": [{"input": "1", "output": "2"}]}],
+                     options)
+  with pytest.raises(ValueError, match="d.jsonl:3 has no field 'tests'.*code_tests_field"):
+    sandbox.check_rows([{"where": "d.jsonl:3", "prompt": "p"}], options)
+  with pytest.raises(ValueError, match="d.jsonl:4: a test does not parse"):
+    sandbox.check_rows([{"where": "d.jsonl:4", "tests": ["assert f(1) =="]}], options)
+  with pytest.raises(ValueError, match="one assert per input"):
+    sandbox.check_rows([{"tests": ["for x in [1]:\n    assert f(x) == 2"]}], options)
 
 
 def test_a_stuck_jail_is_killed_with_its_process_group(available):

@@ -73,6 +73,15 @@ def test_a_reward_that_cannot_be_imported_stops_the_run_before_the_model(tmp_pat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox")
+def test_the_code_reward_on_rows_without_tests_stops_before_the_model(tmp_path):
+  result = _main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path),
+                 "--config.reward.name=code", timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "has no field 'tests'" in result.stderr and "code_tests_field" in result.stderr
+  assert "Traceback" not in result.stderr and "warm-up" not in result.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox")
 def test_the_code_config_trains_on_the_sandboxed_code_reward(tmp_path):
   from tests.trainer.tiny import config
 
