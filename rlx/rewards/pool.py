@@ -9,7 +9,10 @@ is counted (``reward/timeouts``) and only its worker is killed and replaced. A
 reward function that raises (or calls ``sys.exit``) scores 0 and is counted
 (``reward/errors``); so does one that kills its own process or runs out of its
 ``memory_mb`` (the worker is replaced, as is a worker that has grown past it
-between calls). What a reward function prints is discarded. The first failure
+between calls). Processes a reward call starts end with the call: each worker is its own
+process group and the subreaper of its calls' orphans, kills what a call left behind when
+the call returns, and is killed with its group on a timeout. What a reward function prints
+is discarded. The first failure
 of each kind is logged; the run goes on. A batched reward function is called
 on chunks of ``batch_size`` responses, each chunk one call with its own
 timeout.
@@ -66,6 +69,7 @@ def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
   for sig in _STOP_SIGNALS:
     signal.signal(sig, signal.SIG_IGN)
   _die_with_parent()
+  _adopt_orphans()
   devnull = os.open(os.devnull, os.O_WRONLY)  # what reward functions print goes nowhere
   os.dup2(devnull, 1)
   os.dup2(devnull, 2)
@@ -79,6 +83,7 @@ def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
     except (EOFError, OSError):  # the parent is gone
       return
     if task is None:
+      _kill_descendants()
       return
     try:
       _, payload = task
@@ -86,6 +91,7 @@ def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
       reply = ("ok", judged)
     except BaseException as error:  # noqa: BLE001 - any reward failure (exit too) is reported
       reply = ("error", f"{type(error).__name__}: {error}")
+    _kill_descendants()  # what the call started ends with it
     retire = bool(memory_mb) and _resident_bytes() > limit // 2  # it leaks: a fresh one takes over
     try:
       connection.send((*reply, retire))
@@ -93,6 +99,63 @@ def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
       return
     if retire:
       return
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+  """Makes this worker its own process group and, on Linux, the subreaper of whatever a
+  reward function starts: a child that daemonizes (double fork, ``setsid``) is re-parented
+  here, not to init, so ``_kill_descendants`` finds it, and the parent's ``killpg`` takes
+  down what stayed in the group when it kills this worker."""
+  os.setpgid(0, 0)
+  try:
+    import ctypes  # noqa: PLC0415 - Linux only
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+  except (OSError, AttributeError):
+    pass
+
+
+def _children(pid: int) -> list[int]:
+  """The pids whose parent is ``pid``."""
+  found = []
+  try:
+    for task in os.listdir(f"/proc/{pid}/task"):
+      with open(f"/proc/{pid}/task/{task}/children") as f:
+        found.extend(int(child) for child in f.read().split())
+    return found
+  except OSError:  # no /proc/<pid>/task/*/children: every process's parent, from its stat
+    pass
+  for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as f:
+          if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+      except (OSError, ValueError, IndexError):
+        continue
+  return found
+
+
+def _kill_descendants() -> None:
+  """Kills every process this worker's reward calls left behind (children, and orphans
+  re-parented here) and reaps them, until none is left."""
+  me = os.getpid()
+  for _ in range(100):
+    children = _children(me)
+    if not children:
+      return
+    for pid in children:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except OSError:
+        pass
+    for pid in children:  # their orphans come to this worker as they die
+      try:
+        os.waitpid(pid, 0)
+      except ChildProcessError:
+        pass
 
 
 def _resident_bytes() -> int:
@@ -151,7 +214,11 @@ class _Worker:
     self.started = time.monotonic()  # of the process until ready, then of the current call
 
   def kill(self) -> None:
-    self.process.kill()
+    """Kills the worker and its process group (what its reward call started and left there)."""
+    try:
+      os.killpg(self.process.pid, signal.SIGKILL)
+    except (OSError, TypeError):  # not yet its own group, or never started
+      self.process.kill()
     self.process.join(timeout=5)
     self.connection.close()
 
@@ -162,8 +229,8 @@ class _Worker:
       pass
     self.process.join(timeout=timeout)
     if self.process.is_alive():
-      self.process.kill()
-      self.process.join(timeout=5)
+      self.kill()
+      return
     self.connection.close()
 
 

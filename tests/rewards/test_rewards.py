@@ -208,3 +208,59 @@ def test_a_reward_no_float32_holds_is_a_counted_error_not_a_reward():
   scored = pool.score(["a", "b"], ["1", "2"])
   assert scored.counts["reward/errors"] == 2 and list(scored.rewards) == [0.0, 0.0]
   assert "1e+39" in pool.first_error and "not a finite float32" in pool.first_error
+
+
+def _spawner(response, row):
+  """Starts a sleeper child, and a daemon that leaves its session, and writes down their pids;
+  then answers at once ("ok") or hangs past the timeout ("hang")."""
+  import subprocess
+  child = subprocess.Popen(["sleep", "60"])
+  pids = [child.pid]
+  read, write = os.pipe()
+  if os.fork() == 0:  # a double fork: the daemon's parent exits, it escapes the group
+    os.setsid()
+    daemon = os.fork()
+    if daemon == 0:
+      time.sleep(60)
+      os._exit(0)
+    os.write(write, str(daemon).encode())
+    os._exit(0)
+  os.close(write)
+  pids.append(int(os.read(read, 32)))
+  with open(row["file"], "a") as f:
+    f.write(" ".join(map(str, pids)) + "\n")
+  if response == "hang":
+    time.sleep(3600)
+  return 1.0
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_processes_a_reward_call_starts_end_with_the_call(tmp_path):
+  pids_file = tmp_path / "pids"
+  row = {"file": str(pids_file), "answer": ""}
+  with rewards.RewardPool(_spawner, num_workers=2, timeout_s=2) as pool:
+    scores, _, counts, _ = pool.score(["ok"] * 4, [row] * 4)
+    assert list(scores) == [1.0] * 4
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 8
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "a reward call's processes outlived it"
+    # a call that times out: its worker is killed with its process group
+    pids_file.write_text("")
+    scores, _, counts, _ = pool.score(["hang"], [row])
+    assert counts["reward/timeouts"] == 1
+    sleeper = int(pids_file.read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(sleeper) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not _alive(sleeper)
