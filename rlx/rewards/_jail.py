@@ -15,7 +15,8 @@ It reads a JSON spec on stdin, then:
    capabilities), no new privileges, rlimits on CPU seconds, address space, file size, open
    files and processes, a scrubbed environment, and a seccomp filter that refuses the
    system calls that would widen its world (new namespaces, mount, ptrace, bpf, keyrings,
-   perf, userfaultfd), then ``exec``s the interpreter on it.
+   perf, userfaultfd, and memfd, SysV shared memory and message queues, whose memory no
+   process's address-space limit counts), then ``exec``s the interpreter on it.
 
 When the program exits, init exits and the kernel kills whatever the program left behind
 in its PID namespace. On SIGTERM (the caller's wall-clock timeout) this script kills init
@@ -50,12 +51,15 @@ SYSCALLS = {
                "chroot": 161, "ptrace": 101, "bpf": 321, "keyctl": 250, "add_key": 248,
                "request_key": 249, "perf_event_open": 298, "userfaultfd": 323,
                "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432,
-               "process_vm_readv": 310, "process_vm_writev": 311},
+               "process_vm_readv": 310, "process_vm_writev": 311,
+               # memory no process's address-space limit counts
+               "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "mq_open": 240},
     "aarch64": {"unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
                 "chroot": 51, "ptrace": 117, "bpf": 280, "keyctl": 219, "add_key": 217,
                 "request_key": 218, "perf_event_open": 241, "userfaultfd": 282,
                 "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432,
-                "process_vm_readv": 270, "process_vm_writev": 271},
+                "process_vm_readv": 270, "process_vm_writev": 271,
+                "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "mq_open": 180},
 }
 CLONE = {"x86_64": 56, "aarch64": 220}
 CLONE3 = 435
@@ -220,6 +224,13 @@ def _init(spec: dict, in_user_namespace: bool) -> int:
 def main() -> int:
   spec = json.loads(sys.stdin.read())
   os.dup2(spec["results_fd"], 3)
+  if spec.get("cgroup"):  # before anything forks: every process of the run is charged there
+    try:
+      with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    except OSError as error:
+      print(f"rlx-jail: joining the memory cgroup failed: {error}", file=sys.stderr, flush=True)
+      return SETUP_FAILED
   in_user_namespace = os.geteuid() != 0
   uid, gid = os.geteuid(), os.getegid()
   flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS

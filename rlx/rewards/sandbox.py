@@ -33,6 +33,7 @@ instead of running programs unconfined.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -362,15 +363,97 @@ def _values(record: dict | None, count: int) -> list | None:
   return values
 
 
+_PROCESSES = 32  # processes (threads included) of one run, when a cgroup bounds its memory
+_PROCESSES_WITHOUT_CGROUP = 4  # without one: each gets memory_mb / 4 of address space
+
+
+def memory_cgroup() -> pathlib.Path | None:
+  """The cgroup v2 directory under which each run gets a memory cgroup of its own: this
+  process's cgroup, when the memory controller is enabled for its children and it may create
+  them (a container's own cgroup namespace, or a delegated cgroup); None otherwise."""
+  try:
+    with open("/proc/self/cgroup") as f:
+      path = next(line[3:].strip() for line in f if line.startswith("0::"))
+    with open("/proc/self/mountinfo") as f:
+      mounts = [line.split() for line in f]
+    mount = next(fields[4] for fields in mounts
+                 if fields[fields.index("-") + 1] == "cgroup2")
+  except (OSError, StopIteration, ValueError):
+    return None
+  base = pathlib.Path(mount) / path.lstrip("/")
+  try:
+    enabled = (base / "cgroup.subtree_control").read_text().split()
+  except OSError:
+    return None
+  return base if "memory" in enabled and os.access(base, os.W_OK) else None
+
+
+def memory_limit(memory_mb: int, cgroup: pathlib.Path | None) -> dict:
+  """How a run's ``memory_mb`` is enforced: one cgroup for the whole run (its children, page
+  cache, memfd and shared memory counted), or, without one, few enough processes that their
+  address spaces together stay within it."""
+  if cgroup is not None:
+    return {"how": f"cgroup v2 memory.max={memory_mb} MiB for the whole run (under {cgroup})",
+            "processes": _PROCESSES, "process_mb": memory_mb}
+  return {"how": (f"no memory cgroup available: at most {_PROCESSES_WITHOUT_CGROUP} processes "
+                  f"of {memory_mb // _PROCESSES_WITHOUT_CGROUP} MiB address space each "
+                  f"({memory_mb} MiB in all); memfd and shared memory refused"),
+          "processes": _PROCESSES_WITHOUT_CGROUP,
+          "process_mb": memory_mb // _PROCESSES_WITHOUT_CGROUP}
+
+
+class _RunCgroup:
+  """A cgroup of one run under ``base``: memory.max = ``memory_mb`` without swap, pids.max,
+  removed after the run (the jail joins it before it forks)."""
+
+  def __init__(self, base: pathlib.Path | None, memory_mb: int, processes: int):
+    self.path = None
+    if base is None:
+      return
+    path = base / f"rlx-sandbox-{secrets.token_hex(6)}"
+    path.mkdir()
+    self.path = path
+    (path / "memory.max").write_text(str(memory_mb << 20))
+    for name, value in (("memory.swap.max", "0"), ("pids.max", str(processes))):
+      if (path / name).exists():
+        (path / name).write_text(value)
+
+  def remove(self) -> None:
+    if self.path is None:
+      return
+    for _ in range(50):  # the namespace's last processes die asynchronously
+      try:
+        self.path.rmdir()
+        return
+      except OSError as error:
+        if error.errno != errno.EBUSY:
+          return
+        time.sleep(0.02)
+
+
 def jailed(files: dict[str, str], main: str, *, timeout_s: float = 3.0,
-           memory_mb: int = 512, processes: int = 32, open_files: int = 64, file_mb: int = 16,
-           disk_mb: int = 32, uid: int | None = None):
+           memory_mb: int = 512, open_files: int = 64, file_mb: int = 16,
+           disk_mb: int = 32, uid: int | None = None, cgroup: pathlib.Path | None | bool = True):
   """Runs ``python main`` over ``files`` in the jail: (outputs {"stdout", "stderr",
   "results"}, exit status or None after a timeout, timed_out, truncated, seconds). The program
   may report on fd 3 ("results"). As root it runs as ``uid``
-  (default: a random one of its own, so that no two runs share an rlimit on processes)."""
+  (default: a random one of its own, so that no two runs share an rlimit on processes).
+  ``memory_mb`` bounds the whole run (``memory_limit``); ``cgroup`` is where its memory
+  cgroup goes (True: ``memory_cgroup()``; None: none, the process limit is lowered)."""
   python, prefix = _python()
   started = time.monotonic()
+  base = memory_cgroup() if cgroup is True else cgroup
+  limit = memory_limit(memory_mb, base)
+  run_cgroup = _RunCgroup(base, memory_mb, limit["processes"])
+  try:
+    return _jailed(files, main, python, prefix, started, timeout_s, limit, open_files, file_mb,
+                   disk_mb, uid, run_cgroup.path)
+  finally:
+    run_cgroup.remove()
+
+
+def _jailed(files, main, python, prefix, started, timeout_s, limit, open_files, file_mb, disk_mb,
+            uid, cgroup_path):
   with tempfile.TemporaryDirectory(prefix="rlx-jail-") as scratch:
     read_results, write_results = os.pipe()
     spec = {
@@ -379,8 +462,10 @@ def jailed(files: dict[str, str], main: str, *, timeout_s: float = 3.0,
         "uid": _UID_BASE + secrets.randbelow(_UIDS) if uid is None else uid,
         "disk_mb": disk_mb, "inodes": 256,
         "files": files,
-        "limits": {"cpu_s": max(int(timeout_s) + 1, 1), "memory_mb": memory_mb,
-                   "file_mb": file_mb, "open_files": open_files, "processes": processes},
+        "limits": {"cpu_s": max(int(timeout_s) + 1, 1), "memory_mb": limit["process_mb"],
+                   "file_mb": file_mb, "open_files": open_files,
+                   "processes": limit["processes"]},
+        "cgroup": None if cgroup_path is None else str(cgroup_path),
     }
     try:
       jail = subprocess.Popen(
@@ -494,11 +579,17 @@ def capabilities() -> dict:
       "filesystem": "pivot_root into a tmpfs (the host tree unmounted): read-only interpreter "
                     "directories, /sandbox (size-capped tmpfs); no /etc, /home, /proc or host /tmp",
       "network": "none (empty network namespace)",
+      "memory": (f"cgroup v2 under {memory_cgroup()}: memory_mb for the whole run (children, "
+                 "memfd and shared memory counted)" if memory_cgroup() else
+                 f"no memory cgroup available: at most {_PROCESSES_WITHOUT_CGROUP} processes of "
+                 f"memory_mb / {_PROCESSES_WITHOUT_CGROUP} address space each; memfd and "
+                 "shared memory refused"),
       "limits": "rlimits on CPU seconds, address space, file size, open files, processes; "
                 "no new privileges; wall-clock timeout kills the process group; output capped",
       "environment": "empty but for PATH, HOME, TMPDIR, LANG",
-      "seccomp": "new namespaces, mount, chroot, ptrace, bpf, keyrings, perf, userfaultfd "
-                 "and cross-process memory calls refused",
+      "seccomp": "new namespaces, mount, chroot, ptrace, bpf, keyrings, perf, userfaultfd, "
+                 "cross-process memory calls, memfd, SysV shared memory and message queues "
+                 "refused",
   }
 
 

@@ -85,7 +85,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   sandbox = check_reward(config)  # an unusable reward is reported before the model is built
   if sandbox:
     say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
-        "seccomp, rlimits, no network, a tmpfs root")
+        f"seccomp, rlimits, no network, a tmpfs root; memory: {sandbox['memory']}")
   processes = jax.process_count()
   if config.data.prompts_per_step % processes:
     raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "

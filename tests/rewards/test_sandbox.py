@@ -41,6 +41,14 @@ ATTACKS = {
     "inode_exhaustion": "for i in range(100000):\n    open('i' + str(i), 'w').close()" + PASS,
     "deep_recursion": ("import sys\nsys.setrecursionlimit(10**7)\ndef r(n):\n    return r(n + 1)\n"
                        "r(0)" + PASS),
+    "fork_children_that_allocate": (
+        "import os\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        try:\n            x = bytearray(200 << 20)\n            os._exit(0)\n"
+        "        except BaseException:\n            os._exit(1)\n    kids.append(pid)\n"
+        "assert all(os.waitpid(k, 0)[1] == 0 for k in kids)" + PASS),
+    "memfd_outside_the_address_space": (
+        "import os\nfds = [os.memfd_create('m') for _ in range(40)]\nfor fd in fds:\n"
+        "    os.write(fd, b'x' * (15 << 20))" + PASS),  # 600 MiB, each file under file_mb
     "raise_rlimits": ("import resource\nfor name in ('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_NPROC'):\n"
                       "    r = getattr(resource, name)\n"
                       "    resource.setrlimit(r, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))"
@@ -199,6 +207,21 @@ def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available
   with pytest.raises(BlockingIOError):
     host["udp"].recv(16)
   assert not list(scratch.iterdir()), "a scratch directory was left behind"
+
+
+def test_memory_is_bounded_per_run_not_per_process(available, tmp_path):
+  without = sandbox.memory_limit(256, None)
+  assert without["processes"] * without["process_mb"] <= 256
+  with_cgroup = sandbox.memory_limit(256, tmp_path)
+  assert with_cgroup["process_mb"] == 256 and "cgroup v2" in with_cgroup["how"]
+  # the wiring of a run's cgroup, on a stand-in directory (a real one needs cgroup v2 with the
+  # memory controller delegated): its limit written, and the jail joined it before forking
+  outputs, status, *_ = sandbox.jailed({"main.py": "print(1)"}, "main.py", memory_mb=256,
+                                       cgroup=tmp_path)
+  assert status == 0 and outputs["stdout"] == b"1\n"
+  (run,) = tmp_path.iterdir()
+  assert (run / "memory.max").read_text() == str(256 << 20)
+  assert (run / "cgroup.procs").read_text().strip().isdigit()
 
 
 def test_the_suite_covers_thirty_attacks():
