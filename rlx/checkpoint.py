@@ -8,10 +8,11 @@ version), the critic's state, the data stream's position and small metadata.
 Saves are asynchronous (training goes on while tensorstore writes) unless
 ``async_save`` is off; ``wait()`` blocks until they are on disk. Orbax writes a
 checkpoint under a temporary name and renames it when complete, so a kill at
-any moment leaves the previous checkpoints intact. ``restore`` takes the newest
-checkpoint that reads back whole: a newer one that does not (truncated or
-deleted files, an empty directory) is moved aside to ``DIR.unreadable/`` and
-named; when none reads back, ``CheckpointError`` names the directory.
+any moment leaves the previous checkpoints intact. A state holding NaN or inf is
+never saved. ``restore`` takes the newest checkpoint that reads back whole and
+finite: a newer one that does not (truncated or deleted files, an empty
+directory, NaN weights) is moved aside to ``DIR.unreadable/`` and named; when
+none reads back, ``CheckpointError`` names the directory.
 
 ``StopSignal`` turns the first SIGTERM / SIGINT into a flag the trainer checks
 between steps, so it can save and exit cleanly instead of dying mid-write; a
@@ -31,6 +32,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from rlx import distributed
@@ -63,6 +65,19 @@ def _from_disk(state: TrainState) -> TrainState:
   return state.replace(key=jax.random.wrap_key_data(state.key))
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  """Whether every floating-point value of ``tree`` is finite (one reduction per leaf)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def finite(state: TrainState | None) -> bool:
+  """Whether a train state's params and optimizer state hold only finite values."""
+  return state is None or bool(_all_finite((state.params, state.opt_state)))
+
+
 def _abstract(state: TrainState):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       _to_disk(state))
@@ -82,7 +97,15 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, *, critic: TrainState | None = None,
            data_state: dict | None = None, meta: dict | None = None) -> None:
-    """Starts writing checkpoint ``step`` (returns before it is on disk when async)."""
+    """Starts writing checkpoint ``step`` (returns before it is on disk when async). A state
+    holding NaN or inf is never written (``CheckpointError``): every checkpoint on disk is
+    finite, so rotation under ``max_to_keep`` never deletes the newest finite one."""
+    if not (finite(state) and finite(critic)):
+      newest = self._manager.latest_step()
+      raise CheckpointError(
+          f"step {step}: the weights or optimizer state hold NaN or inf, so no checkpoint was "
+          f"written; " + (f"the newest checkpoint, step {newest} in {self.directory}, is the last "
+                          "good one" if newest is not None else "no checkpoint exists yet"))
     items = {"state": ocp.args.StandardSave(_to_disk(state)),
              "data": ocp.args.JsonSave(data_state or {}),
              "meta": ocp.args.JsonSave(meta or {})}
@@ -152,6 +175,8 @@ class Checkpointer:
       items["critic"] = ocp.args.StandardRestore(_abstract(like_critic))
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     critic = _from_disk(restored["critic"]) if like_critic is not None else None
+    if not (finite(restored["state"]) and finite(critic)):  # written before saves were checked
+      raise ValueError("its weights or optimizer state hold NaN or inf")
     return Restored(step=step, state=_from_disk(restored["state"]), critic=critic,
                     data_state=dict(restored["data"]), meta=dict(restored["meta"]))
 

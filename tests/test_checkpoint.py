@@ -126,3 +126,28 @@ def test_a_full_disk_never_loses_the_previous_checkpoint(tmp_path):
     assert restored is not None and restored.step >= 1
   finally:
     subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_non_finite_state_is_never_saved_nor_resumed(tmp_path, monkeypatch):
+  poisoned = _state(2)
+  poisoned = poisoned.replace(params=jax.tree.map(lambda x: x * jnp.nan, poisoned.params))
+  checkpointer = Checkpointer(tmp_path, CheckpointConfig(max_to_keep=1, async_save=False))
+  try:
+    checkpointer.save(1, _state(1))
+    with pytest.raises(Exception, match="NaN or inf.*step 1 .* is the last good one"):
+      checkpointer.save(2, poisoned)
+    assert checkpointer.latest_step() == 1  # max_to_keep=1: a saved NaN would have rotated it out
+  finally:
+    checkpointer.close()
+  # a NaN checkpoint written by an earlier version: set aside, and the finite one restored
+  checkpointer = Checkpointer(tmp_path, CheckpointConfig(max_to_keep=2, async_save=False))
+  said = []
+  try:
+    monkeypatch.setattr("rlx.checkpoint.finite", lambda state: True)
+    checkpointer.save(3, poisoned)
+    monkeypatch.undo()
+    restored = checkpointer.restore(_state(0), say=said.append)
+  finally:
+    checkpointer.close()
+  assert restored.step == 1 and int(restored.state.step) == 1
+  assert any("step 3" in line and "NaN or inf" in line for line in said), said

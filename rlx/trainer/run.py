@@ -7,6 +7,7 @@ stream, held-out rows, rollout engine, weight sync and reward pool.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import shutil
 import time
@@ -30,7 +31,8 @@ from rlx.rewards import RewardPool, check, from_config
 from rlx.rewards.sandbox import capabilities, check_rows
 from rlx.sync import OrbaxSync, ReshardSync, WeightSync
 from rlx.trainer import control
-from rlx.trainer.common import Say
+from rlx.trainer.common import NonFiniteError, Say
+from rlx.update import all_finite
 from rlx.trainer.warmup import warm_up
 
 
@@ -196,8 +198,15 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   can start from it with ``--config.model.path``)."""
   if (directory / "config.json").is_file():
     say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
-    return build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
-                       config.mesh.logical_axis_rules)
+    loaded = build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
+                         config.mesh.logical_axis_rules)
+    if _finite(loaded.params):
+      return loaded
+    aside = directory.with_name(f"{directory.name}.nonfinite-{time.strftime('%Y%m%d-%H%M%S')}")
+    if jax.process_index() == 0:
+      directory.rename(aside)
+    say(f"rlx: supervised warm-up: the saved model holds NaN or inf (written by an earlier "
+        f"version); moved it to {aside} and warming up again")
   trainer = config.trainer
   stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
                         seed=config.data.shuffle_seed + 1, encode=tokenizer.encode_prompt,
@@ -205,10 +214,21 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   started = time.perf_counter()
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate)
+  if not (all(map(math.isfinite, losses)) and _finite(model.params)):
+    bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    raise NonFiniteError(
+        "the supervised warm-up made the weights NaN or inf" + (
+            f" (its loss was {losses[bad]} at step {bad + 1})" if bad is not None else
+            " although its loss stayed finite") + f"; nothing was saved. Lower "
+        f"config.trainer.warmup_sft_learning_rate={trainer.warmup_sft_learning_rate}")
   save_hf(model, tokenizer, directory)
   say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
       f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
   return model
+
+
+def _finite(params) -> bool:
+  return bool(jax.jit(all_finite)(params))
 
 
 def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> pathlib.Path:

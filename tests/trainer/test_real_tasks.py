@@ -25,6 +25,17 @@ def test_a_checkpoint_gets_no_warm_up_unless_asked():
   assert not warms_up(tiny.config("grpo_colocated", "--config.trainer.warmup_sft_steps=0"))
 
 
+def test_a_warm_up_that_makes_the_weights_non_finite_saves_nothing(tmp_path):
+  from rlx.trainer import NonFiniteError
+
+  with pytest.raises(NonFiniteError, match="warm-up made the weights NaN or inf.*nothing was "
+                                           "saved.*warmup_sft_learning_rate"):
+    prepare(tiny.config("grpo_colocated", "--config.trainer.warmup_sft_learning_rate=3e38",
+                        "--config.trainer.warmup_sft_steps=4"),
+            tmp_path, say=lambda message: None)
+  assert not (tmp_path / "warmup").exists()
+
+
 def test_file_data_holds_out_rows_for_evaluation_and_never_trains_on_them(tmp_path):
   data = tmp_path / "d.jsonl"
   data.write_text("".join(json.dumps({"prompt": f"q{i}?", "answer": str(i)}) + "\n"
