@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import ast
+import logging
 import collections
 import operator
 import re
+import threading
 from fractions import Fraction
 
 from rlx.rewards.extract import final_answer
@@ -91,11 +93,18 @@ def math_reward(response: str, reference: str) -> float:
     return 0.0
   import math_verify  # imported in the worker that scores, not by every user of rlx
 
-  gold = math_verify.parse(f"${reference}$" if "$" not in reference else reference)
-  predicted = math_verify.parse(f"${answer}$")
+  # math-verify's own timeouts use signal.alarm, which works in a main thread only: a reward
+  # worker (whose call the pool times out) has one; scoring in a thread of the trainer
+  # (reward.num_workers=0) runs without them, as num_workers=0 runs without timeouts anyway
+  timeout = 5 if threading.current_thread() is threading.main_thread() else None
+  if timeout is None:
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its warning for each call
+  gold = math_verify.parse(f"${reference}$" if "$" not in reference else reference,
+                           parsing_timeout=timeout)
+  predicted = math_verify.parse(f"${answer}$", parsing_timeout=timeout)
   if not gold or not predicted:
     return 0.0
-  return 1.0 if math_verify.verify(gold, predicted) else 0.0
+  return 1.0 if math_verify.verify(gold, predicted, timeout_seconds=timeout) else 0.0
 
 
 def sort_reward(response: str, reference: str) -> float:

@@ -264,3 +264,24 @@ def test_processes_a_reward_call_starts_end_with_the_call(tmp_path):
     while _alive(sleeper) and time.monotonic() < deadline:
       time.sleep(0.1)
     assert not _alive(sleeper)
+
+
+def test_the_math_verifier_scores_in_a_thread_without_workers():
+  """reward.num_workers=0 scores in the calling thread: the collector's scoring thread in both
+  deployments, where math-verify's signal-based timeouts cannot run."""
+  responses = ["<answer>\\frac{1}{2}</answer>", "<answer>0.5</answer>", "<answer>3</answer>"]
+  found = {}
+
+  def score():
+    with rewards.RewardPool("math", num_workers=0) as pool:
+      found["scored"] = pool.score(responses, ["1/2"] * 3)
+
+  score()  # the main thread
+  assert found["scored"].counts["reward/errors"] == 0
+  assert list(found["scored"].correct) == [True, True, False]
+  found.clear()
+  thread = threading.Thread(target=score)
+  thread.start()
+  thread.join()
+  assert found["scored"].counts["reward/errors"] == 0  # every call raised here before
+  assert list(found["scored"].correct) == [True, True, False]
