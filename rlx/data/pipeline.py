@@ -35,7 +35,8 @@ class PromptStream:
     if not 0 <= index < count:
       raise ValueError(f"shard {index} of {count} does not exist")
     self.max_prompt_tokens, self.on_bad_row = max_prompt_tokens, on_bad_row
-    self.skipped, self.first_skipped = 0, None
+    self._skipped_rows: set[str] = set()
+    self.first_skipped = None
     # shard (i, n): rows i, i + n, ... of the source, before the shuffle, so that n streams
     # (one per generator job) never share a row
     dataset = grain.MapDataset.source(source)
@@ -68,11 +69,17 @@ class PromptStream:
         raise DataError(f"{where}: the prompt has {size}, more than "
                         f"config.rollout.max_prompt_len={limit}; raise it, shorten the prompt, "
                         "or set config.data.on_bad_row=skip")
-      self.skipped += 1
+      # a row read again (each epoch, read-ahead) counts once
+      self._skipped_rows.add(row.get("where") or repr(prompt)[:1000])
       if self.first_skipped is None:
         self.first_skipped = f"{where}: prompt of {size} > max_prompt_len={limit}"
       return None
     return {**row, "prompt_tokens": tokens}
+
+  @property
+  def skipped(self) -> int:
+    """How many distinct rows were skipped so far."""
+    return len(self._skipped_rows)
 
   def __iter__(self):
     return self

@@ -72,6 +72,10 @@ def _refuse_or_count(source, where: str, problem: str, on_bad_row: OnBadRow) -> 
     source.first_skipped = f"{where}: {problem}"
 
 
+def _stamp(stat: os.stat_result) -> tuple[int, int]:
+  return stat.st_size, stat.st_mtime_ns
+
+
 def _file_fingerprint(path: pathlib.Path, rows: int) -> dict:
   stat = os.stat(path)
   return {"path": str(path.absolute()), "bytes": stat.st_size, "rows": rows}
@@ -90,6 +94,7 @@ class JsonlSource:
     self.lines: list[int] = []
     self.skipped, self.first_skipped = 0, None
     with open(self.path, "rb") as f:
+      self._stamp = _stamp(os.fstat(f.fileno()))
       offset = 0
       for number, line in enumerate(f, start=1):
         start, offset = offset, offset + len(line)
@@ -111,10 +116,19 @@ class JsonlSource:
     return len(self.offsets)
 
   def __getitem__(self, index: int) -> dict:
-    with open(self.path, "rb") as f:
-      f.seek(self.offsets[index])
-      line = f.readline()
     where = f"{self.path}:{self.lines[index]}"
+    try:
+      with open(self.path, "rb") as f:
+        if _stamp(os.fstat(f.fileno())) != self._stamp:
+          raise DataError(f"{where}: {self.path} changed while the run was reading it (its size "
+                          "or modification time differs from when it was indexed); restore it, "
+                          "or start a new run (another --workdir) on the new file")
+        f.seek(self.offsets[index])
+        line = f.readline()
+    except OSError as error:
+      raise DataError(f"{where}: cannot read the data file ({error.strerror}); it went away "
+                      "while the run was reading it. Restore it and rerun the same command "
+                      "to resume") from None
     try:
       row = _row(json.loads(line), self.prompt_field, self.answer_field)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

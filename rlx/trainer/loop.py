@@ -37,6 +37,7 @@ import jax
 
 from rlx import distributed
 from rlx.checkpoint import StopSignal
+from rlx.data import DataError
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer import control
 from rlx.trainer.collect import Draw
@@ -140,12 +141,17 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           except StopIteration:  # a finite data.num_epochs is used up
             say(f"rlx: the data ran out after {config.data.num_epochs} epoch(s), at step {step}")
             break
+          except DataError:
+            _save_before_failing(learner, step, start, data_state, meta(), "a data error", say)
+            raise
           if batch is None:
             continue
           received = time.perf_counter()
           draw = batch.draw
           failing = failing + 1 if draw.counts.get("reward/error_frac", 0.0) >= 1.0 else 0
           if failing >= config.reward.max_error_steps:
+            _save_before_failing(learner, step, start, data_state, meta(), "a reward that never "
+                                 "works", say)
             raise RewardFailedError(
                 f"every reward call of {failing} steps in a row failed (config.reward."
                 f"max_error_steps={config.reward.max_error_steps}); the first error: "
@@ -214,6 +220,18 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                  metrics=str(sink.jsonl_path), checkpoints=str(learner.checkpointer.directory),
                  dropped_batches=counts[control.DROP], expired_batches=counts[control.EXPIRE],
                  control_events=tuple(str(event) for event in controller.events))
+
+
+def _save_before_failing(learner: Learner, step: int, start: int | None, data_state: dict,
+                         meta: dict, why: str, say: Say) -> None:
+  """Saves the last completed step before the run stops on ``why`` (an error of the data or
+  the reward, not of the model), so that fixing it and rerunning loses nothing. One process
+  only: where several read their own rows, one failing alone cannot make the others save."""
+  if step <= (start or 0) or step == learner.saved_step or jax.process_count() > 1:
+    return
+  learner.save(step, data_state, **meta)
+  learner.checkpointer.wait()
+  say(f"rlx: saved step {step} in {learner.checkpointer.directory} before stopping on {why}")
 
 
 def _retune(events: list[control.Event], controller: control.Controller, source: BatchSource,

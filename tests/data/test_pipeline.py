@@ -114,6 +114,27 @@ def test_an_over_long_prompt_is_a_bad_row_met_when_read(tmp_path, long_prompt):
   read = [row["prompt"] for batch in batches for row in batch]
   assert len(read) == 6 and long_prompt not in read  # 7 good rows, batches of 2
   assert stream.skipped == 1 and "d.jsonl:5" in stream.first_skipped
+  # over many epochs with read-ahead, the one bad row is still one row
+  stream = PromptStream(JsonlSource(path), batch_size=2, num_epochs=20, encode=encode,
+                        max_prompt_tokens=16, on_bad_row="skip")
+  for _ in range(40):
+    next(stream)
+  assert stream.skipped == 1
+
+
+def test_a_data_file_changed_or_deleted_mid_run_is_a_data_error(tmp_path):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(8)]
+  path = _jsonl(tmp_path / "d.jsonl", rows)
+  source = JsonlSource(path)
+  assert source[3]["prompt"] == "p3"
+  _jsonl(path, [dict(row, prompt=row["prompt"] + "!") for row in rows])  # same rows, rewritten
+  with pytest.raises(DataError, match="d.jsonl:4: .*changed while the run was reading it"):
+    source[3]
+  source = JsonlSource(path)
+  path.unlink()
+  stream = PromptStream(source, batch_size=2, encode=lambda text: [1])
+  with pytest.raises(DataError, match="cannot read the data file .*went away"):
+    next(stream)
 
 
 def test_fingerprint_tells_a_changed_file(tmp_path):

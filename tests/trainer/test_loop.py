@@ -63,7 +63,8 @@ class FakeLearner:
     self.version, self.entropy, self.stop_at, self.config = version, entropy, stop_at, config
     self.clip_eps_highs, self.saves = [], {}
     self.saved_step, self.restored_meta = None, {}
-    self.checkpointer = types.SimpleNamespace(directory=directory, latest_step=self._latest)
+    self.checkpointer = types.SimpleNamespace(directory=directory, latest_step=self._latest,
+                                              wait=lambda: None)
 
   def _latest(self):
     return max(self.saves, default=None)
@@ -248,11 +249,44 @@ def test_a_reward_that_never_works_stops_the_run_with_its_first_error(tmp_path):
   from rlx.trainer import RewardFailedError
 
   source = FakeSource([(0, 0)] * 10, counts={"reward/error_frac": 1.0})
+  learner = FakeLearner(tmp_path / "checkpoints", tiny.config("dapo_split"))
   with pytest.raises(RewardFailedError, match="every reward call of 3 steps in a row failed .*"
                      "the first error: KeyError: 'anwser'"):
-    _loop(tmp_path, [], "--config.trainer.steps=10", source=source)
+    _loop(tmp_path, [], "--config.trainer.steps=10", source=source, learner=learner)
   assert [row["step"] for row in tiny.metrics(tmp_path)] == [1, 2]
+  assert list(learner.saves) == [2]  # the steps done are saved before it stops
   # a step with one working call resets the count
   source = FakeSource([(0, 0)] * 4, counts={"reward/error_frac": 0.5})
   summary, _, _, _ = _loop(tmp_path / "some", [], "--config.trainer.steps=4", source=source)
   assert summary.steps == 4
+
+
+class FailingSource(FakeSource):
+  """Raises a data error when it reaches batch ``at``."""
+
+  def __init__(self, script, at):
+    super().__init__(script)
+    self.at = at
+
+  def next(self, version, wait=True):
+    if self.index == self.at:
+      from rlx.data import DataError
+      raise DataError("d.jsonl:7: the file changed while the run was reading it")
+    return super().next(version, wait)
+
+
+def test_a_data_error_mid_run_saves_the_last_completed_step_first(tmp_path):
+  from rlx.data import DataError
+
+  config = tiny.config("dapo_split", "--config.checkpoint.every_steps=0")
+  learner = FakeLearner(tmp_path / "checkpoints", config)
+  with pytest.raises(DataError, match="d.jsonl:7"):
+    _loop(tmp_path, [], "--config.trainer.steps=10", learner=learner,
+          source=FailingSource([(0, 0)] * 10, at=4))
+  assert list(learner.saves) == [4] and learner.saves[4]["data_state"] == {"next_index": 4}
+  # before the first step there is nothing to save
+  learner = FakeLearner(tmp_path / "other", config)
+  with pytest.raises(DataError):
+    _loop(tmp_path / "other", [], "--config.trainer.steps=10", learner=learner,
+          source=FailingSource([(0, 0)] * 10, at=0))
+  assert not learner.saves
