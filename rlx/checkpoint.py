@@ -83,10 +83,42 @@ def _abstract(state: TrainState):
                       _to_disk(state))
 
 
+class _QuietWriteFailures(logging.Filter):
+  """Drops Orbax's logged tracebacks of a background write that failed (a full disk: one per
+  file of every checkpoint in flight, hundreds of lines). The write's exception is raised
+  again by the next ``save`` or ``wait`` and reported once, as a ``CheckpointError``."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not ("orbax" in record.pathname and record.exc_info
+                and record.levelno >= logging.ERROR)
+
+
+_QUIET = _QuietWriteFailures()
+
+
+def _quiet_unraisablehook(hook):
+  """``sys.unraisablehook`` without the "Event loop is closed" errors of tensorstore's callbacks
+  that fire after a failed checkpoint write's event loop is gone: dozens of tracebacks of one
+  full disk, already reported as a ``CheckpointError``."""
+  if getattr(hook, "rlx_quiet", False):
+    return hook
+
+  def quiet(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    hook(unraisable)
+
+  quiet.rlx_quiet = True
+  return quiet
+
+
 class Checkpointer:
   """Keeps the newest ``max_to_keep`` checkpoints of a run under ``directory``."""
 
   def __init__(self, directory: str | pathlib.Path, config: CheckpointConfig = CheckpointConfig()):
+    logging.getLogger("absl").addFilter(_QUIET)  # once: a filter is added only if absent
+    sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
     self.directory = pathlib.Path(directory).absolute()
     options = ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep,
                                            enable_async_checkpointing=config.async_save, create=True)

@@ -10,6 +10,7 @@ where the metrics and checkpoints are.
 from __future__ import annotations
 
 import contextlib
+import errno
 import pathlib
 import sys
 import time
@@ -112,7 +113,16 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   return EXIT_STOPPED if summary.stopped else 0
 
 
+_MACHINE_ERRORS = {
+    errno.ENOSPC: "Free space there, or point --workdir at a disk with room",
+    errno.EDQUOT: "The disk quota is used up: free some of it, or point --workdir elsewhere",
+    errno.EROFS: "That file system is read-only: point --workdir at a writable one",
+    errno.EACCES: "This user may not write there: point --workdir at a directory it owns",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+  invocation = None
   try:
     invocation = cli.parse_args(sys.argv[1:] if argv is None else argv)
     if invocation is None:
@@ -125,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     return 130
   except ValueError as error:  # CheckpointError and other refusals with a message for the user
     print(f"rlx: error: {error}", file=sys.stderr)
+    return 2
+  except OSError as error:  # the machine refused: a full disk, a read-only or forbidden path
+    if error.errno not in _MACHINE_ERRORS:
+      raise
+    where = (f" ({error.filename})" if error.filename else
+             f" (under --workdir {invocation.workdir})" if invocation else "")
+    print(f"rlx: error: {error.strerror}{where}. "
+          + _MACHINE_ERRORS[error.errno] + "; checkpoints already written are kept, and "
+          "rerunning the same command resumes from the newest", file=sys.stderr)
     return 2
   except RuntimeError as error:  # the run failed (e.g. dynamic sampling ran dry); checkpoints stay
     from rlx.trainer import TrainingError

@@ -122,6 +122,8 @@ def test_a_full_disk_never_loses_the_previous_checkpoint(tmp_path):
     assert result.returncode != 0  # the disk filled up
     assert "CheckpointError: writing a checkpoint to" in result.stderr
     assert "No space left on device" in result.stderr and "is intact" in result.stderr
+    # no traceback logged for each file of each write in flight (the failure is raised once)
+    assert "ERROR:absl" not in result.stderr and "Event loop is closed" not in result.stderr
     restored = _check_restorable(disk)
     assert restored is not None and restored.step >= 1
   finally:
@@ -151,3 +153,21 @@ def test_a_non_finite_state_is_never_saved_nor_resumed(tmp_path, monkeypatch):
     checkpointer.close()
   assert restored.step == 1 and int(restored.state.step) == 1
   assert any("step 3" in line and "NaN or inf" in line for line in said), said
+
+
+def test_a_full_disk_at_start_is_one_line_naming_the_workdir(tmp_path):
+  from tests.trainer import tiny
+
+  disk = tmp_path / "disk"
+  _mount_tmpfs(disk, "64k")
+  try:
+    (disk / "fill").write_bytes(b"\0" * (60 << 10))
+    result = subprocess.run(
+        [sys.executable, "-m", "rlx.main", "--config", "configs/grpo_colocated.py", "--workdir",
+         str(disk / "run"), *tiny.OVERRIDES, "--config.trainer.steps=2"], cwd=ROOT,
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  finally:
+    subprocess.run(["umount", str(disk)], check=False)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line
+  assert "No space left on device" in result.stderr and str(disk / "run") in result.stderr
