@@ -162,12 +162,14 @@ class Checkpointer:
         "the same command to resume")
 
   def restore(self, like: TrainState, *, like_critic: TrainState | None = None,
-              step: int | None = None, say=print) -> Restored | None:
+              step: int | None = None, say=print, usable=None) -> Restored | None:
     """The checkpoint ``step`` (default: the newest that reads back whole) in the shardings of
     ``like``; None if there is none.
 
     Newer checkpoints that do not read back are moved aside to ``DIR.unreadable/`` (and
-    ``say`` names them); if none reads back, raises ``CheckpointError``.
+    ``say`` names them); if none reads back, raises ``CheckpointError``. ``usable(restored)``,
+    when given, may raise to say that a checkpoint that read back cannot be used (a data
+    position the data stream refuses): it is then treated like one that did not read back.
     """
     if step is not None:
       return self._restore(step, like, like_critic)
@@ -176,6 +178,8 @@ class Checkpointer:
     for candidate in steps:
       try:
         restored = self._restore(candidate, like, like_critic)
+        if usable is not None:
+          usable(restored)
       except Exception as error:  # noqa: BLE001 - any failure to read means "not this one"
         failures.append((candidate, f"{type(error).__name__}: {str(error)[:300]}"))
         continue

@@ -171,3 +171,20 @@ def test_a_full_disk_at_start_is_one_line_naming_the_workdir(tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line
   assert "No space left on device" in result.stderr and str(disk / "run") in result.stderr
+
+
+def test_a_checkpoint_whose_data_position_is_refused_falls_back_like_a_damaged_one(tmp_path):
+  checkpointer = Checkpointer(tmp_path, CheckpointConfig(max_to_keep=3, async_save=False))
+  said = []
+  try:
+    checkpointer.save(1, _state(1), data_state={"next_index": 8})
+    checkpointer.save(2, _state(2), data_state={"wrong": "shape"})
+
+    def usable(restored):
+      restored.data_state["next_index"]  # as the stream's set_state would: KeyError
+
+    restored = checkpointer.restore(_state(0), say=said.append, usable=usable)
+  finally:
+    checkpointer.close()
+  assert restored.step == 1 and restored.data_state == {"next_index": 8}
+  assert any("step 2" in line and "KeyError" in line for line in said), said

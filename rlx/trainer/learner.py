@@ -42,11 +42,11 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   started = time.perf_counter()
   run = prepare(config, workdir, say)
   learner = Learner.for_run(run, say)
-  restored = learner.restore()
+  # a checkpoint whose data position the stream refuses is damaged like an unreadable one
+  restored = learner.restore(usable=lambda restored: run.stream.set_state(restored.data_state))
   start = None
   if restored is not None:
     start = restored.step
-    run.stream.set_state(restored.data_state)
     saved, now = restored.meta.get("data_fingerprint"), run.source.fingerprint()
     if saved is not None and saved != now:
       say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
@@ -165,10 +165,12 @@ class Learner:
   def version(self) -> int:
     return int(self.state.policy_version)
 
-  def restore(self):
-    """Resumes the train state from the newest checkpoint, if any; returns what was restored
-    (its ``step``, ``data_state`` and ``meta``), or None on a fresh run."""
-    restored = self.checkpointer.restore(self.state, like_critic=self.critic, say=self.say)
+  def restore(self, usable=None):
+    """Resumes the train state from the newest usable checkpoint (``Checkpointer.restore``),
+    if any; returns what was restored (its ``step``, ``data_state`` and ``meta``), or None on
+    a fresh run."""
+    restored = self.checkpointer.restore(self.state, like_critic=self.critic, say=self.say,
+                                         usable=usable)
     if restored is None:
       return None
     self.state, self.critic = restored.state, restored.critic
