@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from rlx import mesh as mesh_lib
 from rlx.config import ArchConfig, MeshConfig, ModelConfig
 from rlx.models import hf
-from rlx.models.safetensors_io import CheckpointError, write_safetensors
+from rlx.models.safetensors_io import CheckpointError, read_json, write_safetensors
 from rlx.models.transformer import Params, Transformer, logical_axes, param_shapes
 
 DEFAULT_RULES = MeshConfig().logical_axis_rules
@@ -95,7 +95,13 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_d
   config_file = directory / "config.json"
   if not config_file.is_file():
     raise CheckpointError(f"{directory} has no config.json; is it a Hugging Face model directory?")
-  arch = hf.arch_from_hf(json.loads(config_file.read_text()))
+  config = read_json(config_file)
+  try:
+    arch = hf.arch_from_hf(config)
+  except (KeyError, TypeError, AttributeError) as error:
+    raise CheckpointError(f"{config_file} lacks or garbles a field rlx needs ({type(error).__name__}"
+                          f": {error}); the download is incomplete or the file was damaged: "
+                          "fetch the model again") from None
   param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
   params = hf.load_params(directory, arch, param_dtype, param_shardings(arch, mesh, rules))
   return Model(params, _transformer(arch, dtype, attention, remat))

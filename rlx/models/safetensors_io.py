@@ -32,6 +32,17 @@ class CheckpointError(ValueError):
   """A checkpoint directory is missing, incomplete or of an unsupported kind."""
 
 
+_DAMAGED = "the download is incomplete or the file was damaged: fetch the model again"
+
+
+def read_json(file: pathlib.Path):
+  """A JSON file of a model directory; ``CheckpointError`` naming it when it does not parse."""
+  try:
+    return json.loads(file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise CheckpointError(f"{file} is not valid JSON ({error}); {_DAMAGED}") from None
+
+
 class SafetensorsReader:
   """Lazily maps tensor names to memory-mapped numpy arrays over one model directory."""
 
@@ -39,7 +50,9 @@ class SafetensorsReader:
     self.directory = pathlib.Path(directory)
     index = self.directory / INDEX_FILE
     if index.is_file():
-      weight_map = json.loads(index.read_text())["weight_map"]
+      weight_map = read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no weight_map; {_DAMAGED}")
       self._file_of = {name: self.directory / file for name, file in weight_map.items()}
     elif (self.directory / SINGLE_FILE).is_file():
       self._file_of = None
@@ -56,9 +69,15 @@ class SafetensorsReader:
     if file not in self._headers:
       if not file.is_file():
         raise CheckpointError(f"{file} is listed in {INDEX_FILE} but does not exist")
-      with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+      try:
+        with open(file, "rb") as f:
+          (length,) = struct.unpack("<Q", f.read(8))
+          header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+          raise ValueError("its header is not a JSON object")
+      except (struct.error, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError too
+        raise CheckpointError(f"{file} is not a readable safetensors file ({error}); "
+                              f"{_DAMAGED}") from None
       header.pop("__metadata__", None)
       self._headers[file] = (header, 8 + length)
     return self._headers[file]
@@ -82,6 +101,9 @@ class SafetensorsReader:
     dtype = np.dtype(_DTYPES[info["dtype"]])
     if end - start == 0:
       return np.zeros(info["shape"], dtype)
+    if data_start + end > file.stat().st_size:
+      raise CheckpointError(f"{file} is truncated: tensor {name!r} ends at byte "
+                            f"{data_start + end}, the file has {file.stat().st_size}; {_DAMAGED}")
     return np.memmap(file, dtype=dtype, mode="r", offset=data_start + start,
                      shape=tuple(info["shape"]))
 

@@ -18,7 +18,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from rlx.models.safetensors_io import CheckpointError
+from rlx.models.safetensors_io import CheckpointError, read_json
 
 
 class Tokenizer:
@@ -126,9 +126,13 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
   file = directory / "tokenizer.json"
   if not file.is_file():
     raise CheckpointError(f"{directory} has no tokenizer.json (only fast tokenizers are supported)")
-  backend = tokenizers.Tokenizer.from_file(str(file))
+  try:
+    backend = tokenizers.Tokenizer.from_file(str(file))
+  except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exception
+    raise CheckpointError(f"{file} is not a tokenizer rlx can read ({error}); the download is "
+                          "incomplete or the file was damaged: fetch the model again") from None
   config_file = directory / "tokenizer_config.json"
-  config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+  config = read_json(config_file) if config_file.is_file() else {}
   template = config.get("chat_template")
   if isinstance(template, list):  # named templates: take the default one
     template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -137,7 +141,7 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
   extra_eos: list[int] = []
   generation_file = directory / "generation_config.json"
   if generation_file.is_file():
-    eos = json.loads(generation_file.read_text()).get("eos_token_id")
+    eos = read_json(generation_file).get("eos_token_id")
     extra_eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
   return Tokenizer(backend, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")),

@@ -117,6 +117,39 @@ def test_unsupported_configs_are_refused(hf_dir, tmp_path, change, message):
     models.from_pretrained(tmp_path)
 
 
+def _truncate(path, keep):
+  data = path.read_bytes()
+  path.write_bytes(data[:keep(len(data))])
+
+
+def _drop_key(path, key):
+  config = json.loads(path.read_text())
+  del config[key]
+  path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (lambda d: _truncate(d / "model-00002-of-00004.safetensors", lambda n: n // 2),
+     "model-00002-of-00004.safetensors", "is truncated"),
+    (lambda d: _truncate(d / "model-00002-of-00004.safetensors", lambda n: 20),
+     "model-00002-of-00004.safetensors", "not a readable safetensors file"),
+    (lambda d: (d / "config.json").write_text("{not json"), "config.json", "not valid JSON"),
+    (lambda d: _drop_key(d / "config.json", "hidden_size"), "config.json", "'hidden_size'"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{"),
+     "model.safetensors.index.json", "not valid JSON"),
+    (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json", "not a tokenizer"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{oops"), "tokenizer_config.json",
+     "not valid JSON"),
+])
+def test_a_damaged_model_directory_names_the_file(hf_dir, tmp_path, damage, file, message):
+  shutil.copytree(hf_dir("qwen2"), tmp_path, dirs_exist_ok=True)
+  damage(tmp_path)
+  with pytest.raises(models.CheckpointError, match=f"{tmp_path / file} .*{message}.*fetch the "
+                                                   "model again"):
+    models.from_pretrained(tmp_path)
+    models.load_tokenizer(tmp_path)
+
+
 def test_not_a_model_directory(tmp_path):
   with pytest.raises(models.CheckpointError, match="no config.json"):
     models.from_pretrained(tmp_path)
