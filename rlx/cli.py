@@ -272,6 +272,22 @@ def to_json(config: RunConfig) -> str:
   return json.dumps(dataclasses.asdict(config), indent=2)
 
 
+def config_changes(before: dict, config: RunConfig, limit: int = 8) -> list[str]:
+  """The fields where ``config`` differs from an earlier run's (its ``config.json``, loaded),
+  as ``"section.key: old -> new"``."""
+  def flat(tree, prefix=""):
+    if isinstance(tree, dict):
+      for key, value in tree.items():
+        yield from flat(value, f"{prefix}{key}.")
+    else:
+      yield prefix[:-1], tree
+
+  old, new = dict(flat(before)), dict(flat(json.loads(to_json(config))))
+  changed = [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+  return changed[:limit] + ([f"... {len(changed) - limit} more"] if len(changed) > limit else [])
+
+
 def main_error(error: ConfigError) -> int:
   """Prints a config error the way the CLI reports it; returns the exit status."""
   print(f"rlx: error: {error}", file=sys.stderr)

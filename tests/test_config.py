@@ -310,3 +310,21 @@ def test_inf_and_nan_are_refused_naming_the_field(override):
   field = override.split("=")[0].removeprefix("--")
   with pytest.raises(ConfigError, match=f"{field}: .* is not a finite number"):
     check(tiny.config("grpo_colocated", override))
+
+
+def test_a_refused_resume_names_the_config_fields_that_changed(tmp_path):
+  import types
+
+  from rlx.trainer.learner import _what_changed
+
+  before = cli.load_config_file("configs/grpo_colocated.py")
+  after = cli.apply_overrides(before, ["--config.model.arch.hidden_size=48",
+                                       "--config.optimizer.learning_rate=0.5"])
+  assert cli.config_changes(json.loads(cli.to_json(before)), after) == [
+      "model.arch.hidden_size: 128 -> 48", "optimizer.learning_rate: 0.0003 -> 0.5"]
+  run = types.SimpleNamespace(workdir=tmp_path, config=after)
+  assert _what_changed(run) == ""  # no earlier start kept
+  (tmp_path / "config.20261202-100000.json").write_text(cli.to_json(before))
+  said = _what_changed(run)
+  assert "config.20261202-100000.json" in said and "model.arch.hidden_size" in said
+  assert "optimizer.learning_rate" in said

@@ -12,6 +12,7 @@ data is beyond what each rollout's policy version says.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx import algorithms, distributed, update
-from rlx.checkpoint import Checkpointer
+from rlx import algorithms, cli, distributed, update
+from rlx.checkpoint import Checkpointer, CheckpointError
 from rlx.config import RunConfig
 from rlx.models import Model
 from rlx.sync import WeightSync
@@ -43,7 +44,10 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   run = prepare(config, workdir, say)
   learner = Learner.for_run(run, say)
   # a checkpoint whose data position the stream refuses is damaged like an unreadable one
-  restored = learner.restore(usable=lambda restored: run.stream.set_state(restored.data_state))
+  try:
+    restored = learner.restore(usable=lambda restored: run.stream.set_state(restored.data_state))
+  except CheckpointError as error:
+    raise CheckpointError(f"{error}{_what_changed(run)}") from None
   start = None
   if restored is not None:
     start = restored.step
@@ -66,6 +70,20 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   run.seconds["start-up"] = time.perf_counter() - started - run.seconds["warm-up"] - evals
   run.seconds["loop started"], run.seconds["evals before loop"] = time.perf_counter(), evals
   return run, learner, start, accuracy_before
+
+
+def _what_changed(run: Run) -> str:
+  """The fields of the config that changed since the run's previous start (its config.json
+  kept aside by ``rlx.main``), as a sentence; "" when none was kept."""
+  earlier = sorted(run.workdir.glob("config.*.json"))
+  if not earlier:
+    return ""
+  try:
+    changes = cli.config_changes(json.loads(earlier[-1].read_text()), run.config)
+  except (OSError, ValueError):
+    return ""
+  return (f". The config differs from the one of the run's previous start ({earlier[-1].name}) "
+          f"in: {'; '.join(changes)}") if changes else ""
 
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
