@@ -28,6 +28,7 @@ import pathlib
 import shutil
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -228,17 +229,27 @@ class Checkpointer:
     self._manager.close()
 
 
+EXIT_STOPPED = 75
+"""The exit status of a run stopped by a signal (saved, or resumable from its newest
+checkpoint): a scheduler requeues it, where 0 means finished."""
+
+
 class StopSignal:
   """Within ``with StopSignal() as stop:``, SIGTERM and SIGINT set ``stop.requested``.
 
-  A second SIGINT while a stop is pending raises ``KeyboardInterrupt`` as usual.
+  A second signal while a stop is pending exits at once. So does the first, ``grace_s``
+  seconds after it arrived, if the run has not finished its step and saved by then (a
+  scheduler kills a job a fixed time after its signal): exit status ``EXIT_STOPPED``, the
+  newest checkpoint on disk intact. ``grace_s=0`` waits however long the step takes.
   """
 
-  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), say=print):
+  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), say=print, grace_s: float = 0.0):
     self.signals, self.requested, self.received, self.say = signals, False, None, say
+    self.grace_s = grace_s
     self.agreed = False
     """Whether the job stops: set by ``agree``, the same on every process."""
     self._previous: dict[int, Any] = {}
+    self._timer: threading.Timer | None = None
 
   def agree(self) -> bool:
     """Whether any process of the job got a stop signal, the same answer on every process (a
@@ -256,8 +267,19 @@ class StopSignal:
             flush=True)
       os._exit(128 + signum)
     self.requested, self.received = True, name
-    self.say(f"rlx: {name}: stopping after this step and saving a checkpoint (a second signal "
-             "exits at once)")
+    within = f" within {self.grace_s:.0f}s" if self.grace_s else ""
+    self.say(f"rlx: {name}: stopping after this step and saving a checkpoint{within} (a second "
+             "signal exits at once)")
+    if self.grace_s:
+      self._timer = threading.Timer(self.grace_s, self._out_of_time, args=(name,))
+      self._timer.daemon = True
+      self._timer.start()
+
+  def _out_of_time(self, name: str) -> None:
+    print(f"rlx: {name} came {self.grace_s:.0f}s ago (checkpoint.stop_grace_s) and the step has "
+          "not finished and saved: exiting now; checkpoints complete on disk are intact, rerun "
+          "the same command to resume from the newest", file=sys.stderr, flush=True)
+    os._exit(EXIT_STOPPED)
 
   def __enter__(self):
     for sig in self.signals:
@@ -265,5 +287,7 @@ class StopSignal:
     return self
 
   def __exit__(self, *exc):
+    if self._timer is not None:
+      self._timer.cancel()
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)

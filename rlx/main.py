@@ -19,7 +19,6 @@ from rlx import cli
 from rlx.config import ConfigError, RunConfig
 
 
-EXIT_STOPPED = 75
 """Stopped by a signal after saving a checkpoint: rerun the same command to resume (EX_TEMPFAIL;
 a scheduler requeues on it). Finished is 0, a failed run 1, a refused config, checkpoint or
 reward 2, interrupted before training 130."""
@@ -83,6 +82,8 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
 
     job = config.mesh.generator_id if config.mesh.role == "generator" else 0
     status = JobStatus(workdir, config.mesh.role, job)
+  from rlx.checkpoint import EXIT_STOPPED
+
   with status or contextlib.nullcontext():
     summary = trainer.train(config, workdir, say)
     if status:

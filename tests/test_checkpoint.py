@@ -67,6 +67,23 @@ def test_stop_signal_sets_a_flag():
   assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_a_step_longer_than_the_grace_period_exits_75_instead_of_being_killed():
+  program = ("import os, signal, time\nfrom rlx.checkpoint import StopSignal\n"
+             "with StopSignal(grace_s=1.0) as stop:\n"
+             "    os.kill(os.getpid(), signal.SIGTERM)\n"
+             "    time.sleep(60)  # a step that takes minutes\n")
+  started = time.monotonic()
+  result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 75 and time.monotonic() - started < 30
+  assert "checkpoint.stop_grace_s" in result.stderr and "resume from the newest" in result.stderr
+  # a step that ends in time cancels it
+  with StopSignal(grace_s=0.5) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested
+  time.sleep(1.0)  # still alive
+
+
 SAVE_LOOP = pathlib.Path(__file__).parent / "save_loop.py"
 ROOT = pathlib.Path(__file__).parent.parent
 

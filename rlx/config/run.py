@@ -174,9 +174,15 @@ class CheckpointConfig:
   """Write checkpoints in the background while training goes on."""
   export_hf_every: int = 0
   """Also write the policy as a Hugging Face directory (WORKDIR/hf/step_N) every N steps; 0 never."""
+  stop_grace_s: float = 25.0
+  """After a stop signal, how long the run may take to finish its step and save; past it, it
+  exits with status 75 from the newest checkpoint on disk (a scheduler's grace period before
+  SIGKILL is often 30 s). 0 waits for the step however long it takes."""
 
   def __post_init__(self):
     _check(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 saves only at the end)")
+    _check(self.stop_grace_s >= 0, "checkpoint.stop_grace_s",
+           "must be >= 0 (0 waits for the step however long it takes)")
     _check(self.export_hf_every >= 0, "checkpoint.export_hf_every", "must be >= 0 (0 never)")
     _check(self.max_to_keep >= 1, "checkpoint.max_to_keep",
            "must be >= 1: with 0 no checkpoint is kept and a rerun starts over")

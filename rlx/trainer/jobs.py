@@ -212,7 +212,7 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path,
   params, version, written, sync_seconds = None, -1, 0, 0.0
   waited_since = time.perf_counter()
   try:
-    with StopSignal(say=say) as stop:
+    with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s) as stop:
       while not files.done() and not stop.requested:
         # the learner's progress and controller settings, as process 0 reads them
         progress = files.progress()
