@@ -71,7 +71,8 @@ def check_reward(config: RunConfig) -> dict | None:
 
 def _check_code_rows(config: RunConfig, source, eval_rows: list[dict], sample: int = 64) -> None:
   """The ``code`` reward's tests on up to ``sample`` rows spread over the data, and every
-  held-out row, checked before the model is built (rows without tests would score 0 forever)."""
+  held-out row, checked before the warm-up and the first step (rows without tests would score
+  0 forever)."""
   step = max(len(source) // sample, 1)
   try:
     check_rows([source[i] for i in range(0, len(source), step)][:sample] + eval_rows,
@@ -96,14 +97,14 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   # one side of a split run as its own job: every device of the job is that side's
   meshes = make_meshes(config.mesh if config.mesh.role == "both"
                        else dataclasses.replace(config.mesh, mode="colocated"))
-  tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
-  source, eval_rows = _sources(config, tokenizer, say)
-  if sandbox:
-    _check_code_rows(config, source, eval_rows)
   model = build_model(config.model, meshes.learning, config.mesh.logical_axis_rules)
+  tokenizer = load_tokenizer(config.model.path) if config.model.path else builtin_tokenizer()
   if tokenizer.vocab_size > model.arch.vocab_size:
     raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab is "
                       f"{model.arch.vocab_size}; the tokenizer belongs to another model")
+  source, eval_rows = _sources(config, tokenizer, say)
+  if sandbox:
+    _check_code_rows(config, source, eval_rows)
   stream = PromptStream(source, batch_size=config.data.prompts_per_step,
                         seed=config.data.shuffle_seed, num_epochs=config.data.num_epochs,
                         encode=tokenizer.encode_prompt,

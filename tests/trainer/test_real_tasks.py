@@ -84,7 +84,7 @@ def test_a_reward_that_cannot_be_imported_stops_the_run_before_the_model(tmp_pat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox")
-def test_the_code_reward_on_rows_without_tests_stops_before_the_model(tmp_path):
+def test_the_code_reward_on_rows_without_tests_stops_before_training(tmp_path):
   result = _main("--config", "configs/grpo_colocated.py", "--workdir", str(tmp_path),
                  "--config.reward.name=code", timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
