@@ -9,6 +9,7 @@ import threading
 _lock = threading.Lock()
 _totals = {"seconds": 0.0, "programs": 0, "from_cache": 0}
 _listening = False
+_directory: pathlib.Path | None = None
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
@@ -35,15 +36,22 @@ def start(cache_dir: str) -> pathlib.Path | None:
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
     jax.monitoring.register_event_listener(_on_event)
     _listening = True
+  global _directory
   if not cache_dir:
+    _directory = None
     return None
-  directory = pathlib.Path(cache_dir).expanduser()
+  directory = _directory = pathlib.Path(cache_dir).expanduser()
   directory.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(directory))
   # Every program, however quick to compile: a run compiles dozens of small ones.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return directory
+
+
+def directory() -> pathlib.Path | None:
+  """The cache directory ``start`` set, or None when the cache is off."""
+  return _directory
 
 
 def totals() -> dict[str, float]:

@@ -51,11 +51,11 @@ def initialize(*, local_device_ids: list[int] | None = None, timeout_s: int = 30
   jax.distributed.initialize(local_device_ids=local_device_ids, initialization_timeout=timeout_s,
                              heartbeat_timeout_seconds=heartbeat_timeout_s,
                              shutdown_timeout_seconds=shutdown_timeout_s, **options)
-  if _cpu_only():  # the process's rank on its node: SLURM's, else the launcher's
+  if cpu_only():  # the process's rank on its node: SLURM's, else the launcher's
     _one_core(int(os.environ.get("SLURM_LOCALID", options.get("process_id", 0))))
 
 
-def _cpu_only() -> bool:
+def cpu_only() -> bool:
   """Whether JAX will run on CPU devices: JAX_PLATFORMS says so, or no accelerator plugin
   (CUDA, ROCm, TPU) is installed."""
   platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")

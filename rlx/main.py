@@ -46,13 +46,22 @@ def start_jax(config: RunConfig):
   except RuntimeError:  # JAX already started in this process: keep the devices it has
     print(f"rlx: JAX was already running; config.mesh.cpu_devices={config.mesh.cpu_devices} "
           "not applied")
+  cache = config.trainer.compile_cache
   if config.mesh.multihost:
     from rlx import distributed
 
     distributed.initialize()
+    if distributed.cpu_only() and cache:
+      # JAX writes the cache from process 0 and every process reads it; a process that ran
+      # XLA:CPU executables loaded from it took the wrong side of gloo collectives, and the
+      # job aborted ("Received data size doesn't match expected size") on every warm rerun
+      if distributed.lead():
+        print("rlx: trainer.compile_cache is off for a multi-process CPU job (programs loaded "
+              "from it run mismatched gloo collectives); every process compiles")
+      cache = ""
   from rlx import compilation
 
-  compilation.start(config.trainer.compile_cache)
+  compilation.start(cache)
   return jax
 
 
@@ -101,7 +110,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   from rlx import compilation
 
   compiled = compilation.totals()
-  cache = config.trainer.compile_cache
+  cache = compilation.directory()
   say(f"rlx: compiling: {compiled['seconds']:.0f}s for {compiled['programs']} programs"
       + (f", {compiled['from_cache']} of them loaded from the cache in {cache}" if cache
          else " (trainer.compile_cache is off)"))

@@ -1,4 +1,5 @@
-"""The persistent compilation cache: a second process loads what the first compiled."""
+"""The persistent compilation cache: a second process loads what the first compiled; a
+multi-process CPU job runs without it."""
 
 import json
 import subprocess
@@ -30,3 +31,26 @@ def test_second_process_loads_compiled_programs_from_the_cache(tmp_path):
   assert second["from_cache"] == second["programs"]
   off = _run("")
   assert off["from_cache"] == 0 and off["programs"] == first["programs"]
+
+
+def test_a_multi_process_cpu_job_compiles_without_the_cache(monkeypatch, capsys):
+  """JAX writes the cache from process 0 and every process reads it; on CPU, a job whose
+  processes mixed loaded and freshly compiled programs ran mismatched gloo collectives and
+  aborted at its first RL step on every warm rerun (5 of 5 here), so such a job runs with the
+  cache off. One process, or an accelerator, keeps it."""
+  from rlx import cli, compilation, distributed, main
+
+  monkeypatch.setattr(compilation, "_directory", compilation.directory())
+  monkeypatch.setattr(distributed, "initialize", lambda: None)
+  config = cli.apply_overrides(cli.load_config_file("configs/grpo_colocated.py"),
+                               ["--config.mesh.multihost=true",
+                                "--config.trainer.compile_cache=/tmp/rlx-test-cache"])
+  monkeypatch.setattr(distributed, "cpu_only", lambda: True)
+  main.start_jax(config)
+  assert compilation.directory() is None
+  assert "compile_cache is off for a multi-process CPU job" in capsys.readouterr().out
+  monkeypatch.setattr(distributed, "cpu_only", lambda: False)  # GPU or TPU processes
+  seen = []
+  monkeypatch.setattr(compilation, "start", seen.append)
+  main.start_jax(config)
+  assert seen == ["/tmp/rlx-test-cache"]
