@@ -147,6 +147,39 @@ def test_a_learner_job_and_two_generator_jobs_with_a_generator_restart(tmp_path)
   assert versions == [steps - 3, steps - 2, steps - 1, steps]  # k + 3 kept
 
 
+def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versions(tmp_path):
+  steps, overrides = 8, ("--config.trainer.steps=8", "--config.checkpoint.every_steps=3")
+  processes = [_start("learner", tmp_path, *overrides), _start("generator", tmp_path, *overrides)]
+  try:
+    deadline = time.monotonic() + 240
+    while _steps(tmp_path) < 5:
+      assert time.monotonic() < deadline and processes[0].poll() is None
+      time.sleep(0.1)
+    for p in processes:  # both at once, as a lost node would
+      os.killpg(p.pid, signal.SIGKILL)
+    for p in processes:
+      p.wait(timeout=30)
+    dead = sorted(int(p.name) for p in (tmp_path / "policy_versions").iterdir()
+                  if p.name.isdigit())
+    assert max(dead) >= 5  # the dead run published past its checkpoint (step 3)
+    processes += [_start("learner", tmp_path, *overrides), _start("generator", tmp_path,
+                                                                    *overrides)]
+    learner_out, _ = processes[2].communicate(timeout=300)
+    generator_out, _ = processes[3].communicate(timeout=60)
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert processes[2].returncode == 0 and processes[3].returncode == 0, learner_out
+  assert "resumed from" in learner_out and "at step 3" in learner_out, learner_out
+  assert "policy version(s) from 3 on aside" in learner_out, learner_out
+  rows = tiny.metrics(tmp_path)
+  assert [row["step"] for row in rows] == list(range(1, steps + 1))
+  # no trained batch was sampled with a version newer than the learner's (a dead run's)
+  assert all(row["rollout/policy_lag_mean"] >= 0 for row in rows), rows
+  assert all(row["rollout/policy_lag_max"] >= 0 for row in rows)
+
+
 def test_roles_need_split_and_orbax():
   from rlx.config import ConfigError, check
 
