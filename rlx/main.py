@@ -91,7 +91,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
 
     job = config.mesh.generator_id if config.mesh.role == "generator" else 0
     status = JobStatus(workdir, config.mesh.role, job)
-  from rlx.checkpoint import EXIT_STOPPED
+  from rlx.trainer import EXIT_STOPPED
 
   with status or contextlib.nullcontext():
     summary = trainer.train(config, workdir, say)

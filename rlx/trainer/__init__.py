@@ -5,6 +5,7 @@ and scoring rollouts, turning them into the learner's batch, and the learner.
     summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
 """
 
+from rlx.checkpoint import EXIT_STOPPED
 from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
 from rlx.trainer.collect import Draw, collect
@@ -44,7 +45,7 @@ def train(config, workdir, say=print):
   return loop(config, workdir, say)
 
 
-__all__ = ["Batch", "BatchSource", "Draw", "DynamicSamplingError", "Generator", "Learner", "Run",
+__all__ = ["EXIT_STOPPED", "Batch", "BatchSource", "Draw", "DynamicSamplingError", "Generator", "Learner", "Run",
            "Summary",
            "learn_loop", "NonFiniteError", "RewardFailedError", "Sampled",
            "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
