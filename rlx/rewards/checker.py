@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import json
 import math
 import re
 
@@ -218,6 +219,44 @@ def render(plan: AssertPlan, values: list) -> str:
       return node
 
   return ast.unparse(Fill().visit(ast.parse(ast.unparse(plan.module))))
+
+
+def records(results: bytes) -> dict[tuple[str, int | None], dict]:
+  """The sandbox's report lines by (kind, test index); the first line for each wins, and a
+  line that is not a well-formed record is ignored."""
+  records = {}
+  for line in results.decode(errors="replace").splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if not isinstance(record, dict):
+      continue
+    for kind in ("io", "test", "ran"):
+      if kind in record:
+        index = record[kind] if kind != "ran" else None
+        if kind == "ran" or (type(index) is int):
+          records.setdefault((kind, index), record)
+        break
+  return records
+
+
+def probe_values(record: dict | None, count: int) -> list | None:
+  """The probes' values from a test's record (``checker.Raised`` for a probe that raised or
+  returned something that is not plain data); None for a missing or malformed record."""
+  if not record or not isinstance(record.get("values"), list) or len(record["values"]) != count:
+    return None
+  values = []
+  for item in record["values"]:
+    if isinstance(item, dict) and "value" in item:
+      try:
+        values.append(decode(item["value"]))
+      except (ValueError, TypeError, RecursionError):
+        values.append(Raised("a value that is not plain data"))
+    else:
+      error = item.get("error") if isinstance(item, dict) else None
+      values.append(Raised(error if isinstance(error, str) else "unknown"))
+  return values
 
 
 # --- the trusted evaluator ----------------------------------------------------------------------

@@ -33,7 +33,6 @@ instead of running programs unconfined.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import json
 import os
@@ -48,6 +47,8 @@ import tempfile
 import time
 
 from rlx.rewards import checker
+from rlx.rewards.limits import (_PROCESSES_WITHOUT_CGROUP, _RunCgroup, memory_cgroup,
+                                memory_limit)
 
 _JAIL = pathlib.Path(__file__).with_name("_jail.py")
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
@@ -293,7 +294,7 @@ def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
   outputs, status, timed_out, truncated, seconds = jailed(
       {"harness.py": _HARNESS, "main.py": program, "plan.json": json.dumps(plan)},
       "harness.py", timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
-  records = _records(outputs["results"])
+  records = checker.records(outputs["results"])
   passed = [False] * len(tests)
   for index, test in enumerate(tests):
     record = records.get(("io", index))
@@ -303,7 +304,7 @@ def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
   later = {}
   if records.get(("ran", None), {}).get("ran") is True:
     for index, assert_plan in plans.items():
-      values = _values(records.get(("test", index)), len(assert_plan.probes))
+      values = checker.probe_values(records.get(("test", index)), len(assert_plan.probes))
       if values is None:
         continue
       verdict = checker.evaluate(assert_plan, values)
@@ -314,7 +315,7 @@ def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
     checked, _, _, _, more = jailed({"check.py": _CHECK, "checks.json": json.dumps(
         list(later.items()))}, "check.py", timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
     seconds += more
-    for (kind, index), record in _records(checked["results"]).items():
+    for (kind, index), record in checker.records(checked["results"]).items():
       if kind == "test" and index in later:
         passed[index] = record.get("ok") is True
   return RunResult(passed, status, timed_out, outputs["stdout"], outputs["stderr"], truncated,
@@ -323,112 +324,6 @@ def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
 
 def _lines(text: str) -> list[str]:
   return [line.rstrip() for line in text.strip().splitlines()]
-
-
-def _records(results: bytes) -> dict[tuple[str, int | None], dict]:
-  """The sandbox's report lines by (kind, test index); the first line for each wins, and a
-  line that is not a well-formed record is ignored."""
-  records = {}
-  for line in results.decode(errors="replace").splitlines():
-    try:
-      record = json.loads(line)
-    except ValueError:
-      continue
-    if not isinstance(record, dict):
-      continue
-    for kind in ("io", "test", "ran"):
-      if kind in record:
-        index = record[kind] if kind != "ran" else None
-        if kind == "ran" or (type(index) is int):
-          records.setdefault((kind, index), record)
-        break
-  return records
-
-
-def _values(record: dict | None, count: int) -> list | None:
-  """The probes' values from a test's record (``checker.Raised`` for a probe that raised or
-  returned something that is not plain data); None for a missing or malformed record."""
-  if not record or not isinstance(record.get("values"), list) or len(record["values"]) != count:
-    return None
-  values = []
-  for item in record["values"]:
-    if isinstance(item, dict) and "value" in item:
-      try:
-        values.append(checker.decode(item["value"]))
-      except (ValueError, TypeError, RecursionError):
-        values.append(checker.Raised("a value that is not plain data"))
-    else:
-      error = item.get("error") if isinstance(item, dict) else None
-      values.append(checker.Raised(error if isinstance(error, str) else "unknown"))
-  return values
-
-
-_PROCESSES = 32  # processes (threads included) of one run, when a cgroup bounds its memory
-_PROCESSES_WITHOUT_CGROUP = 4  # without one: each gets memory_mb / 4 of address space
-
-
-def memory_cgroup() -> pathlib.Path | None:
-  """The cgroup v2 directory under which each run gets a memory cgroup of its own: this
-  process's cgroup, when the memory controller is enabled for its children and it may create
-  them (a container's own cgroup namespace, or a delegated cgroup); None otherwise."""
-  try:
-    with open("/proc/self/cgroup") as f:
-      path = next(line[3:].strip() for line in f if line.startswith("0::"))
-    with open("/proc/self/mountinfo") as f:
-      mounts = [line.split() for line in f]
-    mount = next(fields[4] for fields in mounts
-                 if fields[fields.index("-") + 1] == "cgroup2")
-  except (OSError, StopIteration, ValueError):
-    return None
-  base = pathlib.Path(mount) / path.lstrip("/")
-  try:
-    enabled = (base / "cgroup.subtree_control").read_text().split()
-  except OSError:
-    return None
-  return base if "memory" in enabled and os.access(base, os.W_OK) else None
-
-
-def memory_limit(memory_mb: int, cgroup: pathlib.Path | None) -> dict:
-  """How a run's ``memory_mb`` is enforced: one cgroup for the whole run (its children, page
-  cache, memfd and shared memory counted), or, without one, few enough processes that their
-  address spaces together stay within it."""
-  if cgroup is not None:
-    return {"how": f"cgroup v2 memory.max={memory_mb} MiB for the whole run (under {cgroup})",
-            "processes": _PROCESSES, "process_mb": memory_mb}
-  return {"how": (f"no memory cgroup available: at most {_PROCESSES_WITHOUT_CGROUP} processes "
-                  f"of {memory_mb // _PROCESSES_WITHOUT_CGROUP} MiB address space each "
-                  f"({memory_mb} MiB in all); memfd and shared memory refused"),
-          "processes": _PROCESSES_WITHOUT_CGROUP,
-          "process_mb": memory_mb // _PROCESSES_WITHOUT_CGROUP}
-
-
-class _RunCgroup:
-  """A cgroup of one run under ``base``: memory.max = ``memory_mb`` without swap, pids.max,
-  removed after the run (the jail joins it before it forks)."""
-
-  def __init__(self, base: pathlib.Path | None, memory_mb: int, processes: int):
-    self.path = None
-    if base is None:
-      return
-    path = base / f"rlx-sandbox-{secrets.token_hex(6)}"
-    path.mkdir()
-    self.path = path
-    (path / "memory.max").write_text(str(memory_mb << 20))
-    for name, value in (("memory.swap.max", "0"), ("pids.max", str(processes))):
-      if (path / name).exists():
-        (path / name).write_text(value)
-
-  def remove(self) -> None:
-    if self.path is None:
-      return
-    for _ in range(50):  # the namespace's last processes die asynchronously
-      try:
-        self.path.rmdir()
-        return
-      except OSError as error:
-        if error.errno != errno.EBUSY:
-          return
-        time.sleep(0.02)
 
 
 def jailed(files: dict[str, str], main: str, *, timeout_s: float = 3.0,

@@ -164,14 +164,6 @@ HACKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def available():
-  try:
-    return sandbox.capabilities()
-  except sandbox.SandboxUnavailable as error:
-    pytest.skip(str(error))
-
-
 def test_the_suite_covers_at_least_twelve_hacks():
   assert len(HACKS) >= 12
 

@@ -177,14 +177,6 @@ def scratch(tmp_path, monkeypatch):
   return directory
 
 
-@pytest.fixture(scope="module")
-def available():
-  try:
-    return sandbox.capabilities()
-  except sandbox.SandboxUnavailable as error:
-    pytest.skip(str(error))
-
-
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_a_hostile_program_scores_zero_and_escapes_nothing(name, host, available, scratch):
   program = ATTACKS[name].format(**host["values"])
