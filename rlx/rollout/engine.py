@@ -9,6 +9,9 @@ over a fixed number of decode slots, with static shapes.
   first token there. The first token is drawn at insert rather than at prefill
   so that the n samples of one prompt (a GRPO group) share one prefill yet draw
   independent first tokens.
+- ``extend(params, decode_state, slots, tokens, ...) -> decode_state``: appends tokens to
+  parked slots' caches (a multi-turn episode's environment turn) and samples their next token:
+  the context already in the cache is never computed again.
 - ``generate(params, decode_state) -> (decode_state, StepResult)``: up to
   ``decode_steps`` tokens for every active slot in one dispatch (a jitted while loop that
   samples on device and stops early once every slot has finished), attending only to
@@ -241,6 +244,21 @@ class Engine:
     return _insert(prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(rows, jnp.int32),
                    keys, sampling, self.max_len)
 
+  def extend(self, params: Params, state: DecodeState, slots: jax.Array, tokens: jax.Array,
+             true_length: jax.Array, keys: jax.Array, sampling: SamplingParams) -> DecodeState:
+    """Appends ``tokens`` [R, C] (right-padded; ``true_length`` [R] real ones) to the caches of
+    the parked slots ``slots`` [R] at their indices (a multi-turn episode's next turn: the
+    token the slot sampled last, then the environment's), and samples each slot's next token
+    with ``keys[i]``, as ``insert`` does. Only these tokens are computed: the rest of the
+    slot's context stays in its cache. A slot index ``>= max_slots`` is ignored (padding).
+    The caller keeps every slot's ``index + true_length < max_len``."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    filled = int(np.max(np.asarray(jax.device_get(state.cache["index"])))) + tokens.shape[1]
+    if cache_len(state) < filled:
+      state = self.resize(state, self.length_bucket(filled))
+    return _extend(self.transformer, params, state, jnp.asarray(slots, jnp.int32), tokens,
+                   jnp.asarray(true_length, jnp.int32), keys, sampling, self.max_len)
+
   def resize(self, state: DecodeState, length: int) -> DecodeState:
     """``state`` with a KV cache of ``length`` positions (a copy, or ``state`` when it has that
     length already). Slots that hold more than ``length`` tokens lose the rest: only idle
@@ -323,18 +341,57 @@ def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: Sam
                        for v, new in zip(cache["v"], prefix.cache["v"]))
   cache["valid"] = put(cache["valid"], jnp.arange(M)[None, :] < length[:, None])
   cache["index"] = put(cache["index"], length)
-  first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(rows))
-  tokens, logprobs, policy_logprobs = sample(prefix.logits[rows], first_keys, sampling.temperature,
+  return _start(state.replace(cache=cache), slots, prefix.logits[rows], length, keys, sampling,
+                max_len)
+
+
+def _start(state: DecodeState, slots, logits, length, keys, sampling: SamplingParams,
+           max_len: int) -> DecodeState:
+  """Slots ``slots`` (whose caches hold ``length`` tokens) sample a first token from ``logits``
+  [R, V] with ``keys`` and become active with ``sampling`` (traced inside insert and extend)."""
+  put = lambda target, values: target.at[slots].set(values, mode="drop")
+  first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros_like(slots))
+  tokens, logprobs, policy_logprobs = sample(logits, first_keys, sampling.temperature,
                                              sampling.top_k, sampling.top_p)
   stopped = jnp.any(tokens[:, None] == sampling.stop_ids, axis=-1)
   finished = stopped | (sampling.max_new_tokens <= 1) | (length >= max_len)
   return state.replace(
-      cache=cache, last_token=put(state.last_token, tokens), last_logprob=put(state.last_logprob, logprobs),
+      last_token=put(state.last_token, tokens), last_logprob=put(state.last_logprob, logprobs),
       last_policy_logprob=put(state.last_policy_logprob, policy_logprobs),
-      generated=put(state.generated, jnp.ones_like(rows)), active=put(state.active, ~finished),
+      generated=put(state.generated, jnp.ones_like(slots)), active=put(state.active, ~finished),
       finished=put(state.finished, finished), stopped=put(state.stopped, stopped),
       keys=put(state.keys, keys),
       sampling=jax.tree.map(put, state.sampling, sampling))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=2)
+def _extend(transformer: Transformer, params: Params, state: DecodeState, slots, tokens,
+            true_length, keys, sampling: SamplingParams, max_len: int):
+  """Appends ``tokens`` [R, C] (right-padded to ``true_length``) to the caches of ``slots``
+  [R] at their indices, then samples each slot's next token (see ``Engine.extend``)."""
+  cache = dict(state.cache)
+  stacked = cache_layout(cache) == "stacked"
+  rows = jnp.minimum(slots, state.active.shape[0] - 1)  # padding rows read any slot, write none
+  take = lambda x, axis: jnp.take(x, rows, axis=axis)
+  sub = {"valid": take(cache["valid"], 0), "index": take(cache["index"], 0)}
+  for name in ("k", "v"):
+    sub[name] = (take(cache[name], 1) if stacked else
+                 tuple(take(x, 0) for x in cache[name]))
+  C = tokens.shape[1]
+  mask = jnp.arange(C)[None, :] < true_length[:, None]
+  hidden, sub = transformer.hidden_states(params, tokens, mask, sub)
+  index = take(cache["index"], 0) + true_length
+  last = jnp.take_along_axis(hidden, (true_length - 1)[:, None, None], axis=1)[:, 0]
+  put = lambda target, values, axis=0: (
+      target.at[slots].set(values, mode="drop") if axis == 0 else
+      target.at[:, slots].set(values, mode="drop"))
+  cache["valid"] = put(cache["valid"], sub["valid"])
+  cache["index"] = put(cache["index"], index)
+  for name in ("k", "v"):
+    cache[name] = (put(cache[name], sub[name], axis=1) if stacked else
+                   tuple(put(x, new) for x, new in zip(cache[name], sub[name])))
+  return _start(state.replace(cache=cache), slots, transformer.logits(params, last), index, keys,
+                sampling, max_len)
 
 
 def _decode_step(transformer: Transformer, params: Params, state: DecodeState, max_len: int,
