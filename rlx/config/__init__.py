@@ -23,11 +23,11 @@ import math
 from rlx.config._checks import ConfigError, _check
 from rlx.config.algorithm import GROUP_RELATIVE, PRESETS, AlgorithmConfig, OptimizerConfig
 from rlx.config.model import ArchConfig, DType, ModelConfig, RolloutConfig
-from rlx.config.run import (BufferConfig, CheckpointConfig, DataConfig, LoggingConfig, MeshConfig,
-                            RewardConfig, TrainerConfig)
+from rlx.config.run import (BufferConfig, CheckpointConfig, DataConfig, EnvConfig, LoggingConfig,
+                            MeshConfig, RewardConfig, TrainerConfig)
 
 __all__ = ["AlgorithmConfig", "ArchConfig", "BufferConfig", "CheckpointConfig", "ConfigError",
-           "DType", "DataConfig", "GROUP_RELATIVE", "LoggingConfig", "MeshConfig", "ModelConfig",
+           "DType", "DataConfig", "EnvConfig", "GROUP_RELATIVE", "LoggingConfig", "MeshConfig", "ModelConfig",
            "OptimizerConfig", "PRESETS", "RewardConfig", "RolloutConfig", "RunConfig",
            "TrainerConfig", "check"]
 
@@ -54,6 +54,8 @@ class RunConfig:
   """Split mode: the replay buffer between generator and learner."""
   reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
   """The reward functions."""
+  env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+  """Multi-turn episodes with an environment and tools (off: single-turn answers)."""
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   """Checkpointing."""
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -132,4 +134,9 @@ def check(config: RunConfig) -> RunConfig:
            f"mesh.role={mesh.role!r}: separate jobs exchange weights through the shared workdir")
   _check(mesh.generators == 1 or mesh.role != "both", "mesh.generators",
          "counts generator jobs of a split run as jobs (mesh.role=learner or generator)")
+  env = config.env
+  if env.enabled:
+    _check(env.max_tokens <= config.rollout.max_new_tokens, "env.max_tokens",
+           f"must fit in rollout.max_new_tokens={config.rollout.max_new_tokens}, the room the "
+           "engine keeps after a prompt for everything an episode adds")
   return config

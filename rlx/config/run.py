@@ -163,6 +163,46 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+  """Multi-turn episodes: an environment answers each assistant turn (tool calls run, their
+  results shown to the model) until it says done or a limit is hit."""
+
+  name: str = ""
+  """'' for single-turn answers; 'calc' or 'code' (built-in tool environments); or your own factory as 'package.module:function' or 'path/to/file.py:function' ((row) -> an environment, see rlx.envs)."""
+  tool_format: Literal["auto", "builtin", "qwen", "llama"] = "auto"
+  """How the model writes tool calls: 'builtin' <call>name("arg")</call> (the built-in model), 'qwen' <tool_call>{json}</tool_call> (Qwen2.5 / Qwen3, Hermes), 'llama' a JSON object (Llama 3.1+); 'auto': 'builtin' for the built-in model, else from the chat template."""
+  max_turns: int = 4
+  """Assistant turns per episode; an episode still calling tools after them ends truncated."""
+  max_tokens: int = 256
+  """Tokens an episode may add after its prompt (sampled and environment's together); past it, it ends truncated."""
+  turn_max_new_tokens: int | None = None
+  """Longest assistant turn; None: rollout.max_new_tokens."""
+  tool_timeout_s: float = 5.0
+  """A tool call that runs longer is killed and answered with a timeout error the model sees."""
+  tool_workers: int = 2
+  """Worker processes that run tool calls (0: in the trainer, without timeouts, for debugging)."""
+  tool_memory_mb: int = 2048
+  """Address space of a tool worker; a call that needs more becomes an error observation."""
+  max_observation_chars: int = 2000
+  """A tool result longer than this is cut (the model sees that it was)."""
+  step_timeout_s: float = 30.0
+  """An environment step (yours, on the host) that runs longer ends its episode, truncated, and is counted."""
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.name.strip())
+
+  def __post_init__(self):
+    _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
+    _check(self.turn_max_new_tokens is None or self.turn_max_new_tokens >= 1,
+           "env.turn_max_new_tokens", "must be >= 1 (or None: rollout.max_new_tokens)")
+    _check(self.tool_workers >= 0, "env.tool_workers", "must be >= 0 (0 runs tools in the trainer)")
+    _check(self.tool_memory_mb >= 0, "env.tool_memory_mb", "must be >= 0 (0 is unlimited)")
+    _positive(self, "env", "max_tokens", "tool_timeout_s", "max_observation_chars",
+              "step_timeout_s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
   """Orbax checkpoints of the whole training state."""
 
