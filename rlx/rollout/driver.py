@@ -37,6 +37,10 @@ class Completion:
     finish_reason: 'stop' (a stop token) or 'length' (max_new_tokens or the cache is full).
     policy_version: version of the params that generated it.
     prompt_index, sample_index: where it belongs in the request.
+    sampled_mask: for a multi-turn episode, one flag per response token: True on the tokens
+      the policy sampled, False on the environment's (their log-probs are 0). None: every
+      response token was sampled.
+    turns: assistant turns of the episode (1 for a single answer).
   """
 
   prompt_tokens: list[int]
@@ -47,6 +51,8 @@ class Completion:
   policy_version: int
   prompt_index: int
   sample_index: int
+  sampled_mask: list[bool] | None = None
+  turns: int = 1
 
 
 def _power_of_two(value: int, smallest: int = 1) -> int:

@@ -1,0 +1,201 @@
+"""Multi-turn episodes inside continuous batching.
+
+    completions = generate_episodes(engine, prompts, respond, n=8, params=params, ...)
+
+Every episode holds a decode slot from its first token to its last. When a slot ends a turn
+(a stop token, or its turn's length limit), it is *parked*: its KV cache stays, and
+``respond(prompt_index, sample_index, turn_tokens, finish_reason)`` is called, which returns a
+``concurrent.futures.Future`` of the environment's reply (an object with ``tokens``, ``done``
+and ``truncated``); the environment works on the host while the other slots keep decoding.
+When the reply comes, its tokens are appended to that slot's cache (``Engine.extend``: only
+the new tokens are computed) and the next turn is sampled in the same slot.
+
+A completion's ``response_tokens`` are the whole episode after the prompt, the sampled
+tokens and the environment's in order; ``sampled_mask`` says which is which, and the
+environment's tokens have log-prob 0. Sampled tokens are kept as ids: nothing is decoded and
+encoded again. An episode ends when the environment says done, or truncated (finish reason
+'length') when it would pass ``max_tokens`` after its prompt, or its environment does not
+answer within ``step_timeout_s``. The whole call samples with one set of params: an episode
+never mixes policy versions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from rlx.models.transformer import Params
+from rlx.rollout.driver import Completion, _first_tokens, _Run
+from rlx.rollout.engine import Engine, SamplingParams
+
+Respond = Callable[[int, int, list[int], str], concurrent.futures.Future]
+
+
+@dataclasses.dataclass
+class _Parked:
+  future: concurrent.futures.Future
+  since: float
+
+
+def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond: Respond, *,
+                      params: Params, n: int = 1, max_new_tokens: int, max_tokens: int,
+                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      stop_token_ids: Sequence[int], seed: int = 0, policy_version: int = 0,
+                      first_prompt_index: int = 0, step_timeout_s: float = 30.0,
+                      on_finished: Callable[[Completion], None] | None = None) -> list[Completion]:
+  """``n`` episodes from each prompt (see the module docstring).
+
+  Args:
+    max_new_tokens: the longest assistant turn.
+    max_tokens: the most tokens an episode adds after its prompt (sampled and the
+      environment's); at most the engine's ``max_len - max_prompt_len``.
+    stop_token_ids: ids that end a turn.
+    step_timeout_s: an environment reply that takes longer ends its episode, truncated (the
+      caller's ``respond`` side counts it: the reply never arrives).
+    The rest as in ``rollout.generate``.
+  """
+  prompts = [list(map(int, p)) for p in prompts]
+  if not prompts:
+    return []
+  room = engine.max_len - max(map(len, prompts))
+  if max_tokens > room:
+    raise ValueError(f"max_tokens={max_tokens} does not fit in the engine's max_len="
+                     f"{engine.max_len} after a prompt of {max(map(len, prompts))} tokens")
+  for p in prompts:
+    engine.prompt_bucket(len(p))
+  run = EpisodeRun(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
+                   tuple(stop_token_ids), seed, policy_version, "continuous", first_prompt_index,
+                   on_finished)
+  run.respond, run.max_tokens, run.step_timeout_s = respond, max_tokens, step_timeout_s
+  return run.run()
+
+
+class EpisodeRun(_Run):
+  """``_Run`` whose slots park at the end of a turn instead of freeing."""
+
+  respond: Respond
+  max_tokens: int
+  step_timeout_s: float
+  step_timeouts: int = 0
+
+  def run(self) -> list[Completion]:
+    self.parked: dict[int, _Parked] = {}
+    self.turn_start: dict[tuple[int, int], int] = {}
+    state = self.engine.init_decode_state()
+    total = len(self.prompts) * self.n
+    while len(self.results) < total:
+      state = self._resume(state)
+      free = [s for s, o in enumerate(self.owner) if o is None]
+      if free:
+        state = self._fill(state, free)
+      decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.parked]
+      if decoding:
+        attend_len = self.engine.attend_bucket(int(self.index[decoding].max()))
+        waiting = self.pending or self.prefixes or self.parked
+        state, chunk = self.engine.generate(self.params, state, attend_len,
+                                            self.refill_at if waiting else None)
+        firsts, chunk = jax.device_get((self.firsts, chunk))
+        self.firsts = []
+        for slots, first in firsts:
+          for i, slot in enumerate(slots):
+            self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
+        self._record(chunk)
+      elif self.parked:  # every slot waits for its environment
+        oldest = min(p.since for p in self.parked.values())
+        concurrent.futures.wait([p.future for p in self.parked.values()],
+                                timeout=max(oldest + self.step_timeout_s - time.monotonic(), 0.01),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+    return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
+
+  def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped) -> None:
+    key = self.owner[slot]
+    completion = self.partial.get(key)
+    if completion is None:
+      completion = Completion(prompt_tokens=self.prompts[key[0]], response_tokens=[], logprobs=[],
+                              policy_logprobs=[], finish_reason="length",
+                              policy_version=self.policy_version, prompt_index=key[0],
+                              sample_index=key[1], sampled_mask=[], turns=1)
+      self.partial[key] = completion
+      self.turn_start[key] = 0
+    completion.response_tokens.extend(tokens.tolist())
+    completion.logprobs.extend(logprobs.tolist())
+    completion.policy_logprobs.extend(policy_logprobs.tolist())
+    completion.sampled_mask.extend([True] * len(tokens))
+    if finished:
+      turn = completion.response_tokens[self.turn_start[key]:]
+      future = self.respond(key[0], key[1], turn, "stop" if stopped else "length")
+      self.parked[slot] = _Parked(future, time.monotonic())
+
+  def _finish(self, slot: int, truncated: bool) -> None:
+    key = self.owner[slot]
+    completion = self.partial.pop(key)
+    completion.finish_reason = "length" if truncated else "stop"
+    self.results[key] = completion
+    self.owner[slot] = None
+    if self.on_finished is not None:
+      self.on_finished(completion)
+
+  def _resume(self, state):
+    """Ends the episodes whose environment said done (or did not answer in time) and appends
+    the replies of the others to their slots' caches, starting their next turn."""
+    now, extend = time.monotonic(), []
+    for slot, parked in list(self.parked.items()):
+      if not parked.future.done():
+        if now - parked.since > self.step_timeout_s:
+          del self.parked[slot]
+          self.step_timeouts += 1
+          self._finish(slot, truncated=True)
+        continue
+      del self.parked[slot]
+      reply = parked.future.result()
+      completion = self.partial[self.owner[slot]]
+      used = len(completion.response_tokens) + len(reply.tokens)
+      if reply.done or not reply.tokens or used >= self.max_tokens:
+        self._finish(slot, truncated=reply.truncated or (not reply.done))
+        continue
+      extend.append((slot, list(reply.tokens)))
+    if extend:
+      state = self._extend(state, extend)
+    return state
+
+  def _extend(self, state, replies: list[tuple[int, list[int]]]):
+    count = self.engine.batch_bucket(len(replies))
+    width = 8
+    while width < 1 + max(len(tokens) for _, tokens in replies):
+      width *= 2
+    slots = np.full((count,), self.engine.max_slots, np.int32)
+    tokens = np.zeros((count, width), np.int32)
+    lengths = np.ones((count,), np.int32)
+    max_new = np.ones((count,), np.int32)
+    keys = []
+    temperature, top_k, top_p, turn_max, stop_ids = self.sampling_row
+    for i, (slot, appended) in enumerate(replies):
+      key = self.owner[slot]
+      completion = self.partial[key]
+      row = [completion.response_tokens[-1], *appended]  # the last sampled token is not cached yet
+      slots[i], tokens[i, :len(row)], lengths[i] = slot, row, len(row)
+      completion.response_tokens.extend(appended)
+      completion.logprobs.extend([0.0] * len(appended))
+      completion.policy_logprobs.extend([0.0] * len(appended))
+      completion.sampled_mask.extend([False] * len(appended))
+      completion.turns += 1
+      self.turn_start[key] = len(completion.response_tokens)
+      max_new[i] = min(turn_max, self.max_tokens - len(completion.response_tokens))
+      request = self.request_keys[key[0] * self.n + key[1]]
+      keys.append(jax.random.fold_in(request, 1_000_000 + completion.turns))
+      self.index[slot] += len(row)
+    keys += [keys[0]] * (count - len(replies))
+    sampling = SamplingParams(
+        temperature=np.full((count,), temperature, np.float32),
+        top_k=np.full((count,), top_k, np.int32), top_p=np.full((count,), top_p, np.float32),
+        max_new_tokens=max_new, stop_ids=np.tile(stop_ids, (count, 1)))
+    state = self.engine.extend(self.params, state, slots, tokens, lengths,
+                               jax.numpy.stack(keys), sampling)
+    placed = slots[:len(replies)]
+    self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
+    return state

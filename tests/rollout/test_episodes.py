@@ -1,0 +1,109 @@
+"""Multi-turn episodes in continuous batching: environment tokens appended into parked slots,
+the sampled tokens kept exactly, behaviour log-probs equal to a full recompute of the whole
+episode, limits, and slots that keep decoding while an environment is slow."""
+
+import concurrent.futures
+import dataclasses
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.config import ArchConfig
+from rlx.models import init_model
+from rlx.rollout import Engine, generate_episodes
+
+ARCH = ArchConfig(num_layers=2, vocab_size=48, hidden_size=32, intermediate_size=48, num_heads=4,
+                  num_kv_heads=2, head_dim=8, eos_token_ids=(3,))
+STOP = (3, 4)  # 3 ends the episode, 4 ends a turn that asks the environment
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_model(ARCH, jax.random.key(2))
+
+
+@dataclasses.dataclass
+class Reply:
+  tokens: list
+  done: bool
+  truncated: bool = False
+
+
+class FakeEnv:
+  """Answers every turn not ending in 3 with 1-5 tokens (delayed up to ``delay`` s), up to 3
+  turns."""
+
+  def __init__(self, delay=0.0):
+    self.pool = concurrent.futures.ThreadPoolExecutor(4)
+    self.turns, self.delay, self.lock = {}, delay, threading.Lock()
+    self.seen = {}
+
+  def respond(self, p, s, tokens, reason):
+    def answer():
+      time.sleep(random.random() * self.delay)
+      with self.lock:
+        self.seen.setdefault((p, s), []).append(list(tokens))
+        turn = self.turns[(p, s)] = self.turns.get((p, s), 0) + 1
+      if tokens[-1] == 3 or turn >= 3:
+        return Reply([], done=True)
+      return Reply([10 + (p + s + turn + k) % 30 for k in range(1 + (p + s + turn) % 5)], False)
+    return self.pool.submit(answer)
+
+
+def _full_logprobs(model, tokens, length=128):
+  padded = list(tokens) + [0] * (length - len(tokens))
+  return np.asarray(jax.nn.log_softmax(model(jnp.array([padded]))[0, :len(tokens)]))
+
+
+def test_episodes_keep_sampled_tokens_and_match_a_full_recompute(model):
+  engine = Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16, decode_steps=4)
+  env = FakeEnv()
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+  completions = generate_episodes(engine, prompts, env.respond, params=model.params, n=2,
+                                  max_new_tokens=6, max_tokens=40, stop_token_ids=STOP, seed=1)
+  assert len(completions) == 6
+  assert max(c.turns for c in completions) >= 2  # some episodes really had several turns
+  for c in completions:
+    mask = np.array(c.sampled_mask)
+    assert len(mask) == len(c.response_tokens) == len(c.logprobs)
+    assert len(c.response_tokens) <= 40
+    # the turns the environment saw are exactly the sampled runs of tokens, in order
+    runs, current = [], []
+    for token, sampled in zip(c.response_tokens, mask):
+      if sampled:
+        current.append(token)
+      elif current:
+        runs.append(current)
+        current = []
+    runs.append(current)
+    assert runs == env.seen[(c.prompt_index, c.sample_index)]
+    assert np.all(np.array(c.logprobs)[~mask] == 0)
+    # the behaviour log-probs (temperature 1, no truncation) are the policy's over the episode
+    full = _full_logprobs(model, c.prompt_tokens + c.response_tokens)
+    P = len(c.prompt_tokens)
+    want = [full[P + i - 1][t] for i, t in enumerate(c.response_tokens)]
+    np.testing.assert_allclose(np.array(c.logprobs)[mask], np.array(want)[mask], atol=5e-5)
+
+
+def test_a_slow_environment_never_stalls_the_other_slots(model):
+  engine = Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16, decode_steps=4)
+  env = FakeEnv(delay=0.3)
+  prompts = [[5, 6, 7], [8, 9], [13], [20, 21]]
+  completions = generate_episodes(engine, prompts, env.respond, params=model.params, n=3,
+                                  max_new_tokens=6, max_tokens=40, stop_token_ids=STOP, seed=3)
+  assert [(c.prompt_index, c.sample_index) for c in completions] == [
+      (p, s) for p in range(4) for s in range(3)]
+
+
+def test_an_environment_that_never_answers_ends_its_episode_truncated(model):
+  engine = Engine(model.transformer, max_slots=2, max_len=64, max_prompt_len=8, decode_steps=4)
+  never = concurrent.futures.Future()
+  completions = generate_episodes(engine, [[5, 6]], lambda *a: never, params=model.params, n=2,
+                                  max_new_tokens=4, max_tokens=20, stop_token_ids=STOP,
+                                  step_timeout_s=0.2)
+  assert [c.finish_reason for c in completions] == ["length", "length"]
