@@ -29,6 +29,9 @@ ALLOWED = {
     "sync": {"mesh", "types", "config", "distributed"},
     "rewards": {"config"},
     "data": {"config", "types"},
+    # environments and tools of multi-turn episodes: plain Python (tools run in reward-like
+    # workers, the code tool in the reward's sandbox)
+    "envs": {"rewards", "data", "config"},
     "checkpoint": {"config", "types", "distributed"},
     "metrics": {"config"},
     # JAX's persistent compilation cache and compile-time counters
@@ -36,7 +39,8 @@ ALLOWED = {
     # plots of finished runs from their metrics.jsonl and config.json: plain Python + matplotlib
     "report": set(),
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
-                "rollout", "sync", "rewards", "data", "checkpoint", "metrics", "distributed"},
+                "rollout", "sync", "rewards", "data", "envs", "checkpoint", "metrics",
+                "distributed"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation"},
     # compiling the learner step and decode for an accelerator that is not here
     "aot": {"update", "config", "kernels", "mesh", "models", "rollout", "types"},
@@ -44,7 +48,7 @@ ALLOWED = {
     "advise": {"trainer", "config", "cli", "main", "aot"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
-NO_JAX = {"config", "cli", "report"}
+NO_JAX = {"config", "cli", "report", "envs"}
 
 
 def _imports(file: pathlib.Path):

@@ -12,6 +12,10 @@ its text falls in ``eval_fraction``.
   The answer is ``"target|n1,n2,..."``.
 - ``sort``: write 4-6 digits in ascending order: ``Sort 7 3 9 1 in ascending
   order.`` -> ``1379``.
+- ``calc``: ``What is 347*5821?`` -> ``2019887``: products too large
+  for the built-in model to compute, for the ``calc`` environment's calculator tool. A share
+  of the rows' warm-up targets (``sft_segments``) call the tool; the environment's part of
+  them (the ``<result>``) is not trained on.
 - ``code``: write a one-line Python function ``f(b)`` from its description
   (``returns the larger of b and 37``; 8 operations, 8 argument names, constants 2-99); the
   row's ``tests`` are assert statements that the ``code`` reward runs in its sandbox. The
@@ -86,8 +90,30 @@ def _code(rng: random.Random) -> dict:
           "answer": program, "sft_target": f"```python\n{program}\n```", "tests": tests}
 
 
+CALC_TOOL_SHARE = 0.3
+"""The share of ``calc`` rows whose warm-up target calls the calculator."""
+
+
+def _calc(rng: random.Random) -> dict:
+  # 3 x 3-4 digit products: beyond what the tiny model can compute in its head, exact with the
+  # tool. The warm-up shows the tool on a share of the rows and a direct answer on the rest:
+  # RL has to learn that calling is what pays, and to copy the result into the answer.
+  a, b = rng.randint(100, 999), rng.randint(100, 9999)
+  value = str(a * b)
+  row = {"prompt": f"What is {a}*{b}?", "answer": value}
+  if rng.random() < CALC_TOOL_SHARE:
+    row["sft_segments"] = [[f'<call>calculator("{a}*{b}")</call>', True],
+                           [f"<result>{value}</result>", False],
+                           [f"<answer>{value}</answer>", True]]
+    row["sft_target"] = "".join(text for text, _ in row["sft_segments"])
+  else:
+    row["sft_target"] = f"<answer>{value}</answer>"
+  return row
+
+
 TASKS: dict[str, Callable[[random.Random], dict]] = {
-    "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort, "code": _code}
+    "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort, "code": _code,
+    "calc": _calc}
 
 
 def in_eval(prompt: str, eval_fraction: float) -> bool:

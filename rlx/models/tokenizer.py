@@ -150,12 +150,13 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
 
 
 BUILTIN_SPECIALS = ("<|pad|>", "<|eos|>")
-BUILTIN_TAGS = ("<answer>", "</answer>")
+BUILTIN_TAGS = ("<answer>", "</answer>", "<call>", "</call>", "<result>", "</result>")
 
 
 def builtin_tokenizer() -> Tokenizer:
   """The built-in model's tokenizer: one token per printable ASCII character and newline, plus
-  pad and eos, and the answer tags as single (non-special) tokens. No chat template."""
+  pad and eos, and the answer and tool-call tags as single (non-special) tokens. No chat
+  template."""
   import string
 
   vocab = {token: i for i, token in enumerate(

@@ -115,4 +115,4 @@ def sort_reward(response: str, reference: str) -> float:
 
 
 VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward,
-             "sort": sort_reward}
+             "sort": sort_reward, "calc": arithmetic_reward}

@@ -19,6 +19,7 @@ import numpy as np
 from rlx import algorithms, distributed, rollout
 from rlx.rewards import Scored
 from rlx.rollout import Completion
+from rlx.trainer.agents import agent_metrics, run_episodes
 from rlx.trainer.common import DynamicSamplingError, RewardFailedError
 from rlx.trainer.run import Run
 
@@ -29,6 +30,9 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
   """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
   (``first_prompt_index``: where ``rows`` start in the batch the processes share). Each
   completion is scored as soon as it finishes, while the others are still decoding."""
+  if run.config.env.enabled:
+    return run_episodes(run, params, rows, n=n, temperature=temperature, seed=seed,
+                        version=version, first_prompt_index=first_prompt_index)
   r = run.config.rollout
   scorer = _Scorer(run, rows)
   try:
@@ -148,6 +152,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
   wanted = config.data.prompts_per_step * group // jax.process_count()
   completions, rewards, correct, draws, dropped, alike = [], [], [], 0, 0, 0
   counts: dict[str, int] = {}
+  agent: dict[str, float] = {}  # multi-turn episodes' statistics, summed
   sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
   parts: dict[str, list[float]] = {}  # a reward's named components: [sum, count]
   started, born = time.perf_counter(), time.time()
@@ -175,7 +180,10 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
     sampled_correct += float(np.sum(scored.correct))
     sampled += len(scores)
     for key, value in scored.counts.items():
-      counts[key] = counts.get(key, 0) + value
+      if key.startswith("agent:"):
+        agent[key] = agent.get(key, 0.0) + value
+      else:
+        counts[key] = counts.get(key, 0) + value
     for name, values in scored.components.items():
       given = values[~np.isnan(values)]
       part = parts.setdefault(name, [0.0, 0])
@@ -193,9 +201,13 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
       "reward": sampled_reward, "correct": sampled_correct, "sampled": sampled,
       "dropped": dropped, "alike": alike,
       **{f"count:{key}": value for key, value in counts.items()},  # the same keys everywhere
+      **agent,
       **{f"part_sum:{name}": parts.get(name, (0.0, 0))[0] for name in names},
       **{f"part_count:{name}": parts.get(name, (0.0, 0))[1] for name in names}})
   counts = {key: int(totals[f"count:{key}"]) for key in counts}
+  if agent:
+    latencies, run.tool_latencies[:] = list(run.tool_latencies), []
+    counts.update(agent_metrics({key.split(":", 1)[1]: totals[key] for key in agent}, latencies))
   for name in names:
     if totals[f"part_count:{name}"]:
       counts[_component_key(name)] = totals[f"part_sum:{name}"] / totals[f"part_count:{name}"]

@@ -56,10 +56,14 @@ def encode(draw: Draw, extra: dict | None = None) -> bytes:
   for name, dtype in (("prompt_tokens", np.int32), ("response_tokens", np.int32),
                       ("logprobs", np.float32), ("policy_logprobs", np.float32)):
     arrays[name], arrays[name + "_offsets"] = _flat([getattr(x, name) for x in c], dtype)
+  if any(x.sampled_mask is not None for x in c):  # multi-turn episodes
+    arrays["sampled_mask"], _ = _flat([x.sampled_mask if x.sampled_mask is not None else
+                                       [True] * len(x.response_tokens) for x in c], bool)
   arrays.update(
       policy_version=np.array([x.policy_version for x in c], np.int32),
       prompt_index=np.array([x.prompt_index for x in c], np.int32),
       sample_index=np.array([x.sample_index for x in c], np.int32),
+      turns=np.array([x.turns for x in c], np.int32),
       rewards=np.asarray(draw.rewards, np.float32), correct=np.asarray(draw.correct, bool))
   meta = {"finish_reason": [x.finish_reason for x in c], "counts": draw.counts,
           "generate_seconds": draw.generate_seconds, "data_state": draw.data_state,
@@ -73,11 +77,15 @@ def decode(data: bytes) -> tuple[Draw, dict]:
   a, meta = content["arrays"], json.loads(content["meta"])
   rows = {name: _rows(a[name], a[name + "_offsets"])
           for name in ("prompt_tokens", "response_tokens", "logprobs", "policy_logprobs")}
+  masks = (_rows(np.asarray(a["sampled_mask"], bool), a["response_tokens_offsets"])
+           if "sampled_mask" in a else None)
   completions = [
       Completion(prompt_tokens=rows["prompt_tokens"][i], response_tokens=rows["response_tokens"][i],
                  logprobs=rows["logprobs"][i], policy_logprobs=rows["policy_logprobs"][i],
                  finish_reason=meta["finish_reason"][i], policy_version=int(a["policy_version"][i]),
-                 prompt_index=int(a["prompt_index"][i]), sample_index=int(a["sample_index"][i]))
+                 prompt_index=int(a["prompt_index"][i]), sample_index=int(a["sample_index"][i]),
+                 sampled_mask=masks[i] if masks else None,
+                 turns=int(a["turns"][i]) if "turns" in a else 1)
       for i in range(len(meta["finish_reason"]))]
   draw = Draw(completions, np.asarray(a["rewards"], np.float32), np.asarray(a["correct"], bool),
               meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"),

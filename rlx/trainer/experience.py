@@ -13,7 +13,8 @@ bucketed to a power of two so that the jitted steps see few shapes)::
                   (left-padded)                     (right-padded)
 
 Per-token arrays are aligned with the target token (see ``rlx.types``): the
-response mask is True on response tokens, the behaviour log-probs sit on them.
+response mask is True on response tokens the policy sampled (a multi-turn episode's
+environment tokens are response positions outside it), the behaviour log-probs sit on them.
 DAPO's soft overlong punishment is added to the rewards when
 ``overlong_buffer > 0``, and overlong filtering masks truncated responses out of
 the loss (host side: both depend on lengths only).
@@ -75,7 +76,8 @@ def layout(completions: Sequence[Completion], pad_id: int, bucket: bool = True,
     tokens[b, start:prompt_len] = c.prompt_tokens
     tokens[b, prompt_len:end] = c.response_tokens
     attention[b, start:end] = True
-    response[b, prompt_len:end] = True
+    # an episode's environment tokens are context, never actions: outside the mask
+    response[b, prompt_len:end] = True if c.sampled_mask is None else c.sampled_mask
     behaviour[b, prompt_len:end] = c.logprobs
   return {"tokens": tokens, "attention_mask": attention, "response_mask": response,
           "behaviour_logprobs": behaviour}

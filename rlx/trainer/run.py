@@ -16,6 +16,7 @@ import jax
 
 from rlx import rollout
 from rlx.config import ConfigError, RunConfig
+from rlx.envs import ToolRunner, load_factory
 from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import (
@@ -54,10 +55,16 @@ class Run:
   workdir: pathlib.Path
   seconds: dict[str, float] = dataclasses.field(default_factory=dict)
   """Where the run's time went: start-up, warm-up, RL loop, evals (the closing summary)."""
+  tools: ToolRunner | None = None
+  """The tool workers of a multi-turn run (config.env)."""
+  tool_latencies: list[float] = dataclasses.field(default_factory=list)
+  """Seconds of each tool call since the metrics last took them."""
 
   def close(self) -> None:
     self.pool.close()
     self.sync.close()
+    if self.tools is not None:
+      self.tools.close()
 
 
 def check_reward(config: RunConfig) -> dict | None:
@@ -86,6 +93,11 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   weight sync and reward pool."""
   workdir = pathlib.Path(workdir)
   sandbox = check_reward(config)  # an unusable reward is reported before the model is built
+  if config.env.enabled:
+    try:
+      load_factory(config.env.name)
+    except ValueError as error:
+      raise ConfigError(f"config.env.name: {error}") from None
   if sandbox:
     say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
         f"seccomp, rlimits, no network, a tmpfs root; memory: {sandbox['memory']}")
@@ -133,8 +145,13 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           f"{config.trainer.warmup_sft_steps} steps at lr {config.trainer.warmup_sft_learning_rate} "
           "before RL (config.trainer.warmup_sft=always)")
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
+  tools = None
+  if config.env.enabled:
+    e = config.env
+    tools = ToolRunner(num_workers=e.tool_workers, timeout_s=e.tool_timeout_s,
+                       memory_mb=e.tool_memory_mb, max_chars=e.max_observation_chars)
   run = Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
-            workdir)
+            workdir, tools=tools)
   run.seconds["warm-up"] = time.perf_counter() - warmup_started
   return run
 

@@ -2,7 +2,9 @@
 freshly initialised model learns the answer format before RL improves its answers.
 
 The response a row is trained on is its ``sft_target`` (the built-in tasks give one), else
-``<answer>{answer}</answer>``, followed by eos.
+``<answer>{answer}</answer>``, followed by eos. A multi-turn target is ``sft_segments``: a
+list of ``[text, trained]`` pairs, where the environment's parts (tool results) are context
+and not trained on.
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[di
   for batch in rows:
     completions = []
     for row in batch:
-      response = tokenizer.encode(target_text(row), add_special_tokens=False)
-      response = response + [tokenizer.eos_id]
+      segments = row.get("sft_segments") or [[target_text(row), True]]
+      response, trained = [], []
+      for text, sampled in segments:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        response += ids
+        trained += [bool(sampled)] * len(ids)
+      response.append(tokenizer.eos_id)
+      trained.append(True)
       completions.append(Completion(prompt_tokens=row["prompt_tokens"], response_tokens=response,
                                     logprobs=[0.0] * len(response), policy_logprobs=[],
                                     finish_reason="stop", policy_version=0, prompt_index=0,
-                                    sample_index=0))
+                                    sample_index=0, sampled_mask=trained))
     yield layout(completions, tokenizer.pad_id)
 
 

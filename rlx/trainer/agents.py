@@ -1,0 +1,181 @@
+"""Multi-turn episodes for the trainer: an environment per episode (``config.env``), its tool
+calls in the run's tool workers, and the episode's reward.
+
+    completions, scored = run_episodes(run, params, rows, n=8, temperature=1.0, seed=0, version=3)
+
+Each group's ``n`` episodes start from the same prompt, rendered from the first messages of
+its environment with the tools' schemas. Environments answer on a thread pool, so that the
+engine keeps decoding the other slots meanwhile. The reward of an episode is what its
+environment gave (summed over turns), or, when it gave none, the run's reward function on the
+final assistant turn, with the row and the episode's ``messages``.
+
+The scored counts carry the episodes' statistics as sums (``agent:<name>``); ``agent_metrics``
+turns the sums of a step into the logged ``agent/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+
+import numpy as np
+
+from rlx import rollout
+from rlx.config import RunConfig
+from rlx.envs import COUNTS, Episode, Renderer, Toolbox, check_env, load_factory, tools_of
+from rlx.envs.calls import Format, stop_strings
+from rlx.rewards import Scored
+from rlx.rollout import Completion
+
+AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "step_timeouts", *COUNTS)
+
+
+def tool_format(config: RunConfig, tokenizer) -> Format:
+  """The run's tool-call format ('auto': builtin without a chat template, else by the
+  template's own markers)."""
+  chosen = config.env.tool_format
+  if chosen != "auto":
+    return chosen
+  template = getattr(tokenizer, "chat_template", None)
+  if template is None:
+    return "builtin"
+  return "qwen" if "<tool_call>" in template else "llama"
+
+
+def turn_stop_ids(config: RunConfig, tokenizer) -> tuple[int, ...]:
+  """Token ids that end an assistant turn: eos, and the format's own end of a call."""
+  extra = []
+  for text in stop_strings(tool_format(config, tokenizer)):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+      raise ValueError(f"{text!r} is not one token of this tokenizer; choose env.tool_format")
+    extra += ids
+  return tuple(dict.fromkeys([*tokenizer.eos_ids, *extra]))
+
+
+class _Episodes:
+  """The environments of one ``run_episodes`` call, and the thread pool that answers turns."""
+
+  def __init__(self, run, rows: Sequence[dict], n: int):
+    config = run.config
+    self.run, self.rows, self.n = run, rows, n
+    factory = load_factory(config.env.name)
+    fmt = tool_format(config, run.tokenizer)
+    self.episodes: dict[tuple[int, int], Episode] = {}
+    self.prompts: list[list[int]] = []
+    toolboxes: dict[tuple, Toolbox | None] = {}
+    for p, row in enumerate(rows):
+      first = None
+      for s in range(n):
+        env = check_env(factory(dict(row)), config.env.name)
+        tools = tools_of(env)
+        names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
+                      for t in tools)
+        signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
+        if signature not in toolboxes:
+          toolboxes[signature] = Toolbox.of(tools) if tools else None
+        toolbox = toolboxes[signature]
+        renderer = Renderer(run.tokenizer, fmt, toolbox.schemas if toolbox else ())
+        episode = Episode(env, renderer, run.tools, toolbox, format=fmt,
+                          max_turns=config.env.max_turns)
+        prompt = episode.start()
+        if first is None:
+          first = prompt
+        elif prompt != first:
+          raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
+                           "differently; a group's episodes must share their first messages")
+        self.episodes[(p, s)] = episode
+      if len(first) > config.rollout.max_prompt_len:
+        raise ValueError(f"{row.get('where', 'a row')}: the first messages with the tools' schemas "
+                         f"are {len(first)} tokens, more than rollout.max_prompt_len="
+                         f"{config.rollout.max_prompt_len}; raise it")
+      self.prompts.append(first)
+    self.pool = concurrent.futures.ThreadPoolExecutor(
+        max(4, 2 * config.env.tool_workers), thread_name_prefix="rlx-env")
+    self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
+
+  def respond(self, p: int, s: int, tokens: list[int], reason: str) -> concurrent.futures.Future:
+    episode = self.episodes[(p, s)]
+    text = self.run.tokenizer.decode(tokens)  # for the environment to read; ids stay as sampled
+    self.replies[(p, s)] = future = self.pool.submit(episode.respond, text, reason)
+    return future
+
+  def step_timeouts(self) -> int:
+    """Environment steps still running after their episode was ended for taking too long."""
+    return sum(not future.done() for future in self.replies.values())
+
+  def close(self) -> None:
+    self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, seed: int,
+                 version: int, first_prompt_index: int = 0) -> tuple[list[Completion], Scored]:
+  """``n`` episodes of each row, and their rewards, verdicts and statistics."""
+  config = run.config
+  episodes = _Episodes(run, rows, n)
+  r = config.rollout
+  try:
+    completions = rollout.generate_episodes(
+        run.engine, episodes.prompts, episodes.respond, params=params, n=n,
+        max_new_tokens=config.env.turn_max_new_tokens or r.max_new_tokens,
+        max_tokens=config.env.max_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+        stop_token_ids=turn_stop_ids(config, run.tokenizer), seed=seed, policy_version=version,
+        first_prompt_index=first_prompt_index, step_timeout_s=config.env.step_timeout_s)
+  finally:
+    episodes.close()
+  ordered = [episodes.episodes[(c.prompt_index, c.sample_index)] for c in completions]
+  unrewarded = [i for i, e in enumerate(ordered) if not e.rewarded]
+  scored = run.pool.score([ordered[i].final_text for i in unrewarded],
+                          [dict(rows[completions[i].prompt_index], messages=ordered[i].messages)
+                           for i in unrewarded])
+  rewards = np.zeros(len(completions), np.float32)
+  correct = np.zeros(len(completions), bool)
+  rewards[unrewarded], correct[unrewarded] = scored.rewards, scored.correct
+  for i, episode in enumerate(ordered):
+    if episode.rewarded:
+      rewards[i] = episode.reward
+      correct[i] = episode.info.get("correct", float(episode.reward >= 1.0)) >= 1
+  counts = dict(scored.counts)
+  sums = episode_sums(ordered, completions)
+  sums["step_timeouts"] = episodes.step_timeouts()
+  counts.update({f"agent:{key}": value for key, value in sums.items()})
+  components = {name: np.full(len(completions), np.nan, np.float32) for name in scored.components}
+  for name, values in scored.components.items():
+    components[name][unrewarded] = values
+  latencies = [seconds for e in ordered for _, seconds in e.tool_seconds]
+  run.tool_latencies.extend(latencies)
+  return completions, Scored(rewards, correct, counts, components)
+
+
+def episode_sums(episodes: Sequence[Episode], completions: Sequence[Completion]) -> dict[str, float]:
+  """The statistics of some episodes, as sums (``agent_metrics`` makes them means)."""
+  sums = dict.fromkeys(AGENT_SUMS, 0.0)
+  for episode, completion in zip(episodes, completions):
+    sums["episodes"] += 1
+    sums["turns"] += completion.turns
+    sums["truncated"] += completion.finish_reason == "length"
+    sums["env_s"] += episode.env_seconds
+    for key in COUNTS:
+      sums[key] += episode.counts[key]
+  return sums
+
+
+def agent_metrics(sums: dict[str, float], latencies: Sequence[float]) -> dict[str, float]:
+  """``agent/*`` metrics of a step from its summed statistics and its tool-call latencies."""
+  episodes = max(sums.get("episodes", 0), 1)
+  metrics = {
+      "agent/turns_mean": sums.get("turns", 0) / episodes,
+      "agent/tool_calls_mean": sums.get("tool_calls", 0) / episodes,
+      "agent/tool_errors": sums.get("tool_errors", 0),
+      "agent/tool_timeouts": sums.get("tool_timeouts", 0),
+      "agent/malformed_calls": sums.get("malformed_calls", 0),
+      "agent/env_errors": sums.get("env_errors", 0),
+      "agent/env_timeouts": sums.get("step_timeouts", 0),
+      "agent/truncated_frac": sums.get("truncated", 0) / episodes,
+      "time/env_s": sums.get("env_s", 0.0),
+  }
+  if latencies:
+    p50, p90, p99 = np.percentile(np.asarray(latencies), [50, 90, 99])
+    metrics.update({"agent/tool_latency_p50_s": float(p50), "agent/tool_latency_p90_s": float(p90),
+                    "agent/tool_latency_p99_s": float(p99)})
+  return metrics

@@ -1,0 +1,50 @@
+"""Tools that misbehave, for tests/envs/test_tools.py (imported by name in tool workers)."""
+
+import os
+import subprocess
+import sys
+import time
+
+
+def raises(x: str) -> str:
+  """Raises."""
+  raise RuntimeError(f"tool broke on {x}")
+
+
+def hangs(x: str) -> str:
+  """Never returns."""
+  while True:
+    time.sleep(1)
+
+
+def exits(x: str) -> str:
+  """Kills its own process."""
+  os._exit(3)
+
+
+def floods(x: str) -> str:
+  """Returns 10 MB."""
+  return "y" * (10 * 2**20)
+
+
+def not_text(x: str) -> str:
+  """Returns a number."""
+  return 42  # type: ignore[return-value]
+
+
+def forks(x: str) -> str:
+  """Leaves a process behind that would write a file later."""
+  subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(1.5); open({x!r}, 'w')"],
+                   start_new_session=True)
+  return "forked"
+
+
+def hogs(x: str) -> str:
+  """Allocates past any memory limit."""
+  blocks = [bytearray(2**28) for _ in range(64)]
+  return str(len(blocks))
+
+
+def echo(x: str) -> str:
+  """Echoes its argument."""
+  return x

@@ -1,0 +1,111 @@
+"""Tools: schemas from hints and docstrings, the call parsers of each format, and hostile tools
+in the workers: each failure is an observation, counted, and the run goes on."""
+
+import functools
+import pathlib
+import time
+from typing import Literal
+
+import pytest
+
+from rlx.envs import MalformedCall, ToolCall, ToolRunner, Toolbox, parse, schema
+from rlx.envs.calls import bind
+
+HOSTILE = "tests.envs.hostile_tools"
+
+
+def lookup(query: str, limit: int = 3, mode: Literal["fast", "exact"] = "fast",
+           tags: list[str] | None = None) -> str:
+  """Looks something up.
+
+  Args:
+    query: what to look for.
+    limit: how many results,
+      at most.
+    mode: how hard to look.
+  """
+  return query
+
+
+def test_schema_from_hints_and_docstring():
+  got = schema(lookup)["function"]
+  assert got["name"] == "lookup" and got["description"] == "Looks something up."
+  props = got["parameters"]["properties"]
+  assert props["query"] == {"type": "string", "description": "what to look for."}
+  assert props["limit"] == {"type": "integer", "description": "how many results, at most."}
+  assert props["mode"]["enum"] == ["fast", "exact"]
+  assert props["tags"] == {"type": "array", "items": {"type": "string"}}
+  assert got["parameters"]["required"] == ["query"]
+
+
+def test_schema_refuses_what_it_cannot_describe():
+  def untyped(x):
+    """Doc."""
+  def undocumented(x: str) -> str:
+    return x
+  with pytest.raises(ValueError, match="type hint"):
+    schema(untyped)
+  with pytest.raises(ValueError, match="no docstring"):
+    schema(undocumented)
+
+
+def test_partial_tools_hide_their_fixed_arguments():
+  box = Toolbox.of([functools.partial(lookup, limit=1)])
+  assert "limit" not in box.schemas[0]["function"]["parameters"]["properties"]
+  assert box.bound == {"lookup": {"limit": 1}} and "limit" not in box.parameters["lookup"]
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('<call>calculator("12*3")</call>', [ToolCall("calculator", {"*": ["12*3"]})]),
+    ('a<call>f(1, b="x")</call>b<call>g()</call>', [ToolCall("f", {"*": [1], "b": "x"}),
+                                                      ToolCall("g", {})]),
+    ("<answer>3</answer>", []),
+])
+def test_builtin_calls(text, calls):
+  assert parse(text, "builtin") == calls
+
+
+def test_qwen_and_llama_calls():
+  qwen = ('I will look.\n<tool_call>\n{"name": "lookup", "arguments": {"query": "x"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "echo", "arguments": "{\\"x\\": 1}"}\n</tool_call>')
+  assert parse(qwen, "qwen") == [ToolCall("lookup", {"query": "x"}), ToolCall("echo", {"x": 1})]
+  llama = '<|python_tag|>{"name": "lookup", "parameters": {"query": "y"}}<|eom_id|>'
+  assert parse(llama, "llama") == [ToolCall("lookup", {"query": "y"})]
+  assert parse("The answer is 4.", "llama") == [] == parse("no call", "qwen")
+
+
+@pytest.mark.parametrize("text, format", [
+    ("<call>calculator(</call>", "builtin"), ("<call>calculator(x)</call>", "builtin"),
+    ('<call>f("a")', "builtin"), ("<tool_call>{not json}</tool_call>", "qwen"),
+    ('<tool_call>{"name": "f"}', "qwen"), ('{"parameters": {}}', "llama"),
+])
+def test_malformed_calls_say_what_is_wrong(text, format):
+  with pytest.raises(MalformedCall):
+    parse(text, format)
+
+
+def test_bind_matches_positional_arguments_and_refuses_unknown_ones():
+  assert bind(ToolCall("f", {"*": ["q"], "limit": 2}), ["query", "limit"]) == {"query": "q",
+                                                                               "limit": 2}
+  with pytest.raises(MalformedCall, match="no parameter"):
+    bind(ToolCall("f", {"nope": 1}), ["query"])
+
+
+def test_hostile_tools_become_observations_and_the_runner_goes_on(tmp_path):
+  marker = tmp_path / "orphan-wrote-this"
+  with ToolRunner(num_workers=2, timeout_s=2.0, memory_mb=1024, max_chars=100) as runner:
+    results = {name: runner.call(f"{HOSTILE}:{name}", {"x": str(marker)}) for name in
+               ("raises", "hangs", "exits", "floods", "not_text", "forks", "hogs")}
+    assert results["raises"].status == "error" and "tool broke" in results["raises"].text
+    assert results["hangs"].status == "timeout" and results["hangs"].seconds < 10
+    assert results["exits"].status == "error" and "died" in results["exits"].text
+    assert results["floods"].status == "ok" and len(results["floods"].text) < 200
+    assert "cut" in results["floods"].text
+    assert results["not_text"].status == "error" and "not text" in results["not_text"].text
+    assert results["forks"].status == "ok"
+    assert results["hogs"].status == "error"
+    # the workers were replaced: calls still work
+    assert runner.call(f"{HOSTILE}:echo", {"x": "still here"}).text == "still here"
+    assert runner.call("no_such_module:f", {}).status == "error"
+  time.sleep(2.5)
+  assert not marker.exists(), "a process the tool left behind outlived its call"
