@@ -1,7 +1,7 @@
 """An agent with a tool: DAPO on a split mesh, multi-turn episodes on the ``calc`` task.
 
-The built-in model is asked for products of 3- and 3-4-digit numbers, which it cannot compute
-in its head. It may call ``calculator("347*5821")``; the result comes back as the environment's
+The built-in model is asked for products of two 3-digit numbers, which it cannot compute
+in its head. It may call ``calculator("347*582")``; the result comes back as the environment's
 turn and the model writes the answer. The warm-up shows the tool on 30% of the rows and a
 direct (memorised, hence wrong on new problems) answer on the rest; RL has to learn that
 calling the tool pays, and to copy its result exactly.
@@ -25,5 +25,8 @@ def get_config():
       rollout=dataclasses.replace(config.rollout, max_prompt_len=32, max_new_tokens=64),
       env=dataclasses.replace(config.env, name="calc", max_turns=3, max_tokens=64,
                               turn_max_new_tokens=32, tool_timeout_s=5.0),
-      trainer=dataclasses.replace(config.trainer, steps=150, eval_every=50, eval_prompts=200),
+      # a longer warm-up than the single-turn tasks': copying 3-digit operands into the call and
+      # the 6-digit result into the answer takes the tiny model a few hundred steps
+      trainer=dataclasses.replace(config.trainer, steps=150, eval_every=50, eval_prompts=200,
+                                  warmup_sft_steps=300),
   )

@@ -12,7 +12,7 @@ its text falls in ``eval_fraction``.
   The answer is ``"target|n1,n2,..."``.
 - ``sort``: write 4-6 digits in ascending order: ``Sort 7 3 9 1 in ascending
   order.`` -> ``1379``.
-- ``calc``: ``What is 347*5821?`` -> ``2019887``: products too large
+- ``calc``: ``What is 347*582?`` -> ``201954``: products too large
   for the built-in model to compute, for the ``calc`` environment's calculator tool. A share
   of the rows' warm-up targets (``sft_segments``) call the tool; the environment's part of
   them (the ``<result>``) is not trained on.
@@ -95,10 +95,10 @@ CALC_TOOL_SHARE = 0.3
 
 
 def _calc(rng: random.Random) -> dict:
-  # 3 x 3-4 digit products: beyond what the tiny model can compute in its head, exact with the
+  # 3 x 3 digit products: beyond what the tiny model can compute in its head, exact with the
   # tool. The warm-up shows the tool on a share of the rows and a direct answer on the rest:
   # RL has to learn that calling is what pays, and to copy the result into the answer.
-  a, b = rng.randint(100, 999), rng.randint(100, 9999)
+  a, b = rng.randint(100, 999), rng.randint(100, 999)
   value = str(a * b)
   row = {"prompt": f"What is {a}*{b}?", "answer": value}
   if rng.random() < CALC_TOOL_SHARE:
