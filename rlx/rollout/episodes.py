@@ -47,7 +47,8 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       stop_token_ids: Sequence[int], seed: int = 0, policy_version: int = 0,
                       first_prompt_index: int = 0, step_timeout_s: float = 30.0,
-                      on_finished: Callable[[Completion], None] | None = None) -> list[Completion]:
+                      on_finished: Callable[[Completion], None] | None = None,
+                      stats: dict | None = None) -> list[Completion]:
   """``n`` episodes from each prompt (see the module docstring).
 
   Args:
@@ -57,6 +58,10 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
     stop_token_ids: ids that end a turn.
     step_timeout_s: an environment reply that takes longer ends its episode, truncated (the
       caller's ``respond`` side counts it: the reply never arrives).
+    stats: a dict to which the slots' use is added: ``slot_steps`` (decode steps x slots
+      dispatched), ``busy_steps`` (of those, the ones that produced a token: the slot
+      occupancy is their ratio) and ``parked_s`` (seconds every slot waited for an environment
+      while no slot decoded).
     The rest as in ``rollout.generate``.
   """
   prompts = [list(map(int, p)) for p in prompts]
@@ -72,7 +77,11 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
                    tuple(stop_token_ids), seed, policy_version, "continuous", first_prompt_index,
                    on_finished)
   run.respond, run.max_tokens, run.step_timeout_s = respond, max_tokens, step_timeout_s
-  return run.run()
+  completions = run.run()
+  if stats is not None:
+    for key, value in run.stats.items():
+      stats[key] = stats.get(key, 0) + value
+  return completions
 
 
 class EpisodeRun(_Run):
@@ -86,6 +95,7 @@ class EpisodeRun(_Run):
   def run(self) -> list[Completion]:
     self.parked: dict[int, _Parked] = {}
     self.turn_start: dict[tuple[int, int], int] = {}
+    self.stats = {"slot_steps": 0, "busy_steps": 0, "parked_s": 0.0}
     state = self.engine.init_decode_state()
     total = len(self.prompts) * self.n
     while len(self.results) < total:
@@ -105,11 +115,16 @@ class EpisodeRun(_Run):
           for i, slot in enumerate(slots):
             self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
         self._record(chunk)
+        ran = int(chunk.emitted.any(axis=1).sum())
+        self.stats["slot_steps"] += ran * self.engine.max_slots
+        self.stats["busy_steps"] += int(chunk.emitted.sum())
       elif self.parked:  # every slot waits for its environment
         oldest = min(p.since for p in self.parked.values())
+        began = time.monotonic()
         concurrent.futures.wait([p.future for p in self.parked.values()],
                                 timeout=max(oldest + self.step_timeout_s - time.monotonic(), 0.01),
                                 return_when=concurrent.futures.FIRST_COMPLETED)
+        self.stats["parked_s"] += time.monotonic() - began
     return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
 
   def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped) -> None:

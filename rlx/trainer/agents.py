@@ -27,7 +27,8 @@ from rlx.envs.calls import Format, stop_strings
 from rlx.rewards import Scored
 from rlx.rollout import Completion
 
-AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "step_timeouts", *COUNTS)
+AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "step_timeouts", "slot_steps",
+              "busy_steps", "parked_s", *COUNTS)
 
 
 def tool_format(config: RunConfig, tokenizer) -> Format:
@@ -114,13 +115,15 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   config = run.config
   episodes = _Episodes(run, rows, n)
   r = config.rollout
+  slots: dict = {}
   try:
     completions = rollout.generate_episodes(
         run.engine, episodes.prompts, episodes.respond, params=params, n=n,
         max_new_tokens=config.env.turn_max_new_tokens or r.max_new_tokens,
         max_tokens=config.env.max_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
         stop_token_ids=turn_stop_ids(config, run.tokenizer), seed=seed, policy_version=version,
-        first_prompt_index=first_prompt_index, step_timeout_s=config.env.step_timeout_s)
+        first_prompt_index=first_prompt_index, step_timeout_s=config.env.step_timeout_s,
+        stats=slots)
   finally:
     episodes.close()
   ordered = [episodes.episodes[(c.prompt_index, c.sample_index)] for c in completions]
@@ -138,6 +141,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   counts = dict(scored.counts)
   sums = episode_sums(ordered, completions)
   sums["step_timeouts"] = episodes.step_timeouts()
+  sums.update(slots)
   counts.update({f"agent:{key}": value for key, value in sums.items()})
   components = {name: np.full(len(completions), np.nan, np.float32) for name in scored.components}
   for name, values in scored.components.items():
@@ -173,6 +177,9 @@ def agent_metrics(sums: dict[str, float], latencies: Sequence[float]) -> dict[st
       "agent/env_timeouts": sums.get("step_timeouts", 0),
       "agent/truncated_frac": sums.get("truncated", 0) / episodes,
       "time/env_s": sums.get("env_s", 0.0),
+      # of the decode slots' steps, those that produced a token (parked and idle slots don't)
+      "rollout/slot_occupancy": sums.get("busy_steps", 0) / max(sums.get("slot_steps", 0), 1),
+      "time/all_slots_parked_s": sums.get("parked_s", 0.0),
   }
   if latencies:
     p50, p90, p99 = np.percentile(np.asarray(latencies), [50, 90, 99])

@@ -1,0 +1,112 @@
+"""The episode harness: tool turns answered by the tools, other turns by the environment,
+failures as observations, limits, and observations rendered as token increments (built-in
+format and a chat template)."""
+
+import pytest
+
+from rlx.envs import Episode, Observation, Renderer, ToolRunner, Toolbox, load_factory
+from rlx.envs.builtin import calculator, make_calc
+from rlx.models import builtin_tokenizer
+from rlx.models.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return builtin_tokenizer()
+
+
+def _episode(tokenizer, env, max_turns=3):
+  return Episode(env, Renderer(tokenizer, "builtin"), ToolRunner(num_workers=0),
+                 Toolbox.of(getattr(env, "tools", ())) if getattr(env, "tools", ()) else None,
+                 format="builtin", max_turns=max_turns)
+
+
+def test_a_tool_turn_is_answered_with_the_result_and_the_answer_ends_it(tokenizer):
+  episode = _episode(tokenizer, make_calc({"prompt": "What is 12*34?", "answer": "408"}))
+  assert tokenizer.decode(episode.start()) == "What is 12*34?"
+  reply = episode.respond('<call>calculator("12*34")</call>', "stop")
+  assert not reply.done
+  assert tokenizer.decode(reply.tokens, skip_special_tokens=False) == "<result>408</result>"
+  assert episode.respond("<answer>408</answer>", "stop").done
+  assert episode.counts["tool_calls"] == 1 and episode.turns == 2 and not episode.rewarded
+  assert episode.final_text == "<answer>408</answer>"
+
+
+@pytest.mark.parametrize("text, counted, seen", [
+    ('<call>calculator("12**34")</call>', "tool_errors", "error: ValueError"),
+    ('<call>search("x")</call>', "tool_errors", "no tool 'search'"),
+    ("<call>calculator(12 34)</call>", "malformed_calls", "error: cannot read the call"),
+    ('<call>calculator("1", "2")</call>', "malformed_calls", "takes 1 argument"),
+])
+def test_failed_calls_are_observations_the_model_reads(tokenizer, text, counted, seen):
+  episode = _episode(tokenizer, make_calc({"prompt": "q", "answer": "1"}))
+  episode.start()
+  reply = episode.respond(text, "stop")
+  assert not reply.done and episode.counts[counted] == 1
+  assert seen in tokenizer.decode(reply.tokens, skip_special_tokens=False)
+
+
+class Broken:
+  def reset(self):
+    return [{"role": "user", "content": "hi"}]
+
+  def step(self, text):
+    raise KeyError("state")
+
+
+class Talker:
+  def reset(self):
+    return [{"role": "user", "content": "hi"}]
+
+  def step(self, text):
+    return Observation(messages=[{"role": "user", "content": "more"}], reward=0.5)
+
+
+def test_limits_and_a_failing_environment_end_episodes_truncated(tokenizer):
+  broken = _episode(tokenizer, Broken())
+  broken.start()
+  reply = broken.respond("x", "stop")
+  assert reply.done and reply.truncated and broken.counts["env_errors"] == 1
+  assert "KeyError" in broken.error
+  talker = _episode(tokenizer, Talker(), max_turns=2)
+  talker.start()
+  assert not talker.respond("a", "stop").done
+  reply = talker.respond("b", "stop")
+  assert reply.done and reply.truncated and talker.reward == 1.0 and talker.rewarded
+  cut = _episode(tokenizer, Talker())
+  cut.start()
+  assert cut.respond("a very long turn", "length").truncated
+
+
+QWEN_LIKE = (
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_increment_continues_after_the_sampled_end_of_turn():
+  import tokenizers
+  base = builtin_tokenizer()
+  base.backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+  templated = Tokenizer(base.backend, eos_token="<|im_end|>", pad_token="<|pad|>",
+                        chat_template=QWEN_LIKE)
+  del tokenizers
+  renderer = Renderer(templated, "qwen")
+  messages = [{"role": "user", "content": "q"}]
+  prompt = renderer.prompt(messages)
+  turn = templated.encode('<tool_call>{"name": "f"}</tool_call><|im_end|>', add_special_tokens=False)
+  tool = [{"role": "tool", "content": "42"}]
+  increment = renderer.increment(tool)
+  full = templated.render_chat(messages + [{"role": "assistant", "content":
+                                            '<tool_call>{"name": "f"}</tool_call>'}] + tool, True)
+  assert templated.decode(prompt + turn + increment, skip_special_tokens=False) == full
+
+
+def test_environment_names_are_checked():
+  assert load_factory("calc") is make_calc
+  with pytest.raises(ValueError, match="unknown environment"):
+    load_factory("chess")
+  with pytest.raises(ValueError, match="has no function"):
+    load_factory("rlx.envs.builtin:nothing")
+  assert calculator("2*(3+4)") == "14"
