@@ -16,7 +16,15 @@ on the same two CPU cores, one arm after the other:
   each pinned to its own core with ``taskset`` when it exists; they share the workdir.
 
     python benchmarks/deployment.py --steps 150 [--arms colocated processes split jobs] \
-        [--config.a.b=v ...]
+        [--config configs/X.py] [--config.a.b=v ...]
+
+Multi-turn agents, with a calculator that sleeps 0-2 s per call (``benchmarks/slow_calc.py``)::
+
+    python benchmarks/deployment.py --config configs/agent_calc.py --arms colocated split \
+        --steps 60 --config.env.name=benchmarks/slow_calc.py:make_env
+
+For episodes it also reports the decode slots' occupancy, turns and tool calls per episode,
+and the tool latency.
 
 Busy fractions: each side's share of the loop's wall time spent working (generating, or
 learning); colocated reports the share of wall time each phase holds the shared devices,
@@ -48,7 +56,7 @@ def _pinned(cores: str) -> list[str]:
 
 
 def _command(workdir: pathlib.Path, args, *extra: str) -> list[str]:
-  return [sys.executable, "-m", "rlx.main", "--config", "configs/dapo_split.py",
+  return [sys.executable, "-m", "rlx.main", "--config", args.config,
           "--workdir", str(workdir), f"--config.trainer.steps={args.steps}",
           f"--config.mesh.max_staleness={args.max_staleness}",
           "--config.trainer.eval_every=0", "--config.logging.progress_bar=false",
@@ -120,6 +128,13 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
     report["generator_sync_s_median"] = round(
         statistics.median(r["time/generator_sync_s"] for r in steady), 5)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
+  if "rollout/slot_occupancy" in rows[-1]:  # multi-turn episodes
+    for key in ("rollout/slot_occupancy", "agent/turns_mean", "agent/tool_calls_mean",
+                "time/all_slots_parked_s", "agent/tool_latency_p50_s",
+                "agent/tool_latency_p90_s"):
+      values = [r[key] for r in steady if key in r]
+      if values:
+        report[key.split("/", 1)[1] + "_mean"] = round(statistics.mean(values), 4)
   measured = runs.accuracy(outputs[0][0])
   if measured:
     report["eval_accuracy_before"], report["eval_accuracy_after"] = measured
@@ -129,6 +144,8 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=150)
+  parser.add_argument("--config", default="configs/dapo_split.py",
+                      help="the config every arm runs (its mesh mode is the arm's)")
   arms = ["colocated", "processes", "split", "jobs"]
   parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
   parser.add_argument("--max-staleness", type=int, default=1)
@@ -149,7 +166,7 @@ def main() -> None:
       if arm != "colocated":
         results[f"{arm}_over_colocated_samples_per_s"] = round(
             results[arm]["samples_per_s"] / results["colocated"]["samples_per_s"], 3)
-  results["config"] = {"steps": args.steps, "max_staleness": args.max_staleness,
+  results["config"] = {"file": args.config, "steps": args.steps, "max_staleness": args.max_staleness,
                        "taskset": bool(shutil.which("taskset")), "overrides": args.overrides}
   print(json.dumps(results, indent=2))
 

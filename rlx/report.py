@@ -251,6 +251,23 @@ def figures(runs: list[Run], out: pathlib.Path) -> list[tuple[str, str]]:
       drew |= _plot_series(ax, run, key, color)
     _finish(ax, title, "step", drew)
   save(fig, "throughput.png", "Throughput of the whole loop.")
+
+  if any(run.has("agent/turns_mean") for run in runs):  # multi-turn episodes
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    panels = [("Turns and tool calls per episode", ["agent/turns_mean", "agent/tool_calls_mean"]),
+              ("Failed tool calls (per step)", ["agent/tool_errors", "agent/tool_timeouts",
+                                                "agent/malformed_calls"]),
+              ("Truncated episodes, slot occupancy", ["agent/truncated_frac",
+                                                      "rollout/slot_occupancy"])]
+    for ax, (title, keys) in zip(axes, panels):
+      drew = False
+      for run, color in zip(runs, colors):
+        for key, style in zip(keys, ("-", "--", ":")):
+          drew |= _plot_series(ax, run, key, color, style=style, label=f"{run.label}: {key}")
+      _finish(ax, title, "step", drew)
+    save(fig, "agents.png", "Multi-turn episodes: turns and tool calls per episode, failed calls "
+         "(errors, timeouts, unreadable calls), truncated episodes and how busy the decode "
+         "slots kept while episodes waited for their tools.")
   return written
 
 
@@ -328,8 +345,35 @@ figcaption {{ color: #555; font-size: 0.9em; }}
 {f"<ul>{events}</ul>" if events else "<p>None (no control/* metric changed).</p>"}
 <h2>Figures</h2>
 {figures_html}
+{_episodes_html(runs)}
 </body></html>
 """
+
+
+def _episodes_html(runs: list[Run], count: int = 4) -> str:
+  """The last ``count`` sample episodes of each run (its ``episodes.jsonl``): the model's
+  sampled tokens in bold on a tinted background, the prompt and the environment's tokens plain."""
+  parts = []
+  for run in runs:
+    file = run.workdir / "episodes.jsonl"
+    if not file.is_file():
+      continue
+    records = []
+    for line in file.read_text().splitlines()[-count:]:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+    for record in records:
+      text = "".join(f'<b style="background:#e8f0ff">{html.escape(t)}</b>' if sampled
+                     else html.escape(t) for t, sampled in record.get("segments", []))
+      parts.append(f"<p>{html.escape(run.label)}, policy version {record.get('policy_version')}, "
+                   f"reward {record.get('reward')}, {record.get('turns')} turn(s), "
+                   f"{html.escape(str(record.get('finish_reason')))}:</p><pre>{text}</pre>")
+  if not parts:
+    return ""
+  return ("<h2>Sample episodes</h2><p>Sampled tokens in bold; the prompt and the environment's "
+          "tokens plain.</p>" + "".join(parts))
 
 
 def write_report(workdirs: list[str | pathlib.Path],

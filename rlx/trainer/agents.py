@@ -16,8 +16,12 @@ turns the sums of a step into the logged ``agent/*`` metrics.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import pathlib
+import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from rlx import rollout
@@ -148,7 +152,46 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
     components[name][unrewarded] = values
   latencies = [seconds for e in ordered for _, seconds in e.tool_seconds]
   run.tool_latencies.extend(latencies)
+  if jax.process_index() == 0 and temperature > 0:  # training episodes, not greedy evals
+    write_samples(run, completions, rewards)
   return completions, Scored(rewards, correct, counts, components)
+
+
+SAMPLES_FILE = "episodes.jsonl"
+_SAMPLE_EVERY_S = 30.0
+
+
+def segments(tokenizer, completion: Completion) -> list[list]:
+  """An episode as [text, sampled] runs: the prompt (False), then the sampled turns (True) and
+  the environment's tokens (False), each decoded on its own."""
+  runs = [[tokenizer.decode(completion.prompt_tokens, skip_special_tokens=False), False]]
+  mask = completion.sampled_mask or [True] * len(completion.response_tokens)
+  start = 0
+  for i in range(1, len(mask) + 1):
+    if i == len(mask) or mask[i] != mask[start]:
+      runs.append([tokenizer.decode(completion.response_tokens[start:i],
+                                    skip_special_tokens=False), bool(mask[start])])
+      start = i
+  return runs
+
+
+def write_samples(run, completions: Sequence[Completion], rewards: np.ndarray,
+                  count: int = 2) -> None:
+  """Appends ``count`` episodes (the best and the worst of the call) to the workdir's
+  ``episodes.jsonl``, at most every 30 s: what the report shows as sample trajectories."""
+  now = time.time()
+  if now - getattr(run, "samples_written", 0.0) < _SAMPLE_EVERY_S or not completions:
+    return
+  run.samples_written = now
+  order = np.argsort(rewards)
+  chosen = sorted({int(order[-1]), int(order[0])})[:count]
+  with open(pathlib.Path(run.workdir) / SAMPLES_FILE, "a") as f:
+    for i in chosen:
+      c = completions[i]
+      f.write(json.dumps({"time": now, "policy_version": c.policy_version,
+                          "reward": float(rewards[i]), "turns": c.turns,
+                          "finish_reason": c.finish_reason,
+                          "segments": segments(run.tokenizer, c)}) + "\n")
 
 
 def episode_sums(episodes: Sequence[Episode], completions: Sequence[Completion]) -> dict[str, float]:

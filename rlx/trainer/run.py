@@ -59,6 +59,8 @@ class Run:
   """The tool workers of a multi-turn run (config.env)."""
   tool_latencies: list[float] = dataclasses.field(default_factory=list)
   """Seconds of each tool call since the metrics last took them."""
+  samples_written: float = 0.0
+  """When sample episodes were last written (``time.time()``)."""
 
   def close(self) -> None:
     self.pool.close()

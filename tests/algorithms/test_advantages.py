@@ -115,3 +115,20 @@ def test_gae_is_jittable():
   f = jax.jit(lambda r, v, m: algorithms.gae(r, v, m, 0.99, 0.95))
   out = f(jnp.ones((2, 4)), jnp.zeros((2, 4)), jnp.ones((2, 4), bool))
   assert out[0].shape == (2, 4)
+
+
+def test_gae_skips_environment_tokens_and_the_return_flows_across_them():
+  """A multi-turn episode's environment tokens (outside the mask) are not actions: GAE over
+  the episode equals GAE over its sampled tokens alone, and they get no advantage or target."""
+  rng = np.random.default_rng(0)
+  mask = np.array([[0, 1, 1, 0, 0, 0, 1, 1, 1, 0]], bool)  # prompt, turn, env tokens, turn, pad
+  rewards = np.where(mask, rng.normal(size=mask.shape), 0).astype(np.float32)
+  values = rng.normal(size=mask.shape).astype(np.float32)
+  advantages, returns = algorithms.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask),
+                                       0.9, 0.8)
+  kept = np.flatnonzero(mask[0])
+  compact_a, compact_r = algorithms.gae(jnp.asarray(rewards[:, kept]), jnp.asarray(values[:, kept]),
+                                        jnp.ones((1, kept.size), bool), 0.9, 0.8)
+  np.testing.assert_allclose(np.asarray(advantages)[0, kept], np.asarray(compact_a)[0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(returns)[0, kept], np.asarray(compact_r)[0], rtol=1e-6)
+  assert not np.asarray(advantages)[~mask].any() and not np.asarray(returns)[~mask].any()
