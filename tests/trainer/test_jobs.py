@@ -46,6 +46,11 @@ def test_rollout_files_round_trip_and_are_written_whole(tmp_path):
   np.testing.assert_array_equal(back.rewards, draw.rewards)
   np.testing.assert_array_equal(back.correct, draw.correct)
   assert (back.counts, back.generate_seconds, back.data_state) == (draw.counts, 1.5, draw.data_state)
+  # multi-turn episodes keep their sampled-token masks and turn counts
+  for c in draw.completions:
+    c.sampled_mask = (rng.random(len(c.response_tokens)) > 0.3).tolist()
+    c.turns = int(rng.integers(1, 4))
+  assert decode(encode(draw))[0].completions == draw.completions
 
   files = RolloutFiles(tmp_path)
   (tmp_path / ".00000002.rollout.123.partial").write_bytes(b"half")  # a killed writer's
