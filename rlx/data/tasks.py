@@ -25,6 +25,7 @@ its text falls in ``eval_fraction``.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Callable
 from typing import Literal
@@ -85,9 +86,13 @@ def _code(rng: random.Random) -> dict:
   tests = []  # four inputs over a range wide enough that a wrong constant fails some
   for x in rng.sample(range(-60, 61), 4):
     tests.append(f"assert f({x}) == {eval(expression, {name: x})}")  # noqa: S307 - our own text
+  answer = f"```python\n{program}\n```"
   return {"prompt": f"Write f({name}) that returns {description.format(n=n, v=name)}. "
                     "Reply in ```python.",
-          "answer": program, "sft_target": f"```python\n{program}\n```", "tests": tests}
+          "answer": program, "sft_target": answer, "tests": tests,
+          # with the code environment: try the program against the visible tests, then answer
+          "sft_segments": [[f"<call>run_tests({json.dumps(program)})</call>", True],
+                           ["<result>all passed</result>", False], [answer, True]]}
 
 
 CALC_TOOL_SHARE = 0.3

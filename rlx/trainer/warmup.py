@@ -2,9 +2,9 @@
 freshly initialised model learns the answer format before RL improves its answers.
 
 The response a row is trained on is its ``sft_target`` (the built-in tasks give one), else
-``<answer>{answer}</answer>``, followed by eos. A multi-turn target is ``sft_segments``: a
-list of ``[text, trained]`` pairs, where the environment's parts (tool results) are context
-and not trained on.
+``<answer>{answer}</answer>``, followed by eos. A multi-turn run trains on a row's ``sft_segments``
+when it has them: a list of ``[text, trained]`` pairs, where the environment's parts (tool
+results) are context and not trained on.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ def target_text(row: dict) -> str:
   return f"<answer>{row['answer']}</answer>"
 
 
-def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[dict[str, np.ndarray]]:
-  """Token arrays of prompt + target response (the response is what the loss sees)."""
+def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer,
+                episodes: bool = False) -> Iterator[dict[str, np.ndarray]]:
+  """Token arrays of prompt + target response (the response is what the loss sees). With
+  ``episodes`` (a multi-turn run), a row's ``sft_segments`` are its target when it has them."""
   for batch in rows:
     completions = []
     for row in batch:
-      segments = row.get("sft_segments") or [[target_text(row), True]]
+      segments = (episodes and row.get("sft_segments")) or [[target_text(row), True]]
       response, trained = [], []
       for text, sampled in segments:
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -54,7 +56,7 @@ def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer) -> Iterator[di
 
 
 def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, steps: int,
-            learning_rate: float) -> tuple[Model, list[float]]:
+            learning_rate: float, episodes: bool = False) -> tuple[Model, list[float]]:
   """``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the model and
   the loss of every step."""
   optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
@@ -74,7 +76,7 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   params = model.params
   opt_state = optimizer.init(params)
   losses = []
-  batches = sft_batches(rows, tokenizer)
+  batches = sft_batches(rows, tokenizer, episodes)
   for _ in range(steps):
     arrays = next(batches)
     params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
