@@ -28,6 +28,6 @@ def get_config():
       # a longer warm-up than the single-turn tasks': copying 3-digit operands into the call and
       # the 6-digit result into the answer takes the tiny model ~300 steps of tool examples,
       # and only 30% of the rows show the tool
-      trainer=dataclasses.replace(config.trainer, steps=150, eval_every=50, eval_prompts=200,
+      trainer=dataclasses.replace(config.trainer, steps=100, eval_every=50, eval_prompts=200,
                                   warmup_sft_steps=900),
   )

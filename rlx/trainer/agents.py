@@ -150,8 +150,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   components = {name: np.full(len(completions), np.nan, np.float32) for name in scored.components}
   for name, values in scored.components.items():
     components[name][unrewarded] = values
-  latencies = [seconds for e in ordered for _, seconds in e.tool_seconds]
-  run.tool_latencies.extend(latencies)
+  run.tool_latencies.extend(call for e in ordered for call in e.tool_seconds)
   if jax.process_index() == 0 and temperature > 0:  # training episodes, not greedy evals
     write_samples(run, completions, rewards)
   return completions, Scored(rewards, correct, counts, components)
@@ -207,8 +206,10 @@ def episode_sums(episodes: Sequence[Episode], completions: Sequence[Completion])
   return sums
 
 
-def agent_metrics(sums: dict[str, float], latencies: Sequence[float]) -> dict[str, float]:
-  """``agent/*`` metrics of a step from its summed statistics and its tool-call latencies."""
+def agent_metrics(sums: dict[str, float],
+                  latencies: Sequence[tuple[str, float]]) -> dict[str, float]:
+  """``agent/*`` metrics of a step from its summed statistics and its tool calls' (tool name,
+  seconds): latency percentiles over every call, and per tool when there are several."""
   episodes = max(sums.get("episodes", 0), 1)
   metrics = {
       "agent/turns_mean": sums.get("turns", 0) / episodes,
@@ -224,8 +225,10 @@ def agent_metrics(sums: dict[str, float], latencies: Sequence[float]) -> dict[st
       "rollout/slot_occupancy": sums.get("busy_steps", 0) / max(sums.get("slot_steps", 0), 1),
       "time/all_slots_parked_s": sums.get("parked_s", 0.0),
   }
-  if latencies:
-    p50, p90, p99 = np.percentile(np.asarray(latencies), [50, 90, 99])
-    metrics.update({"agent/tool_latency_p50_s": float(p50), "agent/tool_latency_p90_s": float(p90),
-                    "agent/tool_latency_p99_s": float(p99)})
+  tools = sorted({name for name, _ in latencies})
+  for tool in [None, *tools] if len(tools) > 1 else [None] * bool(tools):
+    seconds = np.asarray([s for name, s in latencies if tool is None or name == tool])
+    suffix = "" if tool is None else f"/{tool}"
+    for q, value in zip((50, 90, 99), np.percentile(seconds, [50, 90, 99])):
+      metrics[f"agent/tool_latency_p{q}_s{suffix}"] = float(value)
   return metrics

@@ -57,8 +57,8 @@ class Run:
   """Where the run's time went: start-up, warm-up, RL loop, evals (the closing summary)."""
   tools: ToolRunner | None = None
   """The tool workers of a multi-turn run (config.env)."""
-  tool_latencies: list[float] = dataclasses.field(default_factory=list)
-  """Seconds of each tool call since the metrics last took them."""
+  tool_latencies: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+  """(tool name, seconds) of each tool call since the metrics last took them."""
   samples_written: float = 0.0
   """When sample episodes were last written (``time.time()``)."""
 

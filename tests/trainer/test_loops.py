@@ -46,3 +46,19 @@ def test_mini_batches_make_the_clipped_objective_act(tmp_path):
   assert any(row["policy/ratio_max"] > 1.0 + 1e-3 for row in rows), rows
   assert any(row["policy/clip_frac_high"] > 0 for row in rows), rows
   assert "policy/kl" not in rows[0]  # no reference policy: its KL is not made up
+
+
+@pytest.mark.parametrize("mode", ["split", "colocated"])
+def test_agent_config_runs_episodes_in_both_deployments(mode, tmp_path):
+  config = tiny.config("agent_calc", "--config.trainer.steps=2",
+                       "--config.algorithm.dynamic_sampling=false", f"--config.mesh.mode={mode}",
+                       "--config.env.max_tokens=8", "--config.env.turn_max_new_tokens=4",
+                       "--config.env.tool_workers=1")
+  summary = train(config, tmp_path, say=lambda message: None)
+  assert summary.steps == 2 and not summary.stopped
+  rows = tiny.metrics(tmp_path)
+  for key in ("agent/turns_mean", "agent/tool_calls_mean", "agent/truncated_frac",
+              "rollout/slot_occupancy", "time/env_s", "agent/malformed_calls"):
+    assert key in rows[-1] and np.isfinite(rows[-1][key]), key
+  assert rows[-1]["agent/turns_mean"] >= 1 and 0 < rows[-1]["rollout/slot_occupancy"] <= 1
+  assert (tmp_path / "episodes.jsonl").is_file()

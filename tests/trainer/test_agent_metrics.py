@@ -1,0 +1,21 @@
+"""The agent metrics of a step from its episodes' summed statistics."""
+
+import pytest
+
+from rlx.trainer.agents import agent_metrics
+
+
+def test_means_fractions_and_latency_percentiles():
+  sums = {"episodes": 4, "turns": 10, "tool_calls": 6, "tool_errors": 1, "truncated": 1,
+          "env_s": 2.5, "slot_steps": 80, "busy_steps": 60, "parked_s": 0.5}
+  calls = [("calculator", 0.1), ("calculator", 0.3), ("search", 2.0)]
+  got = agent_metrics(sums, calls)
+  assert got["agent/turns_mean"] == 2.5 and got["agent/tool_calls_mean"] == 1.5
+  assert got["agent/truncated_frac"] == 0.25 and got["rollout/slot_occupancy"] == 0.75
+  assert got["agent/tool_errors"] == 1 and got["time/env_s"] == 2.5
+  assert got["agent/tool_latency_p50_s"] == pytest.approx(0.3)
+  assert got["agent/tool_latency_p50_s/calculator"] == pytest.approx(0.2)
+  assert got["agent/tool_latency_p90_s/search"] == pytest.approx(2.0)
+  assert "agent/tool_latency_p50_s" not in agent_metrics(sums, [])
+  one = agent_metrics(sums, [("calculator", 0.1)])
+  assert "agent/tool_latency_p50_s" in one and "agent/tool_latency_p50_s/calculator" not in one
