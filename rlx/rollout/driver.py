@@ -54,6 +54,11 @@ class Completion:
   sampled_mask: list[bool] | None = None
   turns: int = 1
 
+  @property
+  def sampled_tokens(self) -> int:
+    """How many response tokens the policy sampled (an episode's environment tokens aside)."""
+    return len(self.response_tokens) if self.sampled_mask is None else sum(self.sampled_mask)
+
 
 def _power_of_two(value: int, smallest: int = 1) -> int:
   size = smallest

@@ -46,9 +46,10 @@ def device_memory() -> dict[str, float]:
 
 
 def throughput(draw, seconds: float) -> dict[str, float]:
-  """``throughput/tokens_per_s`` and ``throughput/samples_per_s`` of a step that took
-  ``seconds``, counting every process's share of the batch (call it on every process)."""
+  """``throughput/tokens_per_s`` (sampled tokens: an episode's environment tokens are not
+  generated) and ``throughput/samples_per_s`` of a step that took ``seconds``, counting every
+  process's share of the batch (call it on every process)."""
   tokens, samples = distributed.sum_over_processes(
-      [sum(len(c.response_tokens) for c in draw.completions), len(draw.completions)])
+      [sum(c.sampled_tokens for c in draw.completions), len(draw.completions)])
   return {"throughput/tokens_per_s": float(tokens) / seconds,
           "throughput/samples_per_s": float(samples) / seconds}

@@ -140,7 +140,7 @@ class Generator(threading.Thread):
         if self.delay_s:
           time.sleep(self.delay_s)
         self.busy_seconds += time.perf_counter() - started
-        self.tokens += sum(len(c.response_tokens) for c in draw.completions)
+        self.tokens += sum(c.sampled_tokens for c in draw.completions)
         self._hand_over(_Produced(draw, sync_seconds, waited, setting))
         index += 1
     except BaseException as error:  # noqa: BLE001 - handed to the learner, which raises it
