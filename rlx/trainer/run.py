@@ -148,7 +148,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           "before RL (config.trainer.warmup_sft=always)")
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
   tools = None
-  if config.env.enabled and config.mesh.role != "learner":  # a learner job samples nothing
+  if config.env.enabled:
     e = config.env
     tools = ToolRunner(num_workers=e.tool_workers, timeout_s=e.tool_timeout_s,
                        memory_mb=e.tool_memory_mb, max_chars=e.max_observation_chars)
