@@ -25,7 +25,8 @@ from rlx.config import LoggingConfig
 # Shown on the console, in this order, when present.
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "eval/accuracy", "policy/kl",
                 "policy/kl_behaviour", "policy/clip_frac_high", "policy/entropy",
-                "rollout/policy_lag_max", "throughput/tokens_per_s", "time/step_s")
+                "agent/turns_mean", "agent/tool_calls_mean", "rollout/policy_lag_max",
+                "throughput/tokens_per_s", "time/step_s")
 
 
 def _scalar(value: Any) -> float | int:
