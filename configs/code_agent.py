@@ -6,11 +6,11 @@ its final program is scored on every test by the ``code`` reward, as in
 The warm-up shows one pattern on the task's reference programs: run the program, read
 "all passed", answer with it.
 
-Measured on a 2-core CPU, side by side with ``configs/code_grpo.py`` at the same budget of 20
-steps (``--config.trainer.steps=20 --config.trainer.eval_every=20
+Measured on a 2-core CPU against ``configs/code_grpo.py``, one run after the other, at the same
+budget of 20 steps (``--config.trainer.steps=20 --config.trainer.eval_every=20
 --config.trainer.eval_prompts=100``): held-out pass rate 4.0% -> 11.0% here, 5.0% -> 8.0%
-single-turn. Episodes run the tests 0.88 times on average (a malformed call is counted
-in agent/malformed_calls: the model must escape newlines in the call). The agent costs 2.5x the wall time
+single-turn. Episodes run the tests 0.88 times on average (an unreadable call is counted in
+``agent/malformed_calls``: the model must escape newlines in it). The agent costs 2.5x the wall time
 (1506 s against 613 s: a sandbox run per tool call, longer warm-up sequences), and on 100
 problems the difference is within the noise: a longer comparison is still to be made.
 
