@@ -128,13 +128,13 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
     report["generator_sync_s_median"] = round(
         statistics.median(r["time/generator_sync_s"] for r in steady), 5)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
-  if "rollout/slot_occupancy" in rows[-1]:  # multi-turn episodes
+  if "rollout/slot_occupancy" in rows[-1]:  # multi-turn episodes: means over the steps
     for key in ("rollout/slot_occupancy", "agent/turns_mean", "agent/tool_calls_mean",
                 "time/all_slots_parked_s", "agent/tool_latency_p50_s",
                 "agent/tool_latency_p90_s"):
       values = [r[key] for r in steady if key in r]
       if values:
-        report[key.split("/", 1)[1] + "_mean"] = round(statistics.mean(values), 4)
+        report[key.split("/", 1)[1]] = round(statistics.mean(values), 4)
   measured = runs.accuracy(outputs[0][0])
   if measured:
     report["eval_accuracy_before"], report["eval_accuracy_after"] = measured
@@ -159,7 +159,8 @@ def main() -> None:
   for arm in args.arms:
     results[arm] = _run(arm, workdir / arm, args, warm)
     print(f"{arm}: {json.dumps(results[arm])}", file=sys.stderr, flush=True)
-    if not warm:  # the first arm trained the warm-up: the others start from it
+    if not warm and (workdir / arm / "warmup").is_dir():  # the first arm trained the warm-up:
+      # the others start from it (none when every arm starts from --config.model.path)
       warm = runs.warm_start(workdir / arm)
   if "colocated" in results:
     for arm in list(results):
