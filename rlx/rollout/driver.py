@@ -168,19 +168,25 @@ class _Run:
         state = self._fill(state, free)
       owned = [s for s, o in enumerate(self.owner) if o is not None]
       if owned:
-        attend_len = self.engine.attend_bucket(int(self.index[owned].max()))
-        waiting = self.batching == "continuous" and (self.pending or self.prefixes)
-        refill_at = self.refill_at if waiting else None
-        state, chunk = self.engine.generate(self.params, state, attend_len, refill_at)
-        # One host round trip per chunk: the first tokens of the slots filled before it, then
-        # the chunk's tokens.
-        firsts, chunk = jax.device_get((self.firsts, chunk))
-        self.firsts = []
-        for slots, first in firsts:
-          for i, slot in enumerate(slots):
-            self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
-        self._record(chunk)
+        waiting = self.batching == "continuous" and bool(self.pending or self.prefixes)
+        state, _ = self._decode(state, owned, waiting)
     return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
+
+  def _decode(self, state, slots: list[int], waiting: bool):
+    """One ``generate`` chunk over the decoding ``slots`` (ending early to refill when requests
+    are ``waiting``), its tokens recorded; returns the state and the chunk (host arrays)."""
+    attend_len = self.engine.attend_bucket(int(self.index[slots].max()))
+    state, chunk = self.engine.generate(self.params, state, attend_len,
+                                        self.refill_at if waiting else None)
+    # One host round trip per chunk: the first tokens of the slots filled before it, then
+    # the chunk's tokens.
+    firsts, chunk = jax.device_get((self.firsts, chunk))
+    self.firsts = []
+    for placed, first in firsts:
+      for i, slot in enumerate(placed):
+        self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
+    self._record(chunk)
+    return state, chunk
 
   def _prefill_next(self, free_slots: int) -> None:
     count = min(len(self.pending), max(1, -(-free_slots // self.n)))

@@ -245,15 +245,18 @@ class Engine:
                    keys, sampling, self.max_len)
 
   def extend(self, params: Params, state: DecodeState, slots: jax.Array, tokens: jax.Array,
-             true_length: jax.Array, keys: jax.Array, sampling: SamplingParams) -> DecodeState:
+             true_length: jax.Array, keys: jax.Array, sampling: SamplingParams,
+             filled: int | None = None) -> DecodeState:
     """Appends ``tokens`` [R, C] (right-padded; ``true_length`` [R] real ones) to the caches of
     the parked slots ``slots`` [R] at their indices (a multi-turn episode's next turn: the
     token the slot sampled last, then the environment's), and samples each slot's next token
     with ``keys[i]``, as ``insert`` does. Only these tokens are computed: the rest of the
     slot's context stays in its cache. A slot index ``>= max_slots`` is ignored (padding).
-    The caller keeps every slot's ``index + true_length < max_len``."""
+    The caller keeps every slot's ``index + true_length < max_len``. ``filled``: the slots'
+    fullest cache once extended, when the caller knows it (else read from the device)."""
     tokens = jnp.asarray(tokens, jnp.int32)
-    filled = int(np.max(np.asarray(jax.device_get(state.cache["index"])))) + tokens.shape[1]
+    if filled is None:
+      filled = int(np.max(np.asarray(jax.device_get(state.cache["index"])))) + tokens.shape[1]
     if cache_len(state) < filled:
       state = self.resize(state, self.length_bucket(filled))
     return _extend(self.transformer, params, state, jnp.asarray(slots, jnp.int32), tokens,

@@ -75,8 +75,8 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
     engine.prompt_bucket(len(p))
   run = EpisodeRun(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                    tuple(stop_token_ids), seed, policy_version, "continuous", first_prompt_index,
-                   on_finished)
-  run.respond, run.max_tokens, run.step_timeout_s = respond, max_tokens, step_timeout_s
+                   on_finished, respond=respond, max_tokens=max_tokens,
+                   step_timeout_s=step_timeout_s)
   completions = run.run()
   if stats is not None:
     for key, value in run.stats.items():
@@ -87,15 +87,14 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
 class EpisodeRun(_Run):
   """``_Run`` whose slots park at the end of a turn instead of freeing."""
 
-  respond: Respond
-  max_tokens: int
-  step_timeout_s: float
-  step_timeouts: int = 0
-
-  def run(self) -> list[Completion]:
+  def __init__(self, *args, respond: Respond, max_tokens: int, step_timeout_s: float):
+    super().__init__(*args)
+    self.respond, self.max_tokens, self.step_timeout_s = respond, max_tokens, step_timeout_s
     self.parked: dict[int, _Parked] = {}
     self.turn_start: dict[tuple[int, int], int] = {}
     self.stats = {"slot_steps": 0, "busy_steps": 0, "parked_s": 0.0}
+
+  def run(self) -> list[Completion]:
     state = self.engine.init_decode_state()
     total = len(self.prompts) * self.n
     while len(self.results) < total:
@@ -105,16 +104,8 @@ class EpisodeRun(_Run):
         state = self._fill(state, free)
       decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.parked]
       if decoding:
-        attend_len = self.engine.attend_bucket(int(self.index[decoding].max()))
-        waiting = self.pending or self.prefixes or self.parked
-        state, chunk = self.engine.generate(self.params, state, attend_len,
-                                            self.refill_at if waiting else None)
-        firsts, chunk = jax.device_get((self.firsts, chunk))
-        self.firsts = []
-        for slots, first in firsts:
-          for i, slot in enumerate(slots):
-            self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
-        self._record(chunk)
+        state, chunk = self._decode(state, decoding,
+                                    bool(self.pending or self.prefixes or self.parked))
         ran = int(chunk.emitted.any(axis=1).sum())
         self.stats["slot_steps"] += ran * self.engine.max_slots
         self.stats["busy_steps"] += int(chunk.emitted.sum())
@@ -163,7 +154,6 @@ class EpisodeRun(_Run):
       if not parked.future.done():
         if now - parked.since > self.step_timeout_s:
           del self.parked[slot]
-          self.step_timeouts += 1
           self._finish(slot, truncated=True)
         continue
       del self.parked[slot]
@@ -210,7 +200,8 @@ class EpisodeRun(_Run):
         top_k=np.full((count,), top_k, np.int32), top_p=np.full((count,), top_p, np.float32),
         max_new_tokens=max_new, stop_ids=np.tile(stop_ids, (count, 1)))
     state = self.engine.extend(self.params, state, slots, tokens, lengths,
-                               jax.numpy.stack(keys), sampling)
+                               jax.numpy.stack(keys), sampling,
+                               filled=int(self.index[slots[:len(replies)]].max()))
     placed = slots[:len(replies)]
     self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
     return state
