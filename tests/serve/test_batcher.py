@@ -1,0 +1,90 @@
+"""Requests submitted one by one from other threads (``serve.Batcher``) against
+``rollout.generate`` of the same prompts with the same keys: the same tokens and log-probs,
+whichever requests share the slots; stop strings; an engine that raises fails the requests."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from rlx import rollout
+from rlx.config import ArchConfig
+from rlx.models import init_model
+from rlx.rollout.engine import Engine
+from rlx.serve.batcher import Batcher, Request, ServingClosed
+
+ARCH = ArchConfig(num_layers=2, vocab_size=48, hidden_size=32, intermediate_size=48, num_heads=4,
+                  num_kv_heads=2, head_dim=8, eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def model():
+  model = init_model(ARCH, jax.random.key(1))
+  return model.replace(params=jax.tree.map(lambda p: p * 8 if p.ndim > 1 else p, model.params))
+
+
+def _key(seed, i, j):
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), j)
+
+
+def test_submitted_requests_match_generate(model):
+  engine = Engine(model.transformer, max_slots=4, max_len=48, max_prompt_len=16, decode_steps=4)
+  prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19], [20], [21, 22, 23]]
+  reference = rollout.generate(engine, prompts, params=model.params, n=2, max_new_tokens=12,
+                               temperature=1.0, stop_token_ids=(3,), seed=7, policy_version=4)
+  batcher = Batcher(engine, model.params, version=4)
+  futures = {}
+
+  def client(indices):
+    for i in indices:  # out of order, from two threads
+      for j in (1, 0):
+        futures[(i, j)] = batcher.submit(Request(prompt=prompts[i], max_tokens=12,
+                                                 key=_key(7, i, j), stop_ids=(3,)))
+
+  threads = [threading.Thread(target=client, args=(part,)) for part in ([5, 0, 2], [1, 4, 3])]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  batcher.serve(until=lambda: all(f.done() for f in futures.values()))
+  for c in reference:
+    got = futures[(c.prompt_index, c.sample_index)].result()
+    assert got.tokens == c.response_tokens
+    np.testing.assert_allclose(got.logprobs, c.logprobs, atol=1e-5)
+    np.testing.assert_allclose(got.policy_logprobs, c.policy_logprobs, atol=1e-5)
+    assert got.finish_reason == c.finish_reason and got.policy_version == 4
+  assert batcher.stats["requests"] == 12
+
+
+def test_stop_text_ends_a_request_and_the_slot_is_reused(model):
+  engine = Engine(model.transformer, max_slots=2, max_len=48, max_prompt_len=16, decode_steps=4)
+  decode = lambda ids: " ".join(map(str, ids)) + " "
+  batcher = Batcher(engine, model.params, decode=decode)
+  free = batcher.submit(Request(prompt=[5, 6], max_tokens=20, key=_key(1, 0, 0)))
+  batcher.serve(until=lambda: free.done())
+  tokens = free.result().tokens
+  assert len(tokens) >= 4
+  stop = f" {tokens[1]} {tokens[2]} "  # ends after the third token
+  futures = [batcher.submit(Request(prompt=[5, 6], max_tokens=20, key=_key(1, 0, 0),
+                                    stop_texts=(stop,)))]
+  futures += [batcher.submit(Request(prompt=[7, 8, 9], max_tokens=6, key=_key(1, 1, 0)))
+              for _ in range(3)]
+  batcher.serve(until=lambda: all(f.done() for f in futures))
+  cut = futures[0].result()
+  assert cut.tokens == tokens[:3] and cut.stop_text == stop and cut.finish_reason == "stop"
+  rest = [f.result().tokens for f in futures[1:]]
+  assert rest[0] == rest[1] == rest[2]  # the zombie slot never leaked into the others
+
+
+def test_a_prompt_too_long_is_refused_and_close_fails_the_queue(model):
+  engine = Engine(model.transformer, max_slots=2, max_len=32, max_prompt_len=8, decode_steps=4)
+  batcher = Batcher(engine, model.params)
+  with pytest.raises(ValueError, match="max_prompt_len"):
+    batcher.submit(Request(prompt=list(range(5, 20)), max_tokens=4, key=_key(0, 0, 0)))
+  queued = batcher.submit(Request(prompt=[5], max_tokens=4, key=_key(0, 0, 0)))
+  batcher.close("the run ended")
+  with pytest.raises(ServingClosed, match="the run ended"):
+    queued.result(timeout=1)
+  with pytest.raises(ServingClosed):
+    batcher.submit(Request(prompt=[5], max_tokens=4, key=_key(0, 0, 0)))
