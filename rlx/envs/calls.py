@@ -120,3 +120,23 @@ def bind(call: ToolCall, parameters: list[str]) -> dict[str, Any]:
 def stop_strings(format: Format) -> tuple[str, ...]:
   """Token texts that end an assistant turn in ``format``, besides the tokenizer's eos."""
   return (BUILTIN_CALL[1],) if format == "builtin" else ()
+
+
+def detect_format(tokenizer) -> Format:
+  """The tool-call format a tokenizer's chat template uses: 'builtin' without a template, else
+  by the template's own markers."""
+  template = getattr(tokenizer, "chat_template", None)
+  if template is None:
+    return "builtin"
+  return "qwen" if "<tool_call>" in template else "llama"
+
+
+def turn_stop_ids(tokenizer, format: Format) -> tuple[int, ...]:
+  """Token ids that end an assistant turn: eos, and the format's own end of a call."""
+  extra = []
+  for text in stop_strings(format):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+      raise ValueError(f"{text!r} is not one token of this tokenizer; choose env.tool_format")
+    extra += ids
+  return tuple(dict.fromkeys([*tokenizer.eos_ids, *extra]))

@@ -27,7 +27,7 @@ import numpy as np
 from rlx import rollout
 from rlx.config import RunConfig
 from rlx.envs import COUNTS, Episode, Renderer, Toolbox, check_env, load_factory, tools_of
-from rlx.envs.calls import Format, stop_strings
+from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.rewards import Scored
 from rlx.rollout import Completion
 
@@ -39,23 +39,7 @@ def tool_format(config: RunConfig, tokenizer) -> Format:
   """The run's tool-call format ('auto': builtin without a chat template, else by the
   template's own markers)."""
   chosen = config.env.tool_format
-  if chosen != "auto":
-    return chosen
-  template = getattr(tokenizer, "chat_template", None)
-  if template is None:
-    return "builtin"
-  return "qwen" if "<tool_call>" in template else "llama"
-
-
-def turn_stop_ids(config: RunConfig, tokenizer) -> tuple[int, ...]:
-  """Token ids that end an assistant turn: eos, and the format's own end of a call."""
-  extra = []
-  for text in stop_strings(tool_format(config, tokenizer)):
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-      raise ValueError(f"{text!r} is not one token of this tokenizer; choose env.tool_format")
-    extra += ids
-  return tuple(dict.fromkeys([*tokenizer.eos_ids, *extra]))
+  return detect_format(tokenizer) if chosen == "auto" else chosen
 
 
 class _Episodes:
@@ -125,7 +109,8 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
         run.engine, episodes.prompts, episodes.respond, params=params, n=n,
         max_new_tokens=config.env.turn_max_new_tokens or r.max_new_tokens,
         max_tokens=config.env.max_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-        stop_token_ids=turn_stop_ids(config, run.tokenizer), seed=seed, policy_version=version,
+        stop_token_ids=turn_stop_ids(run.tokenizer, tool_format(config, run.tokenizer)),
+        seed=seed, policy_version=version,
         first_prompt_index=first_prompt_index, step_timeout_s=config.env.step_timeout_s,
         stats=slots)
   finally:

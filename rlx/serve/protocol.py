@@ -1,0 +1,198 @@
+"""The OpenAI chat- and text-completions schema: what a request may hold, the errors, and the
+responses built from the ids the engine sampled.
+
+Requests are validated by pydantic models (unknown fields are accepted and ignored, as the
+OpenAI API does for fields it does not know); a request that does not validate, or asks for
+more than the endpoint allows, is an ``ApiError`` with OpenAI's error JSON and a 4xx status.
+Tool calls in a sampled answer are read with the model's format (``envs.calls``) and returned
+as ``tool_calls`` (finish reason ``tool_calls``); an answer whose call cannot be read is
+returned as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import pydantic
+
+from rlx.envs.calls import BUILTIN_CALL, Format, MalformedCall, bind, parse
+from rlx.serve.trajectories import arguments_of, text_of
+
+
+class ApiError(Exception):
+  """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+  def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                      "code": self.code}}
+
+
+class _Request(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  model: str
+  temperature: float | None = pydantic.Field(None, ge=0, le=2)
+  top_p: float | None = pydantic.Field(None, gt=0, le=1)
+  max_tokens: int | None = pydantic.Field(None, ge=1)
+  stop: str | list[str] | None = None
+  n: int = pydantic.Field(1, ge=1)
+  seed: int | None = None
+  stream: bool = False
+  logprobs: Any = None
+  top_logprobs: int | None = pydantic.Field(None, ge=0, le=20)
+
+  @pydantic.field_validator("stop")
+  @classmethod
+  def _stops(cls, value):
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > 4 or any(not s for s in stops):
+      raise ValueError("up to 4 non-empty stop strings")
+    return stops
+
+
+class _Message(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(extra="allow")
+
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[dict[str, Any]] | None = None
+  tool_calls: list[dict[str, Any]] | None = None
+  tool_call_id: str | None = None
+  name: str | None = None
+
+
+class ChatRequest(_Request):
+  messages: list[_Message] = pydantic.Field(min_length=1)
+  tools: list[dict[str, Any]] | None = None
+  tool_choice: str | dict[str, Any] | None = None
+  max_completion_tokens: int | None = pydantic.Field(None, ge=1)
+  logprobs: bool = False
+
+  def plain_messages(self) -> list[dict]:
+    return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class CompletionRequest(_Request):
+  prompt: str | list[int] = pydantic.Field(min_length=1)
+  """Text, or token ids (token-in: sent to the engine as they are)."""
+  logprobs: int | None = pydantic.Field(None, ge=0, le=20)
+  echo: bool = False
+  return_token_ids: bool = False
+
+
+def validate(model: type[_Request], body: Any) -> _Request:
+  """``body`` as a request, or a 400 ``ApiError`` naming the first field that is wrong."""
+  try:
+    return model.model_validate(body)
+  except pydantic.ValidationError as error:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or None
+    raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"],
+                   param=where) from None
+
+
+def new_id(prefix: str) -> str:
+  return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def tool_calls_in(text: str, format: Format,
+                  tools: Sequence[dict]) -> tuple[str | None, list[dict]] | None:
+  """(content before the calls, OpenAI ``tool_calls``) of a sampled answer; None when it calls
+  no tool, or a call cannot be read or names a tool that was not offered."""
+  try:
+    calls = parse(text, format)
+  except MalformedCall:
+    return None
+  if not calls:
+    return None
+  offered = {t.get("function", t).get("name"): t.get("function", t) for t in tools}
+  out = []
+  for call in calls:
+    described = offered.get(call.name)
+    if described is None:
+      return None
+    parameters = list((described.get("parameters") or {}).get("properties") or {})
+    try:
+      arguments = bind(call, parameters)
+    except MalformedCall:
+      return None
+    out.append({"id": new_id("call"), "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(arguments)}})
+  opener = {"builtin": BUILTIN_CALL[0], "qwen": "<tool_call>"}.get(format)
+  content = text.split(opener, 1)[0].strip() if opener else ""
+  return content or None, out
+
+
+def token_logprobs(decode_one, tokens: Sequence[int], logprobs: Sequence[float]) -> list[dict]:
+  """The chat ``logprobs.content`` list of one choice."""
+  out = []
+  for token, logprob in zip(tokens, logprobs):
+    text = decode_one(token)
+    out.append({"token": text, "logprob": float(logprob), "bytes": list(text.encode()),
+                "top_logprobs": []})
+  return out
+
+
+def chat_response(model: str, choices: Sequence[dict], prompt_tokens: int,
+                  completion_tokens: int) -> dict:
+  return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+          "model": model, "choices": list(choices),
+          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def completion_response(model: str, choices: Sequence[dict], prompt_tokens: int,
+                        completion_tokens: int) -> dict:
+  return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+          "model": model, "choices": list(choices),
+          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def template_messages(messages: Sequence[dict]) -> list[dict]:
+  """OpenAI messages as a Hugging Face chat template reads them: text content, tool-call
+  arguments as dicts."""
+  out = []
+  for message in messages:
+    m = {"role": message["role"], "content": text_of(message.get("content"))}
+    if message.get("tool_calls"):
+      m["tool_calls"] = [{"type": "function", "function": {
+          "name": call.get("function", call).get("name", ""), "arguments": arguments_of(call)}}
+          for call in message["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+      if message.get(key):
+        m[key] = message[key]
+    out.append(m)
+  return out
+
+
+def builtin_text(messages: Sequence[dict], eos: str) -> str:
+  """A whole conversation as the built-in model reads it (it has no chat template): the first
+  messages' text, then each assistant turn with its calls as ``<call>name("arg")</call>``, each
+  tool result as ``<result>text</result>``, each later user message on its own lines."""
+  parts, started = [], False
+  for message in messages:
+    role, content = message["role"], text_of(message.get("content"))
+    if not started and role != "assistant":
+      parts.append(("\n" if parts else "") + content)
+      continue
+    started = True
+    if role == "assistant":
+      calls = message.get("tool_calls") or ()
+      parts.append(content + "".join(
+          f"{BUILTIN_CALL[0]}{call.get('function', call).get('name', '')}("
+          + ", ".join(json.dumps(v) for v in arguments_of(call).values())
+          + f"){BUILTIN_CALL[1]}" for call in calls) + ("" if calls else eos))
+    elif role == "tool":
+      parts.append(f"<result>{content}</result>")
+    else:
+      parts.append(f"\n{content}\n")
+  return "".join(parts)

@@ -1,0 +1,203 @@
+"""The endpoint driven by the official ``openai`` client: chat, n > 1, logprobs, stop strings,
+seeds, completions with token ids in and out, tool calls, episode keys and trajectory merging;
+and a suite of malformed requests that leave it answering."""
+
+import concurrent.futures
+import json
+import threading
+import urllib.request
+
+import jax
+import openai
+import pytest
+
+from rlx.config import ArchConfig
+from rlx.models import init_model
+from rlx.models.tokenizer import builtin_tokenizer
+from rlx.rollout.engine import Engine
+from rlx.serve.batcher import Generated
+from rlx.serve.endpoint import Endpoint, Forced
+from rlx.serve.trajectories import EpisodeLog
+
+TOKENIZER = builtin_tokenizer()
+ARCH = ArchConfig(num_layers=1, vocab_size=TOKENIZER.vocab_size, hidden_size=32,
+                  intermediate_size=48, num_heads=2, num_kv_heads=1, head_dim=16,
+                  eos_token_ids=TOKENIZER.eos_ids)
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluates an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
+
+
+@pytest.fixture(scope="module")
+def served():
+  model = init_model(ARCH, jax.random.key(0))
+  engine = Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=64, decode_steps=8)
+  endpoint = Endpoint(engine, TOKENIZER, model.params, max_n=4, max_tokens=24,
+                      max_request_bytes=64 << 10).start()
+  stop = threading.Event()
+  thread = threading.Thread(target=endpoint.batcher.serve, args=(stop.is_set,), daemon=True)
+  thread.start()
+  yield endpoint
+  stop.set()
+  thread.join()
+  endpoint.stop()
+
+
+def _client(endpoint, key="none"):
+  return openai.OpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0, timeout=60)
+
+
+def test_chat_n_logprobs_seed_and_usage(served):
+  client = _client(served)
+  asked = dict(model="policy", messages=[{"role": "user", "content": "What is 2*3?"}],
+               max_tokens=12, n=3, logprobs=True, seed=5, temperature=1.0)
+  first, again = client.chat.completions.create(**asked), client.chat.completions.create(**asked)
+  assert len(first.choices) == 3 and [c.index for c in first.choices] == [0, 1, 2]
+  assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+  assert len({c.message.content for c in first.choices}) > 1  # the choices draw apart
+  for choice in first.choices:
+    assert choice.finish_reason in ("stop", "length")
+    assert all(t.logprob <= 0 for t in choice.logprobs.content) and choice.logprobs.content
+  assert first.usage.prompt_tokens == len(TOKENIZER.encode("What is 2*3?"))
+  assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)
+  assert client.models.list().data[0].id == "policy"
+
+
+def test_streaming_is_refused_and_the_model_must_exist(served):
+  client = _client(served)
+  with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
+                                   stream=True)
+  with pytest.raises(openai.NotFoundError, match="does not exist"):
+    client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+
+
+def test_completions_token_ids_in_and_out_and_stop_strings(served):
+  client = _client(served)
+  ids = TOKENIZER.encode("12+7=")
+  out = client.completions.create(model="policy", prompt=ids, max_tokens=10, seed=1,
+                                  extra_body={"return_token_ids": True})
+  choice = out.choices[0].model_dump()
+  assert TOKENIZER.decode(choice["token_ids"]) == out.choices[0].text
+  assert out.model_dump()["prompt_token_ids"] == ids
+  text = out.choices[0].text
+  if len(text) >= 3:  # a stop string cut from the text; the same draws up to it
+    stop = text[1:3]
+    cut = client.completions.create(model="policy", prompt=ids, max_tokens=10, seed=1, stop=[stop])
+    assert cut.choices[0].text == text.split(stop, 1)[0] and cut.choices[0].finish_reason == "stop"
+
+
+def test_api_key_is_required_off_loopback():
+  with pytest.raises(ValueError, match="needs an API key"):
+    Endpoint(Engine(init_model(ARCH, jax.random.key(0)).transformer, max_slots=1, max_len=16,
+                    max_prompt_len=8), TOKENIZER, None, host="0.0.0.0")
+
+
+def _post(endpoint, route, data: bytes, headers=None):
+  request = urllib.request.Request(endpoint.base_url.removesuffix("/v1") + route, data=data,
+                                   headers={"Content-Type": "application/json", **(headers or {})})
+  try:
+    with urllib.request.urlopen(request, timeout=60) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as error:
+    return error.code, json.loads(error.read())
+
+
+MALFORMED = [
+    (b"{not json", 400),
+    (b"[1, 2]", 400),
+    (json.dumps({"model": "policy"}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": "hi"}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": 5}]}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
+                 "temperature": "hot"}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
+                 "n": 10 ** 6}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
+                 "max_tokens": -3}).encode(), 400),
+    (json.dumps({"model": "nobody", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * 300}]}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}).encode(), 413),
+    (json.dumps({"model": "policy", "prompt": [10 ** 9]}).encode(), 400),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_answering(served):
+  for body, status in MALFORMED:
+    route = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    code, answer = _post(served, route, body)
+    assert code == status, (body[:80], answer)
+    assert set(answer["error"]) >= {"message", "type"} and answer["error"]["message"]
+  code, answer = _post(served, "/v1/nowhere", b"{}")
+  assert code == 404 and "error" in answer
+  # a huge max_tokens is capped at the endpoint's limit, and it still answers
+  huge = _client(served).chat.completions.create(
+      model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=10 ** 9)
+  assert huge.usage.completion_tokens <= 24
+
+
+class _Scripted:
+  """A batcher that answers with scripted texts (no model), recording the prompts it got."""
+
+  def __init__(self, texts):
+    self.texts, self.prompts = list(texts), []
+
+  def submit(self, request):
+    self.prompts.append(request.prompt)
+    ids = TOKENIZER.encode(self.texts.pop(0), add_special_tokens=False)
+    future = concurrent.futures.Future()
+    future.set_result(Generated(ids, [-0.5] * len(ids), [-0.4] * len(ids), "stop", 7))
+    return future
+
+  def close(self):
+    pass
+
+
+@pytest.fixture
+def scripted():
+  model = init_model(ARCH, jax.random.key(0))
+  engine = Engine(model.transformer, max_slots=2, max_len=96, max_prompt_len=64)
+  endpoint = Endpoint(engine, TOKENIZER, model.params, episodes=True,
+                      forced=Forced(temperature=1.0, top_p=1.0, top_k=0, max_tokens=32)).start()
+  yield endpoint
+  endpoint.stop()
+
+
+def test_tool_calls_and_merged_trajectory(scripted):
+  scripted.batcher = _Scripted(['<call>calculator("2*3")</call>', "<answer>6</answer><|eos|>",
+                               "<answer>5</answer><|eos|>"])
+  log = EpisodeLog("episode-1", row={}, seed_key=jax.random.key(0))
+  scripted.open([log])
+  client = _client(scripted, key="episode-1")
+  messages = [{"role": "user", "content": "What is 2*3?"}]
+  first = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+  choice = first.choices[0]
+  assert choice.finish_reason == "tool_calls"
+  call = choice.message.tool_calls[0]
+  assert call.function.name == "calculator"
+  assert json.loads(call.function.arguments) == {"expression": "2*3"}
+  messages += [choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "6"}]
+  second = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+  assert second.choices[0].message.content == "<answer>6</answer>"
+  prompt = TOKENIZER.encode("What is 2*3?")
+  call_ids = TOKENIZER.encode('<call>calculator("2*3")</call>', add_special_tokens=False)
+  result_ids = TOKENIZER.encode("<result>6</result>", add_special_tokens=False)
+  assert scripted.batcher.prompts == [prompt, prompt + call_ids + result_ids]
+  node = log.trajectory("last")
+  answer_ids = TOKENIZER.encode("<answer>6</answer><|eos|>", add_special_tokens=False)
+  assert node.prompt_tokens == prompt and node.turns == 2 and log.segments == 1
+  assert node.response_tokens == call_ids + result_ids + answer_ids
+  assert node.sampled_mask == [True] * len(call_ids) + [False] * len(result_ids) + [True] * len(answer_ids)
+  assert node.logprobs[:len(call_ids)] == [-0.5] * len(call_ids) and node.policy_version == 7
+  # a rewritten history starts a new segment; another key is refused
+  client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2*3?"}])
+  assert log.segments == 2 and len(log.leaves()) == 2
+  with pytest.raises(openai.AuthenticationError, match="no open episode"):
+    _client(scripted, key="someone-else").chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "x"}])
+  assert _post(scripted, "/rlx/reward", b'{"reward": 0.5}',
+               {"Authorization": "Bearer episode-1"})[0] == 200
+  assert log.posted == {"reward": 0.5, "correct": None}
