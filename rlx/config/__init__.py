@@ -135,7 +135,7 @@ def check(config: RunConfig) -> RunConfig:
   _check(mesh.generators == 1 or mesh.role != "both", "mesh.generators",
          "counts generator jobs of a split run as jobs (mesh.role=learner or generator)")
   env = config.env
-  if env.enabled:
+  if env.name:
     _check(env.max_tokens <= config.rollout.max_new_tokens, "env.max_tokens",
            f"must fit in rollout.max_new_tokens={config.rollout.max_new_tokens}, the room the "
            "engine keeps after a prompt for everything an episode adds")

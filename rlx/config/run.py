@@ -174,7 +174,7 @@ class EnvConfig:
   max_turns: int = 4
   """Assistant turns per episode; an episode still calling tools after them ends truncated."""
   max_tokens: int = 256
-  """Tokens an episode may add after its prompt (sampled and environment's together); past it, it ends truncated."""
+  """Tokens an episode may add after its prompt (sampled and environment's together); past it, it ends truncated. An agent program's episode is bounded by the engine instead: its whole conversation within rollout.max_prompt_len + rollout.max_new_tokens."""
   turn_max_new_tokens: int | None = None
   """Longest assistant turn; None: rollout.max_new_tokens."""
   tool_timeout_s: float = 5.0
@@ -187,10 +187,20 @@ class EnvConfig:
   """A tool result longer than this is cut (the model sees that it was)."""
   step_timeout_s: float = 30.0
   """An environment step (yours, on the host) that runs longer ends its episode, truncated, and is counted."""
+  agent: str = ""
+  """An agent program instead of an environment: 'path/to/file.py:run' or 'package.module:run', an 'async def run(client, row)' that reaches the policy only through an openai.AsyncOpenAI client (the run's OpenAI-compatible endpoint) and returns the episode's reward (or None: the run's reward scores its final answer). Needs pip install 'rlx[serve]'."""
+  agent_timeout_s: float = 120.0
+  """An agent program's episode that runs longer is cancelled; its group is dropped and counted."""
+  trajectory: Literal["last", "longest"] = "last"
+  """Which of an agent episode's trajectories is trained on when it has several (it rewrote its history, or asked for n > 1): 'last', the one of its last request; 'longest', the one with the most sampled tokens."""
+  endpoint_host: str = "127.0.0.1"
+  """Where the run's OpenAI-compatible endpoint listens (each episode's key is its API key)."""
+  endpoint_port: int = 0
+  """Its port; 0 picks a free one."""
 
   @property
   def enabled(self) -> bool:
-    return bool(self.name.strip())
+    return bool(self.name.strip() or self.agent.strip())
 
   def __post_init__(self):
     _check(self.max_turns >= 1, "env.max_turns", "must be >= 1")
@@ -199,7 +209,11 @@ class EnvConfig:
     _check(self.tool_workers >= 0, "env.tool_workers", "must be >= 0 (0 runs tools in the trainer)")
     _check(self.tool_memory_mb >= 0, "env.tool_memory_mb", "must be >= 0 (0 is unlimited)")
     _positive(self, "env", "max_tokens", "tool_timeout_s", "max_observation_chars",
-              "step_timeout_s")
+              "step_timeout_s", "agent_timeout_s")
+    _check(not (self.name.strip() and self.agent.strip()), "env.agent",
+           f"an agent program and an environment (env.name={self.name!r}) both drive episodes; "
+           "set one of them")
+    _check(0 <= self.endpoint_port < 65536, "env.endpoint_port", "must be 0 (any free port) .. 65535")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -90,6 +90,23 @@ def load_factory(name: str) -> Callable[[dict], Environment]:
     raise ValueError(str(error).replace("reward ", "environment ", 1)) from None
 
 
+def load_agent(name: str) -> Callable:
+  """The agent program ``env.agent`` names (``'path/to/file.py:run'`` or
+  ``'package.module:run'``), an ``async def run(client, row)``; ValueError naming the problem."""
+  import inspect  # noqa: PLC0415
+
+  if ":" not in name:
+    raise ValueError(f"agent program {name!r}: name it as 'path/to/file.py:function' or "
+                     "'package.module:function'")
+  try:
+    agent = _import(name)
+  except RewardError as error:
+    raise ValueError(str(error).replace("reward ", "agent program ", 1)) from None
+  if not inspect.iscoroutinefunction(agent):
+    raise ValueError(f"agent program {name!r} must be an 'async def run(client, row)'")
+  return agent
+
+
 def check_env(env: object, name: str) -> Environment:
   """``env`` if it has ``reset`` and ``step``; else a ValueError naming the factory."""
   if not isinstance(env, Environment):

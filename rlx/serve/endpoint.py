@@ -108,6 +108,8 @@ class Endpoint:
     self.recording = episodes
     self.episodes: dict[str, EpisodeLog] = {}
     self.lock = threading.Lock()
+    self.in_use = threading.Lock()
+    """Held by whoever runs the batcher (``Batcher.serve`` runs in one thread at a time)."""
     self.base_key = jax.random.key(seed)
     self.counter = 0
     self.counts = {"requests": 0, "errors": 0, "history_rewrites": 0}
@@ -289,6 +291,11 @@ class Endpoint:
       if calls is not None:
         message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
         finish = "tool_calls"
+      if log is not None and tools:
+        if calls is not None:
+          log.tool_calls += len(calls[1])
+        elif protocol.opens_call(text, self.format):
+          log.malformed_calls += 1
       choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
       if request.logprobs:
         choice["logprobs"] = {"content": protocol.token_logprobs(self._decode_one, g.tokens,

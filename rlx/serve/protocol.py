@@ -131,6 +131,14 @@ def tool_calls_in(text: str, format: Format,
   return content or None, out
 
 
+def opens_call(text: str, format: Format) -> bool:
+  """Whether an answer begins a tool call (in ``format``), readable or not."""
+  marker = {"builtin": BUILTIN_CALL[0], "qwen": "<tool_call>"}.get(format)
+  if marker is not None:
+    return marker in text
+  return text.replace("<|python_tag|>", "").lstrip().startswith("{")
+
+
 def token_logprobs(decode_one, tokens: Sequence[int], logprobs: Sequence[float]) -> list[dict]:
   """The chat ``logprobs.content`` list of one choice."""
   out = []

@@ -103,6 +103,10 @@ class EpisodeLog:
     self.segments = 0
     self.posted: dict | None = None
     """What the agent posted to the reward route."""
+    self.tool_calls = 0
+    """Tool calls the endpoint read in the answers."""
+    self.malformed_calls = 0
+    """Answers that began a tool call the endpoint could not read (returned as text)."""
 
   def prompt(self, messages: Sequence[dict], increment: Callable[[Sequence[dict]], list[int]],
              render: Callable[[Sequence[dict]], list[int]]) -> tuple[list[int], Node | None]:

@@ -199,17 +199,36 @@ def agent_metrics(sums: dict[str, float],
   metrics = {
       "agent/turns_mean": sums.get("turns", 0) / episodes,
       "agent/tool_calls_mean": sums.get("tool_calls", 0) / episodes,
-      "agent/tool_errors": sums.get("tool_errors", 0),
-      "agent/tool_timeouts": sums.get("tool_timeouts", 0),
       "agent/malformed_calls": sums.get("malformed_calls", 0),
-      "agent/env_errors": sums.get("env_errors", 0),
-      "agent/env_timeouts": sums.get("step_timeouts", 0),
       "agent/truncated_frac": sums.get("truncated", 0) / episodes,
-      "time/env_s": sums.get("env_s", 0.0),
       # of the decode slots' steps, those that produced a token (parked and idle slots don't)
       "rollout/slot_occupancy": sums.get("busy_steps", 0) / max(sums.get("slot_steps", 0), 1),
-      "time/all_slots_parked_s": sums.get("parked_s", 0.0),
   }
+  if "requests" in sums:  # an agent program's episodes (config.env.agent): it runs its tools
+    failures = (sums.get("program_errors", 0) + sums.get("program_timeouts", 0)
+                + sums.get("silent_episodes", 0))
+    metrics.update({
+        "agent/requests_mean": sums["requests"] / episodes,
+        "agent/program_errors": sums.get("program_errors", 0),
+        "agent/program_timeouts": sums.get("program_timeouts", 0),
+        "agent/silent_episodes": sums.get("silent_episodes", 0),
+        "agent/failed_groups": sums.get("failed_groups", 0),
+        "agent/failed_frac": failures / max(sums.get("episodes", 0)
+                                            + sums.get("dropped_episodes", 0), 1),
+        "agent/history_rewrites": sums.get("history_rewrites", 0),
+        # sampled tokens left out of training: other segments, unchosen choices of n > 1
+        "agent/dropped_token_frac": (sums.get("dropped_tokens", 0)
+                                     / max(sums.get("sampled_tokens", 0), 1)),
+    })
+  else:
+    metrics.update({
+        "agent/tool_errors": sums.get("tool_errors", 0),
+        "agent/tool_timeouts": sums.get("tool_timeouts", 0),
+        "agent/env_errors": sums.get("env_errors", 0),
+        "agent/env_timeouts": sums.get("step_timeouts", 0),
+        "time/env_s": sums.get("env_s", 0.0),
+        "time/all_slots_parked_s": sums.get("parked_s", 0.0),
+    })
   tools = sorted({name for name, _ in latencies})
   for tool in [None, *tools] if len(tools) > 1 else [None] * bool(tools):
     seconds = np.asarray([s for name, s in latencies if tool is None or name == tool])

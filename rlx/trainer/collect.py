@@ -30,6 +30,11 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
   """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
   (``first_prompt_index``: where ``rows`` start in the batch the processes share). Each
   completion is scored as soon as it finishes, while the others are still decoding."""
+  if run.config.env.agent:
+    from rlx.trainer.agent_programs import run_agent_programs  # noqa: PLC0415 - needs rlx[serve]
+
+    return run_agent_programs(run, params, rows, n=n, temperature=temperature, seed=seed,
+                              version=version, first_prompt_index=first_prompt_index)
   if run.config.env.enabled:
     return run_episodes(run, params, rows, n=n, temperature=temperature, seed=seed,
                         version=version, first_prompt_index=first_prompt_index)
@@ -159,6 +164,13 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
   temperature = config.rollout.temperature if temperature is None else temperature
   while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
+      if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
+        raise RuntimeError(
+            f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "
+            f"in {draws} draws: {int(agent.get('agent:program_errors', 0))} raised, "
+            f"{int(agent.get('agent:program_timeouts', 0))} ran past env.agent_timeout_s, "
+            f"{int(agent.get('agent:silent_episodes', 0))} never called the endpoint; the first "
+            f"error: {run.agent_error}")
       failed = counts.get("reward/errors", 0) + counts.get("reward/timeouts", 0)
       if failed >= sampled:
         raise RewardFailedError(

@@ -16,7 +16,7 @@ import jax
 
 from rlx import rollout
 from rlx.config import ConfigError, RunConfig
-from rlx.envs import ToolRunner, load_factory
+from rlx.envs import ToolRunner, load_agent, load_factory
 from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import (
@@ -61,12 +61,18 @@ class Run:
   """(tool name, seconds) of each tool call since the metrics last took them."""
   samples_written: float = 0.0
   """When sample episodes were last written (``time.time()``)."""
+  endpoint: object = None
+  """The OpenAI-compatible endpoint agent programs call (config.env.agent), once started."""
+  agent_error: str | None = None
+  """The first error an agent program raised (for the message when no group survives)."""
 
   def close(self) -> None:
     self.pool.close()
     self.sync.close()
     if self.tools is not None:
       self.tools.close()
+    if self.endpoint is not None:
+      self.endpoint.stop()
 
 
 def check_reward(config: RunConfig) -> dict | None:
@@ -95,11 +101,16 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   weight sync and reward pool."""
   workdir = pathlib.Path(workdir)
   sandbox = check_reward(config)  # an unusable reward is reported before the model is built
-  if config.env.enabled:
+  if config.env.name:
     try:
       load_factory(config.env.name)
     except ValueError as error:
       raise ConfigError(f"config.env.name: {error}") from None
+  if config.env.agent:
+    try:
+      load_agent(config.env.agent)
+    except ValueError as error:
+      raise ConfigError(f"config.env.agent: {error}") from None
   if sandbox:
     say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
         f"seccomp, rlimits, no network, a tmpfs root; memory: {sandbox['memory']}")
@@ -128,9 +139,12 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                         shard=((config.mesh.generator_id, config.mesh.generators)
                                if config.mesh.role == "generator" else (0, 1)))
   r = config.rollout
+  # an agent program's later requests hold its earlier turns in their prompts
   engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
                           max_len=r.max_prompt_len + r.max_new_tokens,
-                          max_prompt_len=r.max_prompt_len, mesh=meshes.generation,
+                          max_prompt_len=(r.max_prompt_len + r.max_new_tokens - 1 if config.env.agent
+                                          else r.max_prompt_len),
+                          mesh=meshes.generation,
                           decode_steps=r.decode_steps)
   shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
   # versions a reader may still be restoring stay on storage: k + 2 of them
@@ -148,7 +162,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           "before RL (config.trainer.warmup_sft=always)")
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
   tools = None
-  if config.env.enabled:
+  if config.env.name:
     e = config.env
     tools = ToolRunner(num_workers=e.tool_workers, timeout_s=e.tool_timeout_s,
                        memory_mb=e.tool_memory_mb, max_chars=e.max_observation_chars)

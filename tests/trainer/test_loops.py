@@ -62,3 +62,18 @@ def test_agent_config_runs_episodes_in_both_deployments(mode, tmp_path):
     assert key in rows[-1] and np.isfinite(rows[-1][key]), key
   assert rows[-1]["agent/turns_mean"] >= 1 and 0 < rows[-1]["rollout/slot_occupancy"] <= 1
   assert (tmp_path / "episodes.jsonl").is_file()
+
+
+@pytest.mark.parametrize("mode", ["split", "colocated"])
+def test_agent_program_trains_through_the_endpoint(mode, tmp_path):
+  config = tiny.config("agent_calc_openai", "--config.trainer.steps=2",
+                       "--config.algorithm.dynamic_sampling=false", f"--config.mesh.mode={mode}",
+                       "--config.env.turn_max_new_tokens=4", "--config.trainer.eval_every=2")
+  summary = train(config, tmp_path, say=lambda message: None)
+  assert summary.steps == 2 and not summary.stopped
+  rows = tiny.metrics(tmp_path)
+  for key in ("agent/turns_mean", "agent/requests_mean", "agent/failed_frac",
+              "rollout/slot_occupancy", "agent/dropped_token_frac", "eval/accuracy"):
+    assert key in rows[-1] and np.isfinite(rows[-1][key]), key
+  assert rows[-1]["agent/requests_mean"] >= 1 and rows[-1]["agent/failed_frac"] == 0
+  assert 0 < rows[-1]["rollout/slot_occupancy"] <= 1

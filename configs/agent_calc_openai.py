@@ -1,0 +1,22 @@
+"""The ``calc`` agent as a black-box program (``examples/calc_agent.py``) that reaches the
+policy only through an ``openai.AsyncOpenAI`` client: the run serves the policy on an
+OpenAI-compatible endpoint while it generates, records every request's ids and log-probs, and
+trains on the merged trajectories. Everything else is ``configs/agent_calc.py``'s, so that the
+two can be compared. Needs ``pip install -e '.[serve]'``.
+
+    python -m rlx.main --config configs/agent_calc_openai.py --workdir /tmp/rlx-calc-openai
+"""
+
+import dataclasses
+import pathlib
+
+from configs import agent_calc
+
+AGENT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "calc_agent.py"
+
+
+def get_config():
+  config = agent_calc.get_config()
+  return dataclasses.replace(
+      config, name="agent_calc_openai",
+      env=dataclasses.replace(config.env, name="", agent=f"{AGENT}:run", agent_timeout_s=120.0))
