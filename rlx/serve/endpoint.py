@@ -360,6 +360,12 @@ class Endpoint:
       log.posted = {"reward": float(body["reward"]), "correct": body.get("correct")}
     return {"ok": True}
 
+  def models(self, body, headers) -> dict:
+    del body
+    self._episode(headers)
+    return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                        "owned_by": "rlx"}]}
+
   def app(self):
     """The FastAPI application."""
     fastapi, _ = _fastapi()
@@ -384,11 +390,11 @@ class Endpoint:
       except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, f"the body is not valid JSON: {error}") from None
 
-    def answer(handler: Callable):
+    def answer(handler: Callable, body: bool = True):
       async def route(request):
         endpoint.counts["requests"] += 1
         try:
-          result = handler(await read(request), request.headers)
+          result = handler(await read(request) if body else None, request.headers)
           if asyncio.iscoroutine(result):
             result = await result
           return JSONResponse(result)
@@ -409,11 +415,7 @@ class Endpoint:
     app.add_api_route("/v1/completions", answer(self.completions), methods=["POST"])
     app.add_api_route("/rlx/reward", answer(self.reward), methods=["POST"])
 
-    async def models():
-      return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
-                                          "created": 0, "owned_by": "rlx"}]}
-
-    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models", answer(self.models, body=False), methods=["GET"])
 
     @app.exception_handler(404)
     async def not_found(request, exc):
