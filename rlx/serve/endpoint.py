@@ -10,7 +10,9 @@ here: each route reads the body (at most ``max_request_bytes``), validates it wi
 ``serve.protocol`` and answers every problem with OpenAI's error JSON and a 4xx status, so
 that no request can take the run down. Requests go to a ``Batcher``: whatever many clients
 send at once shares the engine's continuous batching. Streaming is refused (a 400 that says
-so); ``n`` samples, stop strings, ``seed``, ``logprobs`` and ``tool_calls`` are served.
+so); ``n`` samples, stop strings, ``seed``, ``logprobs`` (the behaviour log-probs the engine
+recorded) with ``top_logprobs`` (one forward pass over the answer, at the temperature it was
+sampled at) and ``tool_calls`` are served.
 
 While a run trains, every request carries its episode's key, as the API key (``Authorization:
 Bearer KEY``) or as ``X-Episode-Id``; a request for no open episode is refused (401). The
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import ipaddress
 import json
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.envs.render import Renderer
@@ -51,6 +55,13 @@ def _fastapi():
     raise ImportError("the OpenAI-compatible endpoint needs FastAPI and uvicorn: "
                       "pip install 'rlx[serve]'") from None
   return fastapi, uvicorn
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _top_logprobs(transformer, params, tokens, mask, temperature):
+  hidden, _ = transformer.hidden_states(params, tokens, mask)
+  logprobs = jax.nn.log_softmax(transformer.logits(params, hidden) / temperature, axis=-1)
+  return jax.lax.top_k(logprobs, 20)
 
 
 def is_loopback(host: str) -> bool:
@@ -248,6 +259,22 @@ class Endpoint:
   def _decode_one(self, token: int) -> str:
     return self.tokenizer.decode([token], skip_special_tokens=False)
 
+  def _alternatives(self, prompt: list[int], tokens: list[int], temperature: float):
+    """The most likely tokens (log-probs [L, 20] and ids) at each sampled position, under the
+    distribution it was drawn from (temperature 0: the policy's): one forward pass over the
+    prompt and the answer."""
+    sequence = list(prompt) + list(tokens)
+    length = 16
+    while length < len(sequence):
+      length *= 2
+    ids = np.zeros((1, length), np.int32)
+    ids[0, :len(sequence)] = sequence
+    mask = np.arange(length)[None] < len(sequence)
+    values, top = _top_logprobs(self.engine.transformer, self.batcher.params, ids, mask,
+                                np.float32(temperature or 1.0))
+    rows = slice(len(prompt) - 1, len(sequence) - 1)
+    return np.asarray(values[0, rows]), np.asarray(top[0, rows])
+
   # --- routes ----------------------------------------------------------------------------------
 
   def _renderer(self, tools) -> Renderer:
@@ -263,9 +290,8 @@ class Endpoint:
   async def chat(self, body, headers) -> dict:
     request = protocol.validate(protocol.ChatRequest, body)
     self._check_model(request)
-    if request.top_logprobs:
-      raise ApiError(400, "top_logprobs is not supported; logprobs=true gives the sampled "
-                     "tokens' log-probs", param="top_logprobs")
+    if request.top_logprobs and not request.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     log = self._episode(headers)
     messages = request.plain_messages()
     tools = request.tools or []
@@ -279,8 +305,9 @@ class Endpoint:
         prompt, parent = self._render_whole(renderer, messages), None
     except (ValueError, TypeError) as error:  # the template refused these messages
       raise ApiError(400, f"cannot render these messages: {error}", param="messages") from None
-    generated = await self._run(self._requests(
-        request, prompt, request.max_completion_tokens or request.max_tokens, log))
+    requests_made = self._requests(request, prompt,
+                                   request.max_completion_tokens or request.max_tokens, log)
+    generated = await self._run(requests_made)
     choices, answers = [], []
     for index, g in enumerate(generated):
       text = self._text(g)
@@ -298,8 +325,16 @@ class Endpoint:
           log.malformed_calls += 1
       choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
       if request.logprobs:
-        choice["logprobs"] = {"content": protocol.token_logprobs(self._decode_one, g.tokens,
-                                                                 g.logprobs)}
+        content = protocol.token_logprobs(self._decode_one, g.tokens, g.logprobs)
+        if request.top_logprobs:
+          values, ids = await asyncio.to_thread(self._alternatives, prompt, g.tokens,
+                                                requests_made[index].temperature)
+          for entry, row_values, row_ids in zip(content, values, ids):
+            entry["top_logprobs"] = [
+                {"token": (text := self._decode_one(int(t))), "logprob": float(v),
+                 "bytes": list(text.encode())}
+                for v, t in zip(row_values[:request.top_logprobs], row_ids)]
+        choice["logprobs"] = {"content": content}
       choices.append(choice)
       answers.append((g, message, text))
     if log is not None:

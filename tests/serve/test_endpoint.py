@@ -60,6 +60,16 @@ def test_chat_n_logprobs_seed_and_usage(served):
     assert choice.finish_reason in ("stop", "length")
     assert all(t.logprob <= 0 for t in choice.logprobs.content) and choice.logprobs.content
   assert first.usage.prompt_tokens == len(TOKENIZER.encode("What is 2*3?"))
+  top = client.chat.completions.create(**dict(asked, n=1, top_logprobs=3)).choices[0]
+  for token, sampled in zip(top.logprobs.content, first.choices[0].logprobs.content):
+    # the alternatives come from a forward pass; the sampled token's log-prob from the engine
+    assert len(token.top_logprobs) == 3 and token.logprob == sampled.logprob
+    alternatives = [alt.logprob for alt in token.top_logprobs]
+    assert alternatives == sorted(alternatives, reverse=True)
+    assert alternatives[0] >= token.logprob - 1e-4
+    if token.token in [alt.token for alt in token.top_logprobs]:
+      match = next(a for a in token.top_logprobs if a.token == token.token)
+      assert abs(match.logprob - token.logprob) < 1e-4
   assert first.usage.completion_tokens == sum(len(c.logprobs.content) for c in first.choices)
   assert client.models.list().data[0].id == "policy"
 
