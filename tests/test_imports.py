@@ -32,6 +32,8 @@ ALLOWED = {
     # environments and tools of multi-turn episodes: plain Python (tools run in reward-like
     # workers, the code tool in the reward's sandbox)
     "envs": {"rewards", "data", "config"},
+    # the OpenAI-compatible endpoint on the engine, episodes' trajectories, python -m rlx.serve
+    "serve": {"rollout", "models", "envs", "config"},
     "checkpoint": {"config", "types", "distributed"},
     "metrics": {"config"},
     # JAX's persistent compilation cache and compile-time counters
@@ -39,7 +41,7 @@ ALLOWED = {
     # plots of finished runs from their metrics.jsonl and config.json: plain Python + matplotlib
     "report": set(),
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
-                "rollout", "sync", "rewards", "data", "envs", "checkpoint", "metrics",
+                "rollout", "sync", "rewards", "data", "envs", "serve", "checkpoint", "metrics",
                 "distributed"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation"},
     # compiling the learner step and decode for an accelerator that is not here
