@@ -109,9 +109,13 @@ class Batcher(_Run):
     """Fails every queued request and refuses new ones."""
     with self.lock:
       self.closed = ServingClosed(reason)
+    self.fail_queued(reason)
+
+  def fail_queued(self, reason: str) -> None:
+    """Fails the requests that have not started (call it when no ``serve`` runs)."""
     self._admit()
     for p in list(self.pending):
-      self._fail(p, self.closed)
+      self._fail(p, ServingClosed(reason))
     self.pending.clear()
 
   # --- the engine's thread ----------------------------------------------------------------------

@@ -131,6 +131,8 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
     endpoint.batcher.serve(until=lambda: done.is_set() or time.monotonic() > deadline)
   finally:
     endpoint.close(flat)
+    # requests of programs abandoned past the deadline
+    endpoint.batcher.fail_queued("the episode's batch is over")
 
   sums = dict.fromkeys(("episodes", "turns", "truncated", "requests", "tool_calls",
                         "malformed_calls", "program_errors", "program_timeouts",
