@@ -74,12 +74,20 @@ def tools_of(env: Environment) -> Sequence[Callable]:
 
 def load_factory(name: str) -> Callable[[dict], Environment]:
   """The environment factory ``env.name`` names: a built-in (``calc``, ``code``) or
-  ``'package.module:function'`` / ``'path/to/file.py:function'``. Raises ValueError naming
+  ``'package.module:function'`` / ``'path/to/file.py:function'``, or an OpenEnv environment as
+  ``'openenv:package.module:Environment'`` (``rlx.envs.openenv``). Raises ValueError naming
   the problem."""
   from rlx.envs.builtin import FACTORIES  # noqa: PLC0415 - built-ins import this module
 
   if name in FACTORIES:
     return FACTORIES[name]
+  if name.startswith("openenv:"):
+    from rlx.envs.openenv import factory  # noqa: PLC0415 - needs openenv-core
+
+    try:
+      return factory(name.removeprefix("openenv:"))
+    except RewardError as error:
+      raise ValueError(str(error).replace("reward ", "OpenEnv environment ", 1)) from None
   if ":" not in name:
     raise ValueError(f"unknown environment {name!r}; choose one of {', '.join(FACTORIES)}, or "
                      "name your own factory as 'package.module:function' or "

@@ -137,6 +137,8 @@ class Episode:
       self.rewarded = True
     for key, value in observation.info.items():
       self.info[key] = self.info.get(key, 0) + value
+      if key in self.counts:  # the environment's own tool calls and unreadable turns
+        self.counts[key] += value
     self.messages.extend(observation.messages)
     if observation.done:
       return Reply([], done=True)
