@@ -64,10 +64,11 @@ def test_agent_config_runs_episodes_in_both_deployments(mode, tmp_path):
   assert (tmp_path / "episodes.jsonl").is_file()
 
 
-@pytest.mark.parametrize("mode", ["split", "colocated"])
-def test_agent_program_trains_through_the_endpoint(mode, tmp_path):
+def test_agent_program_trains_through_the_endpoint(tmp_path):
+  # split: the generator thread and the learner's evals share the endpoint (colocated runs the
+  # same run_agent_programs, tested on its own in test_agent_programs.py)
   config = tiny.config("agent_calc_openai", "--config.trainer.steps=2",
-                       "--config.algorithm.dynamic_sampling=false", f"--config.mesh.mode={mode}",
+                       "--config.algorithm.dynamic_sampling=false", "--config.mesh.mode=split",
                        "--config.env.turn_max_new_tokens=4", "--config.trainer.eval_every=2")
   summary = train(config, tmp_path, say=lambda message: None)
   assert summary.steps == 2 and not summary.stopped
