@@ -14,6 +14,11 @@ behaviour log-probs, stamped with the policy version), or an exception.
 Stop ids end a request on the device. A stop *string* of several tokens is checked on the host
 after every chunk: the request finishes there, and its slot decodes on unread (a *zombie*)
 until it is refilled or ends, so that the device program never changes shape.
+
+A slot whose request ended on the device keeps its KV cache (it is *parked*) until a slot is
+needed. A later request whose prompt starts with a parked slot's prompt and answer (an agent's
+next turn) is appended to that cache (``Engine.extend``: only its new tokens are computed)
+instead of being prefilled whole; parked slots are refilled oldest first.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ class Batcher(_Run):
   """Continuous batching of submitted requests (see the module docstring)."""
 
   def __init__(self, engine: Engine, params: Params, *, version: int = 0,
-               decode: Callable[[Sequence[int]], str] | None = None):
+               decode: Callable[[Sequence[int]], str] | None = None, reuse: bool = True):
     # one sample per prompt; no request is known yet
     super().__init__(engine, params, [], 1, 1, 1.0, 1.0, 0, (), 0, version, "continuous")
     self.decode = decode
@@ -81,9 +86,12 @@ class Batcher(_Run):
     self.requests: list[Request] = []
     self.futures: list[concurrent.futures.Future] = []
     self.zombies: set[int] = set()  # slots still decoding a request that ended on the host
+    self.reuse = reuse
+    self.parked: dict[int, list[int]] = {}  # slot -> the ids its cache holds (oldest first)
     self.closed: BaseException | None = None
     self.lock = threading.Lock()
-    self.stats = {"requests": 0, "slot_steps": 0, "busy_steps": 0}
+    self.stats = {"requests": 0, "slot_steps": 0, "busy_steps": 0, "reused": 0,
+                  "reused_tokens": 0}
 
   # --- any thread ------------------------------------------------------------------------------
 
@@ -135,8 +143,10 @@ class Batcher(_Run):
   def _serve(self, until: Callable[[], bool], poll_s: float) -> None:
     state = self.engine.init_decode_state()
     self.zombies.clear()
+    self.parked.clear()
     while True:
       self._admit()
+      state = self._continue(state)
       owned = [s for s, o in enumerate(self.owner) if o is not None]
       if not owned and not self.pending and not self.prefixes:
         if until():
@@ -146,14 +156,18 @@ class Batcher(_Run):
         except queue.Empty:
           pass
         continue
-      free = [s for s, o in enumerate(self.owner) if o is None]
+      # empty slots first, then parked ones, oldest first
+      free = [s for s, o in enumerate(self.owner) if o is None and s not in self.parked]
+      free += [s for s in self.parked]
       if free and (self.pending or self.prefixes):
         self.zombies.difference_update(free[:len(self.pending) + len(self.prefixes)])
         state = self._fill(state, free)
       owned = [s for s, o in enumerate(self.owner) if o is not None]
       if owned:
         waiting = bool(self.pending or self.prefixes or not self.inbox.empty())
-        state, chunk = self._decode(state, sorted({*owned, *self.zombies}), waiting)
+        # the attention (and a per_layer cache's) length covers the parked slots' caches too
+        state, chunk = self._decode(state, sorted({*owned, *self.zombies, *self.parked}),
+                                    waiting)
         self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * self.engine.max_slots
         self.stats["busy_steps"] += int(chunk.emitted.sum())
 
@@ -183,23 +197,66 @@ class Batcher(_Run):
       future.set_exception(error)
     self._forget(p)
 
-  def _insert(self, state, prefix, inserts):
-    count = self.engine.batch_bucket(len(inserts))
-    pad = count - len(inserts)
-    chosen = [self.requests[k] for _, _, k in inserts]
-    rows = [*chosen, *chosen[:1] * pad]
-    slots = np.array([s for s, _, _ in inserts] + [self.engine.max_slots] * pad, np.int32)
+  def _sampling(self, rows: list[Request]) -> tuple[SamplingParams, jax.Array]:
     sampling = SamplingParams(
         temperature=np.array([r.temperature for r in rows], np.float32),
         top_k=np.array([r.top_k for r in rows], np.int32),
         top_p=np.array([r.top_p for r in rows], np.float32),
         max_new_tokens=np.array([r.max_tokens for r in rows], np.int32),
         stop_ids=np.stack([np_stop_ids(r.stop_ids, self.engine.max_stop_tokens) for r in rows]))
-    keys = jax.numpy.stack([r.key for r in rows])
+    return sampling, jax.numpy.stack([r.key for r in rows])
+
+  def _continue(self, state):
+    """Appends the waiting requests that continue a parked slot's ids to its cache."""
+    if not self.reuse or not self.parked or not self.pending:
+      return state
+    matched = []
+    for p in list(self.pending):
+      prompt = self.prompts[p]
+      best = None
+      for slot, ids in self.parked.items():
+        if (len(ids) < len(prompt) and self.index[slot] == len(ids) - 1
+            and prompt[:len(ids)] == ids and (best is None or len(ids) > len(self.parked[best]))):
+          best = slot
+      if best is not None:
+        del self.parked[best]
+        self.pending.remove(p)
+        matched.append((best, p))
+    if not matched:
+      return state
+    count = self.engine.batch_bucket(len(matched))
+    rows = [self.prompts[p][int(self.index[slot]):] for slot, p in matched]
+    width = 8
+    while width < max(map(len, rows)):
+      width *= 2
+    slots = np.full((count,), self.engine.max_slots, np.int32)
+    tokens = np.zeros((count, width), np.int32)
+    lengths = np.ones((count,), np.int32)
+    for i, ((slot, p), row) in enumerate(zip(matched, rows)):
+      slots[i], tokens[i, :len(row)], lengths[i] = slot, row, len(row)
+      self.stats["reused_tokens"] += int(self.index[slot])
+      self.index[slot] += len(row)
+      self.owner[slot] = (p, 0)
+    self.stats["reused"] += len(matched)
+    chosen = [self.requests[p] for _, p in matched]
+    sampling, keys = self._sampling(chosen + chosen[:1] * (count - len(matched)))
+    state = self.engine.extend(self.params, state, slots, tokens, lengths, keys, sampling,
+                               filled=int(self.index[slots[:len(matched)]].max()))
+    self.firsts.append((slots[:len(matched)].tolist(), _first_tokens(state, slots)))
+    return state
+
+  def _insert(self, state, prefix, inserts):
+    count = self.engine.batch_bucket(len(inserts))
+    pad = count - len(inserts)
+    chosen = [self.requests[k] for _, _, k in inserts]
+    slots = np.array([s for s, _, _ in inserts] + [self.engine.max_slots] * pad, np.int32)
+    sampling, keys = self._sampling(chosen + chosen[:1] * pad)
     state = self.engine.insert(prefix, state, slots,
                                np.array([r for _, r, _ in inserts] + [0] * pad, np.int32),
                                keys, sampling)
     placed = slots[:len(inserts)]
+    for slot in placed.tolist():
+      self.parked.pop(slot, None)
     self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
     self.index[placed] = [len(r.prompt) for r in chosen]
     return state
@@ -242,6 +299,8 @@ class Batcher(_Run):
     self.owner[slot] = None
     if not finished:
       self.zombies.add(slot)
+    elif self.reuse and stop_text is None:  # its cache: the prompt and answer but the last token
+      self.parked[slot] = list(request.prompt) + completion.response_tokens
     self._forget(p)
 
   def report_error(self, error: BaseException) -> None:
@@ -251,6 +310,7 @@ class Batcher(_Run):
         self._fail(owner[0], error)
         self.owner[slot] = None
     self.partial.clear()
+    self.parked.clear()
     for p in list(self.pending):
       self._fail(p, error)
     self.pending.clear()

@@ -88,3 +88,65 @@ def test_a_prompt_too_long_is_refused_and_close_fails_the_queue(model):
     queued.result(timeout=1)
   with pytest.raises(ServingClosed):
     batcher.submit(Request(prompt=[5], max_tokens=4, key=_key(0, 0, 0)))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # the per_layer and stacked cache layouts
+def test_a_continuing_request_extends_the_parked_slot_as_a_prefill_would(model, platform):
+  engine = Engine(model.transformer, max_slots=4, max_len=64, max_prompt_len=63, decode_steps=4,
+                  platform=platform)
+  results = {}
+  for reuse in (False, True):
+    batcher = Batcher(engine, model.params, reuse=reuse)
+    firsts = [batcher.submit(Request(prompt=p, max_tokens=6, key=_key(3, i, 0), temperature=0.0,
+                                     stop_ids=(3,)))
+              for i, p in enumerate([[5, 6, 7], [9, 10, 11, 12]])]
+    answers = []
+
+    def follow_up():  # the agent's next turn, sent as soon as its first answer is back
+      for i, first in enumerate(firsts):
+        tokens = first.result().tokens
+        prompt = [[5, 6, 7], [9, 10, 11, 12]][i] + tokens + [20 + i, 21, 22]
+        answers.append(batcher.submit(Request(prompt=prompt, max_tokens=8, key=_key(3, i, 1),
+                                              temperature=0.0)))
+
+    thread = threading.Thread(target=follow_up)
+    thread.start()
+    batcher.serve(until=lambda: len(answers) == 2 and all(f.done() for f in answers))
+    thread.join()
+    results[reuse] = ([f.result() for f in firsts + answers], dict(batcher.stats))
+  (plain, plain_stats), (reused, reused_stats) = results[False], results[True]
+  assert plain_stats["reused"] == 0 and reused_stats["reused"] == 2
+  assert reused_stats["reused_tokens"] > 0
+  for a, b in zip(plain, reused):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.policy_logprobs, b.policy_logprobs, atol=2e-5)
+
+
+def test_a_parked_slot_keeps_its_cache_while_shorter_requests_decode(model):
+  # per_layer caches shrink to what the decoding slots need; a parked slot's must survive that
+  engine = Engine(model.transformer, max_slots=2, max_len=192, max_prompt_len=191,
+                  decode_steps=4, platform="cpu")
+  long_prompt = [5 + i % 40 for i in range(90)]
+  results = {}
+  for reuse in (False, True):
+    batcher = Batcher(engine, model.params, reuse=reuse)
+    done = []
+
+    def agent():
+      first = batcher.submit(Request(prompt=long_prompt, max_tokens=5, key=_key(4, 0, 0),
+                                     temperature=0.0, stop_ids=(3,))).result()
+      batcher.submit(Request(prompt=[6, 7], max_tokens=12, key=_key(4, 1, 0),
+                             temperature=0.0)).result()  # decodes alone, in a short cache
+      prompt = long_prompt + first.tokens + [30, 31]
+      done.append(batcher.submit(Request(prompt=prompt, max_tokens=6, key=_key(4, 0, 1),
+                                         temperature=0.0)).result())
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    batcher.serve(until=lambda: bool(done))
+    thread.join()
+    results[reuse] = (done[0], batcher.stats["reused"])
+  assert results[True][1] == 1 and results[False][1] == 0
+  assert results[True][0].tokens == results[False][0].tokens
+  np.testing.assert_allclose(results[True][0].policy_logprobs, results[False][0].policy_logprobs,
+                             atol=2e-5)

@@ -75,18 +75,18 @@ def test_trajectories_are_token_consistent(run):
 
 
 def test_failing_programs_are_counted_and_drop_their_groups(run):
-  # compiled first (an episode's timeout includes compiling the engine's first programs)
-  run_agent_programs(run, run.model.params, [{"prompt": "What is 1*7?"}], n=2, temperature=1.0,
-                     seed=2, version=0)
-  run.config = dataclasses.replace(
-      run.config, env=dataclasses.replace(run.config.env, agent_timeout_s=6.0))
   modes = ["raise", "ok", "hang", "silent", "bad", "rewrite"]
   rows = [{"prompt": f"What is {i}*7?", "mode": mode} for i, mode in enumerate(modes)]
+  # compiled first (an episode's timeout includes compiling the engine's programs)
+  run_agent_programs(run, run.model.params, [dict(row, mode="rewrite") for row in rows], n=2,
+                     temperature=1.0, seed=2, version=0)
+  run.config = dataclasses.replace(
+      run.config, env=dataclasses.replace(run.config.env, agent_timeout_s=8.0))
   started = time.monotonic()
   completions, scored = run_agent_programs(run, run.model.params, rows, n=2, temperature=1.0,
                                            seed=2, version=0)
-  assert time.monotonic() - started < 30  # the hanging group waited its timeout (6 s), no more
-  assert sorted({c.prompt_index for c in completions}) == [1, 5]
+  assert time.monotonic() - started < 30  # the hanging group waited its timeout (8 s), no more
+  assert sorted({c.prompt_index for c in completions}) == [1, 5], ({k: v for k, v in scored.counts.items() if v}, run.agent_error)
   counts = scored.counts
   assert counts["agent:program_errors"] == 4 and counts["agent:program_timeouts"] == 2
   assert counts["agent:silent_episodes"] == 2 and counts["agent:failed_groups"] == 4
