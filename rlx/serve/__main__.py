@@ -51,7 +51,12 @@ def main(argv=None) -> int:
   args = _arguments(argv)
   from rlx.models import CheckpointError, from_pretrained, load_tokenizer  # noqa: PLC0415
   from rlx.rollout import Engine  # noqa: PLC0415
-  from rlx.serve.endpoint import Endpoint  # noqa: PLC0415
+  try:
+    from rlx.serve.endpoint import Endpoint, _fastapi  # noqa: PLC0415
+    _fastapi()
+  except ImportError as error:
+    print(f"rlx.serve: {error}; pip install 'rlx[serve]'", file=sys.stderr)
+    return 2
 
   directory = pathlib.Path(args.model).expanduser()
   try:

@@ -7,6 +7,7 @@ stream, held-out rows, rollout engine, weight sync and reward pool.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import pathlib
 import shutil
@@ -111,6 +112,11 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
       load_agent(config.env.agent)
     except ValueError as error:
       raise ConfigError(f"config.env.agent: {error}") from None
+    missing = [name for name in ("fastapi", "uvicorn", "openai", "httpx")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+      raise ConfigError(f"config.env.agent: agent programs call the run's OpenAI-compatible "
+                        f"endpoint, which needs {', '.join(missing)}: pip install 'rlx[serve]'")
   if sandbox:
     say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
         f"seccomp, rlimits, no network, a tmpfs root; memory: {sandbox['memory']}")
