@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     from rlx.serve.endpoint import Endpoint, _fastapi  # noqa: PLC0415
     _fastapi()
   except ImportError as error:
-    print(f"rlx.serve: {error}; pip install 'rlx[serve]'", file=sys.stderr)
+    hint = "" if "pip install" in str(error) else "; pip install 'rlx[serve]'"
+    print(f"rlx.serve: {error}{hint}", file=sys.stderr)
     return 2
 
   directory = pathlib.Path(args.model).expanduser()
