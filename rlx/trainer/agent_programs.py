@@ -77,7 +77,12 @@ def _drive(agent, base_url: str, logs: list[EpisodeLog], timeout_s: float,
     await asyncio.gather(*(episode(log) for log in logs))
 
   try:
-    asyncio.run(every())
+    import uvloop  # noqa: PLC0415 - a faster event loop (uvicorn[standard] installs it)
+    run = getattr(uvloop, "run", asyncio.run)  # uvloop.run: 0.18 and later
+  except ImportError:
+    run = asyncio.run
+  try:
+    run(every())
   finally:
     done.set()
 
