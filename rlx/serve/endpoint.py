@@ -218,7 +218,9 @@ class Endpoint:
       top_p = 1.0 if request.top_p is None else request.top_p
       top_k = int(getattr(request, "top_k", None) or 0)
     if log is not None and log.seed_key is not None:
-      base = jax.random.fold_in(log.seed_key, len(log.requests))
+      with self.lock:  # requests an agent sends at once draw apart
+        log.asked += 1
+        base = jax.random.fold_in(log.seed_key, log.asked - 1)
     elif request.seed is not None:
       base = jax.random.key(request.seed)
     else:

@@ -101,6 +101,8 @@ class EpisodeLog:
     self.requests: list[dict] = []
     """Per request: its prompt ids, and per choice the sampled ids, log-probs and version."""
     self.segments = 0
+    self.asked = 0
+    """Requests received (answered or not): each draws with its own key."""
     self.posted: dict | None = None
     """What the agent posted to the reward route."""
     self.tool_calls = 0
