@@ -11,6 +11,7 @@ may also return a number, or ``{"reward": r, "correct": bool}``.
 import ast
 import json
 import operator
+import warnings
 
 CALCULATOR = {
     "type": "function",
@@ -43,7 +44,10 @@ def calculate(expression: str) -> str:
     raise ValueError(f"cannot evaluate {expression!r}")
 
   try:
-    result = value(ast.parse(expression.strip(), mode="eval").body)
+    with warnings.catch_warnings():  # "12abc" must not print a SyntaxWarning
+      warnings.simplefilter("ignore", SyntaxWarning)
+      tree = ast.parse(expression.strip(), mode="eval")
+    result = value(tree.body)
   except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as error:
     return f"error: {error}"
   return str(int(result)) if float(result).is_integer() else f"{result:.6g}"

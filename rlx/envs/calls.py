@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import json
 import re
+import warnings
 from typing import Any, Literal
 
 Format = Literal["builtin", "qwen", "llama"]
@@ -58,7 +59,9 @@ def _json_call(text: str, arguments_key: str) -> ToolCall:
 
 def _builtin_call(text: str) -> ToolCall:
   try:
-    node = ast.parse(text.strip(), mode="eval").body
+    with warnings.catch_warnings():  # a model's text ("12abc") must not print warnings
+      warnings.simplefilter("ignore", SyntaxWarning)
+      node = ast.parse(text.strip(), mode="eval").body
   except SyntaxError:
     raise MalformedCall(f"cannot read the call {text.strip()[:80]!r}; write name(\"argument\")") from None
   if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
