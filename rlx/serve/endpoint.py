@@ -344,7 +344,7 @@ class Endpoint:
         if parent is None and log.segments:
           self.counts["history_rewrites"] += 1
         log.record(messages, prompt, parent, answers)
-    return protocol.chat_response(self.model_name, choices, len(prompt),
+    return protocol.response("chat.completion", self.model_name, choices, len(prompt),
                                   sum(len(g.tokens) for g in generated))
 
   async def completions(self, body, headers) -> dict:
@@ -379,7 +379,7 @@ class Endpoint:
           self.counts["history_rewrites"] += 1
         log.record([], prompt, parent, [(g, {"role": "assistant", "content": c["text"]},
                                          c["text"]) for g, c in zip(generated, choices)])
-    response = protocol.completion_response(self.model_name, choices, len(prompt),
+    response = protocol.response("text_completion", self.model_name, choices, len(prompt),
                                             sum(len(g.tokens) for g in generated))
     if request.return_token_ids:
       response["prompt_token_ids"] = prompt

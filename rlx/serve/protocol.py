@@ -149,18 +149,11 @@ def token_logprobs(decode_one, tokens: Sequence[int], logprobs: Sequence[float])
   return out
 
 
-def chat_response(model: str, choices: Sequence[dict], prompt_tokens: int,
-                  completion_tokens: int) -> dict:
-  return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-          "model": model, "choices": list(choices),
-          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens}}
-
-
-def completion_response(model: str, choices: Sequence[dict], prompt_tokens: int,
-                        completion_tokens: int) -> dict:
-  return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-          "model": model, "choices": list(choices),
+def response(kind: str, model: str, choices: Sequence[dict], prompt_tokens: int,
+             completion_tokens: int) -> dict:
+  """A completion response: ``kind`` 'chat.completion' or 'text_completion'."""
+  return {"id": new_id("chatcmpl" if kind == "chat.completion" else "cmpl"), "object": kind,
+          "created": int(time.time()), "model": model, "choices": list(choices),
           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens}}
 
