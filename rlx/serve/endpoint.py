@@ -46,6 +46,9 @@ from rlx.serve.batcher import Batcher, Generated, Request, ServingClosed
 from rlx.serve.protocol import ApiError
 from rlx.serve.trajectories import EpisodeLog
 
+# An over-limit body is drained up to this many bytes so its client reads the 413.
+_DRAIN_BYTES = 64 << 20
+
 
 def _fastapi():
   try:
@@ -412,16 +415,24 @@ class Endpoint:
     endpoint = self
 
     async def read(request) -> object:
+      # A body over the limit is still read to its end (up to a bound) before the 413 goes out:
+      # a server that answers mid-upload closes the socket under a client still sending, which
+      # sees a broken pipe instead of the error.
+      limit = endpoint.max_request_bytes
       declared = request.headers.get("content-length")
-      if declared is not None and declared.isdigit() and int(declared) > endpoint.max_request_bytes:
-        raise ApiError(413, f"the request is {declared} bytes; this endpoint takes at most "
-                       f"{endpoint.max_request_bytes}", code="request_too_large")
-      body = bytearray()
+      too_large = ApiError(413, f"the request is {declared or 'more than ' + str(limit)} bytes; "
+                           f"this endpoint takes at most {limit}", code="request_too_large")
+      if declared is not None and declared.isdigit() and int(declared) > _DRAIN_BYTES:
+        raise too_large
+      body, seen = bytearray(), 0
       async for chunk in request.stream():
-        body += chunk
-        if len(body) > endpoint.max_request_bytes:
-          raise ApiError(413, f"the request is more than {endpoint.max_request_bytes} bytes",
-                         code="request_too_large")
+        seen += len(chunk)
+        if seen > _DRAIN_BYTES:
+          raise too_large
+        if seen <= limit:
+          body += chunk
+      if seen > limit:
+        raise too_large
       try:
         return json.loads(body)
       except (json.JSONDecodeError, UnicodeDecodeError) as error:

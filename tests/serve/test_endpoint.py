@@ -129,7 +129,7 @@ MALFORMED = [
                  "max_tokens": -3}).encode(), 400),
     (json.dumps({"model": "nobody", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
     (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * 300}]}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (1 << 20)}]}).encode(), 413),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (16 << 20)}]}).encode(), 413),
     (json.dumps({"model": "policy", "prompt": [10 ** 9]}).encode(), 400),
 ]
 
