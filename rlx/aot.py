@@ -153,7 +153,8 @@ def learner_program(config: RunConfig, mesh):
   step = update.make_update_step(config, transformer, optimizer, schedule,
                                  state_shardings=shardings, batch_shardings=rows_sharding)
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  return step.jitted, (state, batch, scalar, scalar)  # the KL coefficient, the upper clip range
+  # the KL coefficient, the upper clip range, the entropy coefficient
+  return step.jitted, (state, batch, scalar, scalar, scalar)
 
 
 def decode_program(config: RunConfig, mesh):

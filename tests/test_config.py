@@ -297,7 +297,9 @@ def test_each_choice_has_exactly_one_table_entry():
   assert advantages == set(algorithms.ADVANTAGES) | {"gae"}  # gae needs the learner's critic
   assert losses == set(algorithms.POLICY_LOSSES)
   assert set(PRESETS) == set(typing.get_args(hints["name"]))
-  assert {a for a, _ in PRESETS.values()} <= advantages and {l for _, l in PRESETS.values()} <= losses
+  assert {p.advantage for p in PRESETS.values()} <= advantages
+  assert {p.loss for p in PRESETS.values()} <= losses
+  assert set(typing.get_args(hints["off_policy"])) == set(algorithms.OFF_POLICY)
 
 
 @pytest.mark.parametrize("override", ["--config.optimizer.learning_rate=inf",

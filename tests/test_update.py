@@ -360,3 +360,42 @@ def test_an_update_that_overflows_the_weights_is_skipped_and_named(model):
   chex.assert_trees_all_equal(jax.device_get(state.params), before)
   assert bool(update.all_finite({"a": jnp.ones(3), "step": jnp.int32(1)}))
   assert not bool(update.all_finite({"a": jnp.array([1.0, jnp.inf])}))
+
+
+def test_an_all_masked_mini_batch_is_empty_not_a_numerical_failure(model):
+  """A mini-batch whose responses were all filtered out (e.g. every one overlong) gives loss
+  0, no update and ``train/empty_steps``, never ``train/skipped`` (which stops a run)."""
+  config = _config(name="dapo")
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=10)
+  step = update.make_update_step(config, model.transformer, optimizer, schedule)
+  batch = _batch(model, config)
+  empty = batch.replace(response_mask=jnp.zeros_like(batch.response_mask),
+                        advantages=jnp.zeros_like(batch.advantages))
+  state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                  jax.random.key(0))
+  before = jax.device_get(state)
+  after, metrics = step(state, empty)
+  assert float(metrics["loss"]) == 0.0
+  assert int(metrics["train/skipped"]) == 0 and int(metrics["train/empty_steps"]) == 1
+  chex.assert_trees_all_equal(jax.device_get(after.params), before.params)
+  assert int(after.step) == 0 and int(after.policy_version) == 0
+
+
+def test_mismatch_kl_is_measured_on_the_rows_the_current_params_sampled(model):
+  config = _config(name="dapo")
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=10)
+  step = update.make_update_step(config, model.transformer, optimizer, schedule)
+  batch = _batch(model, config)
+  version = jnp.where(jnp.arange(B) % 2 == 0, 0, -1).astype(jnp.int32)  # odd rows: stale
+  batch = batch.replace(policy_version=version)
+  fresh = lambda: update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                          jax.random.key(0))
+  _, metrics = step(fresh(), batch)
+  current = np.asarray(batch.response_mask) & (np.asarray(version) == 0)[:, None]
+  log_w = np.asarray(batch.old_logprobs) - np.asarray(batch.behaviour_logprobs)
+  k3 = np.exp(log_w) - 1 - log_w  # KL(behaviour || old) on the behaviour's samples
+  assert float(metrics["rollout/mismatch_tokens"]) == current.sum()
+  assert float(metrics["rollout/mismatch_kl_sum"]) / current.sum() == pytest.approx(
+      k3[current].mean(), rel=1e-4)
+  _, stale = step(fresh(), batch.replace(policy_version=jnp.full(B, 5, jnp.int32)))
+  assert float(stale["rollout/mismatch_tokens"]) == 0

@@ -116,3 +116,54 @@ def reinforce_plus_plus(token_rewards: jax.Array, response_mask: jax.Array,
 def per_token(sequence_advantages: jax.Array, response_mask: jax.Array) -> jax.Array:
   """Broadcasts [B] sequence advantages to [B, T] response tokens (0 elsewhere)."""
   return jnp.where(response_mask.astype(bool), sequence_advantages[:, None], 0.0)
+
+
+def group_mean_batch_std(rewards: jax.Array, group_size: int, eps: float = 1e-6) -> jax.Array:
+  """Group mean, batch standard deviation: ``(r_i - mean_g) / (std_batch + eps)``, with
+  ``std_batch`` the standard deviation of all the batch's rewards (Lite PPO, Liu et al. 2025,
+  arXiv 2508.08221; TRL's ``scale_rewards="batch"``). It keeps GRPO's per-prompt baseline
+  without blowing up the advantages of groups that are nearly all equal.
+
+  Args:
+    rewards: [B] sequence rewards, groups contiguous.
+  Returns:
+    [B] advantages.
+  """
+  groups = _groups(rewards, group_size)
+  centred = groups - groups.mean(axis=1, keepdims=True)
+  return (centred / (groups.std(ddof=1) + eps)).reshape(-1)
+
+
+def reinforce_pp_baseline(rewards: jax.Array, group_size: int, eps: float = 1e-8) -> jax.Array:
+  """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262): subtract the group's mean
+  reward, then whiten the result over the whole batch (global normalisation instead of
+  GRPO's per-group standard deviation).
+
+  Args:
+    rewards: [B] sequence rewards, groups contiguous.
+  Returns:
+    [B] advantages.
+  """
+  groups = _groups(rewards, group_size)
+  centred = (groups - groups.mean(axis=1, keepdims=True)).reshape(-1)
+  return (centred - centred.mean()) / (centred.std(ddof=1) + eps)
+
+
+def pass_at_k(rewards: jax.Array, group_size: int) -> jax.Array:
+  """The pass@k objective's advantage (Walder & Karkhanis 2025, arXiv 2503.19595; verl's
+  ``grpo_passk``): within each group only the best sample moves, by how much it beats the
+  runner-up, ``r_max - r_second``; every other sample gets 0. Ties go to the first best.
+
+  Args:
+    rewards: [B] sequence rewards, groups contiguous, group_size >= 2.
+  Returns:
+    [B] advantages.
+  """
+  if group_size < 2:
+    raise ValueError("the pass@k advantage needs group_size >= 2")
+  groups = _groups(rewards, group_size)
+  best = jnp.argmax(groups, axis=1)
+  top2 = jax.lax.top_k(groups, 2)[0]
+  margin = top2[:, 0] - top2[:, 1]
+  winner = jnp.arange(group_size)[None, :] == best[:, None]
+  return jnp.where(winner, margin[:, None], 0.0).reshape(-1)

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rlx.algorithms.advantages import group_relative, per_token, reinforce_plus_plus, rloo
-from rlx.algorithms.policy_losses import cispo, gspo, ppo_clip
+from rlx.algorithms.advantages import (group_mean_batch_std, group_relative, pass_at_k, per_token,
+                                       reinforce_plus_plus, reinforce_pp_baseline, rloo)
+from rlx.algorithms.policy_losses import clip_cov, cispo, gmpo, gspo, kl_cov, ppo_clip, sapo
 from rlx.config import AlgorithmConfig
 
 AdvantageFn = Callable[[jax.Array, jax.Array, AlgorithmConfig, int], jax.Array]
@@ -50,20 +51,49 @@ def _reinforce_pp(rewards, response_mask, algo, group):
   return reinforce_plus_plus(token_rewards, mask, algo.gamma)
 
 
+def _sequence_level(estimator):
+  def advantages(rewards, response_mask, algo, group):
+    return per_token(estimator(rewards, group), response_mask)
+  return advantages
+
+
 ADVANTAGES: dict[str, AdvantageFn] = {
-    "grpo": _grpo, "dr_grpo": _dr_grpo, "rloo": _rloo, "reinforce_pp": _reinforce_pp}
+    "grpo": _grpo, "dr_grpo": _dr_grpo, "grpo_batch_std": _sequence_level(group_mean_batch_std),
+    "rloo": _rloo, "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _sequence_level(reinforce_pp_baseline),
+    "passk": _sequence_level(pass_at_k)}
 
 
 def _ppo_clip(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
-  return ppo_clip(logprobs, old_logprobs, advantages, algo.clip_eps_low, eps_high, algo.dual_clip)
+  return ppo_clip(logprobs, old_logprobs, advantages, algo.eps_low, eps_high, algo.dual_clip)
 
 
 def _gspo(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
-  return gspo(logprobs, old_logprobs, advantages, response_mask, algo.clip_eps_low, eps_high)
+  return gspo(logprobs, old_logprobs, advantages, response_mask, algo.eps_low, eps_high)
 
 
 def _cispo(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
-  return cispo(logprobs, old_logprobs, advantages, algo.clip_eps_low, eps_high)
+  return cispo(logprobs, old_logprobs, advantages, algo.eps_low, eps_high)
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo}
+def _gmpo(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return gmpo(logprobs, old_logprobs, advantages, response_mask, algo.eps_low, eps_high)
+
+
+def _sapo(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return sapo(logprobs, old_logprobs, advantages, algo.sapo_tau_pos, algo.sapo_tau_neg)
+
+
+def _clip_cov(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return clip_cov(logprobs, old_logprobs, advantages, response_mask, algo.eps_low, eps_high,
+                  algo.dual_clip, algo.cov_ratio, algo.cov_bounds)
+
+
+def _kl_cov(logprobs, old_logprobs, advantages, response_mask, algo, eps_high):
+  return kl_cov(logprobs, old_logprobs, advantages, response_mask, algo.cov_ratio,
+                algo.kl_cov_coef)
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "ppo_clip": _ppo_clip, "gspo": _gspo, "cispo": _cispo, "gmpo": _gmpo, "sapo": _sapo,
+    "clip_cov": _clip_cov, "kl_cov": _kl_cov}

@@ -7,9 +7,20 @@ With ``log_ratio = logprobs - ref_logprobs`` on tokens sampled from the policy
     k1 = log_ratio                                  unbiased, high variance, can be < 0
     k2 = log_ratio^2 / 2                            biased, low variance
     k3 = exp(-log_ratio) - 1 + log_ratio            unbiased, low variance, >= 0
+    k3+ = k3's value with k2's gradient             (straight-through, as verl offers)
 
-k3 is clamped to ``[-clamp, clamp]`` (its exponential blows up where the policy
-is far more confident than the reference).
+As values they estimate KL(policy || ref). As *loss terms* they differ in what their
+gradient (on samples of the policy, which the loss does not differentiate through) pushes:
+
+- k2's expected gradient is exactly the gradient of KL(policy || ref);
+- k3's is the gradient of KL(ref || policy), the reverse KL: it pulls the policy towards
+  covering the reference rather than staying within it;
+- k1's is zero in expectation (``E[grad log pi] = 0``): pure noise, so the loss refuses it
+  (``algorithm.kl_estimator=k1`` is for ``kl_in_reward``).
+
+``k3+`` reports k3 and follows KL(policy || ref). The log-ratio is clamped to +-20 before
+the exponential, and k3 to ``[-clamp, clamp]`` after it: a token far more likely under the
+policy than the reference gives neither an overflow nor a NaN gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +30,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-Estimator = Literal["k1", "k2", "k3"]
+Estimator = Literal["k1", "k2", "k3", "k3+"]
+LOG_RATIO_BOUND = 20.0
 
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: Estimator,
@@ -30,10 +42,14 @@ def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: Estimat
     return log_ratio
   if estimator == "k2":
     return 0.5 * jnp.square(log_ratio)
-  if estimator == "k3":
-    return jnp.clip(jnp.exp(-log_ratio) - 1.0 + log_ratio, -clamp, clamp)
-  raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
-
+  if estimator in ("k3", "k3+"):
+    bounded = jnp.clip(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    k3 = jnp.clip(jnp.exp(-bounded) - 1.0 + bounded, -clamp, clamp)
+    if estimator == "k3":
+      return k3
+    k2 = 0.5 * jnp.square(log_ratio)
+    return k2 + jax.lax.stop_gradient(k3 - k2)
+  raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2, k3 or k3+")
 
 def kl_reward_penalty(token_rewards: jax.Array, logprobs: jax.Array, ref_logprobs: jax.Array,
                       response_mask: jax.Array, coef: jax.Array | float,
@@ -52,3 +68,10 @@ def adaptive_kl_coef(coef: jax.Array | float, observed_kl: jax.Array | float, ta
   """
   error = jnp.clip(jnp.asarray(observed_kl) / target - 1.0, -0.2, 0.2)
   return jnp.asarray(coef) * (1.0 + error * steps / horizon)
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, step: float) -> float:
+  """Skywork-OR1's adaptive entropy control (He et al. 2025, arXiv 2505.22312, sec. 3.2.4):
+  ``coef + step`` while the entropy is below ``target``, ``coef - step`` (not below 0) while
+  above. The learner applies the bonus only while it is below (``policy_loss`` gets 0 then)."""
+  return max(0.0, coef + step if entropy < target else coef - step)

@@ -4,16 +4,29 @@ by ``rlx.algorithms.aggregation.aggregate``. Diagnostics are per-token float arr
 
 Notation: ``r = exp(logprobs - old_logprobs)`` is the ratio to the old (proximal)
 policy, ``A`` the advantage, ``eps_low`` / ``eps_high`` the clip range.
+
+Every log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` before ``exp`` (as verl
+and Tunix do): a token whose log-ratio passes ~88 would give ``r = inf``, and the clipped
+branch's backward ``0 * inf`` a NaN gradient that sinks the whole step. Past the bound a
+token's ratio stops moving, which the clip has already done for any ratio that large.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
 
 import jax
 import jax.numpy as jnp
 
-OffPolicy = Literal["none", "tis", "decoupled"]
+LOG_RATIO_BOUND = 20.0
+"""|log r| bound of every per-token ratio before ``exp``."""
+SEQUENCE_LOG_RATIO_BOUND = 10.0
+"""Upper bound of GSPO's sequence log-ratio (verl's)."""
+
+
+def clamped_log_ratio(logprobs: jax.Array, old_logprobs: jax.Array) -> jax.Array:
+  """``logprobs - old_logprobs`` within ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]``."""
+  return jnp.clip(logprobs - old_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def ppo_clip(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -31,13 +44,25 @@ def ppo_clip(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array
   Returns:
     loss [B, T]; diagnostics with ratio, clip_low, clip_high (1.0 where that bound binds).
   """
-  log_ratio = logprobs - old_logprobs
+  log_ratio = clamped_log_ratio(logprobs, old_logprobs)
   ratio = jnp.exp(log_ratio)
+  return _clipped(ratio, advantages, eps_low, eps_high, dual_clip), _ratio_diagnostics(
+      ratio, log_ratio, advantages, 1.0 - eps_low, 1.0 + eps_high)
+
+
+def _clipped(ratio, advantages, eps_low, eps_high, dual_clip=None):
   clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
   loss = jnp.maximum(-ratio * advantages, -clipped * advantages)
   if dual_clip is not None:
     loss = jnp.where(advantages < 0, jnp.minimum(loss, -dual_clip * advantages), loss)
-  return loss, _ratio_diagnostics(ratio, log_ratio, advantages, eps_low, eps_high)
+  return loss
+
+
+def _sequence_mean(x: jax.Array, response_mask: jax.Array) -> jax.Array:
+  """[B, 1] mean of ``x`` over each row's response tokens (0 for an empty row)."""
+  mask = response_mask.astype(bool)
+  return (jnp.where(mask, x, 0.0).sum(-1, keepdims=True)
+          / jnp.maximum(mask.sum(-1, keepdims=True), 1))
 
 
 def gspo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -50,19 +75,18 @@ def gspo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
   Written in the paper's GSPO-token form, ``s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]``:
   every token carries the value ``s_i`` and the gradient of GSPO. With
   sequence-constant advantages and ``seq-mean-token-mean`` aggregation it is
-  exactly the sequence-level objective.
+  exactly the sequence-level objective. ``log s_i`` is bounded above by
+  ``SEQUENCE_LOG_RATIO_BOUND``.
 
   Args:
     logprobs, old_logprobs, advantages, response_mask: [B, T].
   """
-  mask = response_mask.astype(bool)
-  log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
-  seq_log_ratio = log_ratio.sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1)
+  seq_log_ratio = jnp.minimum(_sequence_mean(clamped_log_ratio(logprobs, old_logprobs),
+                                             response_mask), SEQUENCE_LOG_RATIO_BOUND)
   token_log_ratio = jax.lax.stop_gradient(seq_log_ratio) + logprobs - jax.lax.stop_gradient(logprobs)
   ratio = jnp.exp(token_log_ratio)
-  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  loss = jnp.maximum(-ratio * advantages, -clipped * advantages)
-  return loss, _ratio_diagnostics(ratio, token_log_ratio, advantages, eps_low, eps_high)
+  return _clipped(ratio, advantages, eps_low, eps_high), _ratio_diagnostics(
+      ratio, token_log_ratio, advantages, 1.0 - eps_low, 1.0 + eps_high)
 
 
 def cispo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
@@ -72,55 +96,140 @@ def cispo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
 
       loss = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logprobs
 
+  The paper bounds the weight from above only: ``eps_low >= 1`` (its preset) leaves it
+  unbounded below.
+
   Args:
     logprobs, old_logprobs, advantages: [B, T].
   """
-  log_ratio = logprobs - old_logprobs
+  log_ratio = clamped_log_ratio(logprobs, old_logprobs)
   ratio = jnp.exp(log_ratio)
   weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
   loss = -weight * advantages * logprobs
-  return loss, _ratio_diagnostics(ratio, log_ratio, advantages, eps_low, eps_high)
+  return loss, _ratio_diagnostics(ratio, log_ratio, advantages, 1.0 - eps_low, 1.0 + eps_high)
 
 
-def _ratio_diagnostics(ratio, log_ratio, advantages, eps_low, eps_high):
+def gmpo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+         response_mask: jax.Array, eps_low: float, eps_high: float | jax.Array):
+  """GMPO (Zhao et al. 2025, arXiv 2507.20673): PPO's clipped objective on the geometric mean
+  of the token ratios instead of their arithmetic mean.
+
+      g_i = exp(mean_t sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps_low, eps_high)))
+      loss_i = -g_i A_i
+
+  The clip range is in log space: a token's ratio is held within ``[e^-eps_low, e^eps_high]``
+  in the advantage's direction (the paper uses 0.4 each way). Every token of sequence ``i``
+  carries ``loss_i``; ``seq-mean-token-mean`` aggregation gives the paper's objective.
+
+  Args:
+    logprobs, old_logprobs, advantages, response_mask: [B, T].
+  """
+  log_ratio = clamped_log_ratio(logprobs, old_logprobs)
+  sign = jnp.where(advantages < 0, -1.0, 1.0)
+  signed = sign * log_ratio
+  bounded = jnp.minimum(signed, sign * jnp.clip(log_ratio, -eps_low, eps_high))
+  ratio = jnp.exp(_sequence_mean(sign * bounded, response_mask))  # [B, 1]
+  loss = -ratio * advantages
+  token_ratio = jnp.exp(log_ratio)
+  return loss, _ratio_diagnostics(token_ratio, log_ratio, advantages, math.exp(-eps_low),
+                                  jnp.exp(eps_high))
+
+
+def sapo(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+         tau_pos: float, tau_neg: float):
+  """SAPO (Gao et al. 2025, arXiv 2511.20347): a smooth gate in place of the hard clip.
+
+      f(r) = sigmoid(tau (r - 1)) * 4 / tau,   tau = tau_pos if A > 0 else tau_neg
+      loss = -f(r) A
+
+  ``f'(1) = 1``: on policy it is REINFORCE; off policy a token's gradient fades smoothly
+  (``f'(r) = 4 s (1 - s)``, ``s = sigmoid(tau (r - 1))``). ``clip_high`` / ``clip_low``
+  count the tokens whose gate has damped the gradient below half in the advantage's
+  direction.
+
+  Args:
+    logprobs, old_logprobs, advantages: [B, T].
+  """
+  log_ratio = clamped_log_ratio(logprobs, old_logprobs)
+  ratio = jnp.exp(log_ratio)
+  tau = jnp.where(advantages > 0, tau_pos, tau_neg)
+  gate = jax.nn.sigmoid(tau * (ratio - 1.0))
+  loss = -gate * 4.0 / tau * advantages
+  # 4 s (1 - s) < 1/2  <=>  |tau (r - 1)| > log((1 + sqrt(1/2)) / (1 - sqrt(1/2)))
+  bound = math.log((1 + math.sqrt(0.5)) / (1 - math.sqrt(0.5))) / tau
+  return loss, _ratio_diagnostics(ratio, log_ratio, advantages, 1.0 - bound, 1.0 + bound)
+
+
+def _covariance(logprobs: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax.Array:
+  """Per-token centred covariance ``(logp - mean logp)(A - mean A)`` over the response
+  tokens (Cui et al. 2025, arXiv 2505.22617); -inf outside the mask. No gradient."""
+  logprobs, advantages = jax.lax.stop_gradient(logprobs), jax.lax.stop_gradient(advantages)
+  count = jnp.maximum(mask.sum(), 1)
+  mean = lambda x: jnp.where(mask, x, 0.0).sum() / count
+  cov = (logprobs - mean(logprobs)) * (advantages - mean(advantages))
+  return jnp.where(mask, cov, -jnp.inf)
+
+
+def _count_of(ratio: float, mask: jax.Array) -> jax.Array:
+  """``max(floor(ratio * tokens), 1)`` (traced)."""
+  return jnp.maximum(jnp.floor(ratio * mask.sum()), 1).astype(jnp.int32)
+
+
+def _smallest(scores: jax.Array, k: jax.Array) -> jax.Array:
+  """True on the ``k`` smallest finite entries of ``scores`` (``k`` traced)."""
+  flat = jnp.sort(scores.reshape(-1))
+  threshold = flat[jnp.clip(k - 1, 0, flat.shape[0] - 1)]
+  return jnp.isfinite(scores) & (scores <= threshold) & (k > 0)
+
+
+def clip_cov(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+             response_mask: jax.Array, eps_low: float, eps_high: float | jax.Array,
+             dual_clip: float | None, ratio: float, bounds: tuple[float, float]):
+  """Clip-Cov (Cui et al. 2025, arXiv 2505.22617): PPO-clip, plus the gradient of a random
+  ``ratio`` fraction of the tokens whose covariance between log-prob and advantage lies in
+  ``bounds`` (and that the clip has not already cut) is detached. The high-covariance tokens
+  are the ones that drive entropy down.
+
+  The random choice is seeded by the batch's old log-probs (the loss takes no key): the
+  same batch always detaches the same tokens.
+  """
+  mask = response_mask.astype(bool)
+  loss, diagnostics = ppo_clip(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip)
+  r = jax.lax.stop_gradient(diagnostics["ratio"])
+  unclipped = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high) * advantages >= r * advantages
+  cov = _covariance(logprobs, advantages, mask)
+  candidates = mask & (cov > bounds[0]) & (cov < bounds[1]) & unclipped
+  seed = jax.lax.bitcast_convert_type(jnp.sum(old_logprobs.astype(jnp.float32)), jnp.int32)
+  draws = jax.random.uniform(jax.random.key(seed), cov.shape)
+  detached = _smallest(jnp.where(candidates, draws, jnp.inf), _count_of(ratio, mask))
+  loss = jnp.where(detached, jax.lax.stop_gradient(loss), loss)
+  return loss, dict(diagnostics, cov_selected=detached.astype(jnp.float32))
+
+
+def kl_cov(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+           response_mask: jax.Array, ratio: float, coef: float):
+  """KL-Cov (Cui et al. 2025, arXiv 2505.22617): the unclipped surrogate ``-r A``, plus
+  ``coef * |log r|`` on the ``ratio`` fraction of tokens with the largest covariance between
+  log-prob and advantage (no clip: the KL term holds exactly those tokens back)."""
+  mask = response_mask.astype(bool)
+  log_ratio = clamped_log_ratio(logprobs, old_logprobs)
+  r = jnp.exp(log_ratio)
+  cov = _covariance(logprobs, advantages, mask)
+  selected = _smallest(-cov, _count_of(ratio, mask))
+  loss = -r * advantages + jnp.where(selected, coef * jnp.abs(log_ratio), 0.0)
+  diagnostics = _ratio_diagnostics(r, log_ratio, advantages, 0.0, jnp.inf)
+  return loss, dict(diagnostics, cov_selected=selected.astype(jnp.float32))
+
+
+def _ratio_diagnostics(ratio, log_ratio, advantages, low, high):
   ratio, log_ratio = jax.lax.stop_gradient(ratio), jax.lax.stop_gradient(log_ratio)
   return {
       "ratio": ratio,
       # The bound binds (its gradient is cut) where the ratio is past it in the advantage's direction.
-      "clip_high": ((ratio > 1.0 + eps_high) & (advantages > 0)).astype(jnp.float32),
-      "clip_low": ((ratio < 1.0 - eps_low) & (advantages < 0)).astype(jnp.float32),
+      "clip_high": ((ratio > high) & (advantages > 0)).astype(jnp.float32),
+      "clip_low": ((ratio < low) & (advantages < 0)).astype(jnp.float32),
       "approx_kl": ratio - 1.0 - log_ratio,  # k3 estimate of KL(old || new)
   }
-
-
-def off_policy_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, kind: OffPolicy,
-                       cap: float = 2.0) -> jax.Array:
-  """Per-token importance weights that correct for data sampled by a stale (behaviour) policy.
-
-  The surrogate's ratio is always taken to ``old_logprobs``, the proximal
-  policy recomputed by the learner; the weight corrects from the behaviour
-  policy that actually sampled the tokens to that proximal policy:
-
-  - ``none``: 1.
-  - ``tis``: truncated importance sampling, ``min(pi_old / pi_behav, cap)``
-    (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training").
-  - ``decoupled``: AReaL's decoupled PPO objective (Fu et al. 2025, arXiv
-    2505.24298), ``pi_prox / pi_behav`` untruncated, with the clip around the
-    proximal policy.
-
-  Args:
-    old_logprobs, behaviour_logprobs: [B, T].
-  Returns:
-    [B, T] weights, no gradient.
-  """
-  if kind == "none":
-    return jnp.ones_like(old_logprobs)
-  weight = jnp.exp(jax.lax.stop_gradient(old_logprobs - behaviour_logprobs))
-  if kind == "tis":
-    return jnp.minimum(weight, cap)
-  if kind == "decoupled":
-    return weight
-  raise ValueError(f"unknown off-policy correction {kind!r}; choose none, tis or decoupled")
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array,

@@ -12,22 +12,25 @@ from rlx.config._checks import _check, _positive
 class AlgorithmConfig:
   """The RL objective: advantages, policy loss, KL, aggregation."""
 
-  name: Literal["ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "reinforce_pp"] = "grpo"
-  """Preset: fills `advantage` and `policy_loss` where they are 'auto' (see PRESETS); the DAPO pieces (clip-higher, dynamic sampling, overlong shaping) are their own fields."""
-  advantage: Literal["auto", "gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = "auto"
-  """Advantage estimator: GAE over a learned critic (PPO), group-normalised (GRPO), group mean only (Dr.GRPO), leave-one-out (RLOO), batch-normalised returns (REINFORCE++); 'auto' takes the preset's."""
-  policy_loss: Literal["auto", "ppo_clip", "gspo", "cispo"] = "auto"
-  """Policy loss: token-level clipped ratio (PPO/GRPO/DAPO), sequence-level clipped ratio (GSPO), clipped-IS-weight REINFORCE (CISPO); 'auto' takes the preset's."""
-  clip_eps_low: float = 0.2
-  """Lower clip range of the importance ratio (1 - eps_low); GSPO's sequence-level ratio wants ~3e-4."""
-  clip_eps_high: float = 0.2
-  """Upper clip range of the importance ratio (1 + eps_high); DAPO's clip-higher uses 0.28, GSPO ~4e-4."""
-  dual_clip: float | None = None
-  """Dual-clip constant c (> 1) for negative advantages; None disables it."""
+  name: Literal["ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "sapo", "rloo",
+                 "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+  """Preset: fills `advantage`, `policy_loss`, `clip_eps_low`, `clip_eps_high` and `loss_agg` where they are left to it, with its paper's values (see PRESETS); the DAPO pieces (dynamic sampling, overlong shaping) are their own fields."""
+  advantage: Literal["auto", "gae", "grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp",
+                     "reinforce_pp_baseline", "passk"] = "auto"
+  """Advantage estimator: GAE over a learned critic (PPO), group-normalised (GRPO), group mean only (Dr.GRPO), group mean with the batch's std (Lite PPO), leave-one-out (RLOO), batch-whitened returns (REINFORCE++), group mean then batch-whitened (REINFORCE++-baseline), best-beats-runner-up (the pass@k objective); 'auto' takes the preset's."""
+  policy_loss: Literal["auto", "ppo_clip", "gspo", "cispo", "gmpo", "sapo", "clip_cov",
+                       "kl_cov"] = "auto"
+  """Policy loss: token-level clipped ratio (PPO/GRPO/DAPO), sequence-level clipped ratio (GSPO), clipped-IS-weight REINFORCE (CISPO), clipped geometric-mean ratio (GMPO), soft sigmoid gate (SAPO), PPO-clip with the high-covariance tokens detached (Clip-Cov) or held by a KL term (KL-Cov); 'auto' takes the preset's."""
+  clip_eps_low: float | None = None
+  """Lower clip range of the importance ratio (1 - eps_low; GMPO: log space); None takes the preset's (0.2; GSPO 3e-4; CISPO 1, i.e. no lower bound)."""
+  clip_eps_high: float | None = None
+  """Upper clip range of the importance ratio (1 + eps_high; GMPO: log space); None takes the preset's (0.2; DAPO 0.28; GSPO 4e-4; CISPO 5)."""
+  dual_clip: float | None = 3.0
+  """Dual-clip constant c (> 1): the loss of a token with a negative advantage is capped at -c A, however large its ratio (ppo_clip, clip_cov); None disables it."""
   kl_coef: float = 0.0
   """Coefficient beta of the KL penalty to the reference policy; 0 drops the reference model."""
-  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-  """KL estimator (Schulman's k1, k2, k3)."""
+  kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+  """KL estimator (Schulman's k1, k2, k3; k3+ is k3's value with k2's gradient). In the loss, k2 and k3+ follow the gradient of KL(policy || ref), k3 that of KL(ref || policy); k1 is refused there (its expected gradient is 0) and allowed with kl_in_reward."""
   kl_in_reward: bool = False
   """Apply the KL as a per-token reward penalty instead of a loss term."""
   kl_target: float | None = None
@@ -35,9 +38,26 @@ class AlgorithmConfig:
   kl_horizon: int = 10000
   """Adaptive KL coefficient: horizon of the proportional controller, in steps."""
   entropy_coef: float = 0.0
-  """Coefficient of the entropy bonus."""
-  loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-  """How per-token losses are reduced to one number."""
+  """Coefficient of the entropy bonus (with entropy_target: its starting value)."""
+  entropy_target: float | None = None
+  """Adaptive entropy coefficient (Skywork-OR1, arXiv 2505.22312): after each batch, the coefficient goes up by entropy_coef_step while policy/entropy is below this target and down (to 0 at least) while above; the bonus applies only while below. None keeps entropy_coef fixed."""
+  entropy_coef_step: float = 0.005
+  """Adaptive entropy coefficient: its change per batch."""
+  top_entropy_quantile: float = 1.0
+  """Train on the highest-entropy tokens only: the fraction of each micro-batch's response tokens, by entropy, whose policy loss is kept (Wang et al. 2025, arXiv 2506.01939: 0.2; TRL's top_entropy_quantile); 1 keeps every token."""
+  cov_ratio: float = 0.0002
+  """Clip-Cov / KL-Cov: the fraction of response tokens detached (Clip-Cov) or held by the KL term (KL-Cov), among those of highest log-prob/advantage covariance (verl's 2e-4; a small batch needs more)."""
+  cov_bounds: tuple[float, float] = (1.0, 5.0)
+  """Clip-Cov: the covariance range of the tokens it may detach (verl's)."""
+  kl_cov_coef: float = 1.0
+  """KL-Cov: the coefficient of |log r| on its selected tokens (the paper's 1)."""
+  sapo_tau_pos: float = 1.0
+  """SAPO: gate temperature of tokens with a positive advantage (the paper's 1.0)."""
+  sapo_tau_neg: float = 1.05
+  """SAPO: gate temperature of the others (the paper's 1.05: negative updates fade faster)."""
+  loss_agg: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                    "seq-mean-token-sum-norm"] = "auto"
+  """How per-token losses are reduced to one number; 'auto' takes the preset's (token-mean; GRPO, GSPO, GMPO seq-mean-token-mean; Dr.GRPO seq-mean-token-sum-norm over max_new_tokens). The entropy and KL metrics are token means whatever this is."""
   value_clip: float | None = 0.2
   """PPO critic: clip range of the value update around the old values; None disables it."""
   gamma: float = 1.0
@@ -52,10 +72,13 @@ class AlgorithmConfig:
   """DAPO: mask truncated responses out of the loss."""
   overlong_buffer: int = 0
   """DAPO soft overlong punishment: length of the penalty interval L_cache in tokens; 0 disables it."""
-  off_policy: Literal["none", "tis", "decoupled"] = "tis"
-  """Correction of stale data: truncated importance sampling, or AReaL's decoupled objective."""
+  off_policy: Literal["none", "tis", "decoupled", "token_mask", "seq_tis", "geo_tis",
+                      "seq_reject", "opsm", "icepop"] = "tis"
+  """Correction of data the learner did not sample (a stale policy's, or the engine's numerics), from w = pi_old / pi_behav: truncated IS (tis), AReaL's decoupled objective, tokens with w > tis_cap masked (token_mask), truncated sequence or geometric-mean weights (seq_tis, geo_tis), sequences with a geometric mean outside [1/tis_cap, tis_cap] rejected (seq_reject), negative-advantage sequences that drifted more than opsm_delta masked (opsm), tokens outside [1/tis_cap, tis_cap] masked (icepop). See rlx.algorithms.off_policy."""
   tis_cap: float = 2.0
-  """Truncation of the behaviour importance weight (tis); policy/is_clip_frac counts the tokens whose weight exceeds it."""
+  """The importance-weight bound of the off-policy correction (truncation, mask or rejection); policy/is_clip_frac counts the tokens whose weight exceeds it."""
+  opsm_delta: float = 0.01
+  """off_policy=opsm: the mean log(pi_behav / pi_old) above which a negative-advantage sequence is masked."""
   max_is_clip_frac: float | None = None
   """Split mode: when the mean policy/is_clip_frac over mesh.control_window batches exceeds this, the controller lowers the effective staleness k (rlx.trainer.control); None disables it."""
   entropy_floor: float | None = None
@@ -66,14 +89,34 @@ class AlgorithmConfig:
   """Highest upper clip range the entropy-floor controller may raise clip_eps_high to."""
 
   @property
+  def preset(self) -> "Preset":
+    """The preset this config is named after."""
+    return PRESETS[self.name]
+
+  @property
   def advantage_estimator(self) -> str:
     """The advantage estimator this config runs (``advantage``, or the preset's)."""
-    return PRESETS[self.name][0] if self.advantage == "auto" else self.advantage
+    return self.preset.advantage if self.advantage == "auto" else self.advantage
 
   @property
   def loss(self) -> str:
     """The policy loss this config runs (``policy_loss``, or the preset's)."""
-    return PRESETS[self.name][1] if self.policy_loss == "auto" else self.policy_loss
+    return self.preset.loss if self.policy_loss == "auto" else self.policy_loss
+
+  @property
+  def eps_low(self) -> float:
+    """The lower clip range this config runs (``clip_eps_low``, or the preset's)."""
+    return self.preset.eps_low if self.clip_eps_low is None else self.clip_eps_low
+
+  @property
+  def eps_high(self) -> float:
+    """The upper clip range this config starts with (``clip_eps_high``, or the preset's)."""
+    return self.preset.eps_high if self.clip_eps_high is None else self.clip_eps_high
+
+  @property
+  def aggregation(self) -> str:
+    """The loss aggregation this config runs (``loss_agg``, or the preset's)."""
+    return self.preset.loss_agg if self.loss_agg == "auto" else self.loss_agg
 
   @property
   def uses_critic(self) -> bool:
@@ -86,8 +129,22 @@ class AlgorithmConfig:
     return self.kl_coef > 0 or self.kl_in_reward
 
   def __post_init__(self):
-    _check(self.clip_eps_low >= 0 and self.clip_eps_high >= 0, "algorithm.clip_eps_low",
+    _check(self.eps_low >= 0 and self.eps_high >= 0, "algorithm.clip_eps_low",
            "clip ranges must be >= 0")
+    _check(self.kl_estimator != "k1" or self.kl_coef == 0 or self.kl_in_reward,
+           "algorithm.kl_estimator", "k1 in the loss has an expected gradient of 0 (pure noise); "
+           "use k2 or k3+ (the gradient of KL(policy || ref)) or k3, or set kl_in_reward=True")
+    _check(0 < self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
+           "must be in (0, 1] (1 keeps every token)")
+    _check(0 < self.cov_ratio < 1, "algorithm.cov_ratio", "must be in (0, 1)")
+    _check(self.cov_bounds[0] < self.cov_bounds[1], "algorithm.cov_bounds",
+           "must be (low, high) with low < high")
+    _check(self.entropy_target is None or self.entropy_target > 0, "algorithm.entropy_target",
+           "must be > 0 (or None for a fixed entropy_coef)")
+    _check(self.tis_cap > 1 or self.off_policy in ("none", "tis", "decoupled", "seq_tis",
+                                                    "geo_tis", "opsm"),
+           "algorithm.tis_cap", f"must be > 1 for off_policy={self.off_policy} (its band is "
+           "[1/tis_cap, tis_cap])")
     _check(self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip", "must be > 1")
     _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma",
            "gamma and lam must be in [0, 1]")
@@ -99,13 +156,15 @@ class AlgorithmConfig:
            "must be > 0 (or None for a fixed kl_coef)")
     _check(self.value_clip is None or self.value_clip > 0, "algorithm.value_clip",
            "must be > 0 (or None to disable it)")
-    _positive(self, "algorithm", "kl_horizon", "tis_cap")
+    _positive(self, "algorithm", "kl_horizon", "tis_cap", "kl_cov_coef", "sapo_tau_pos",
+              "sapo_tau_neg", "entropy_coef_step")
     _check(self.max_is_clip_frac is None or 0 <= self.max_is_clip_frac < 1,
            "algorithm.max_is_clip_frac", "must be in [0, 1) (or None to disable it)")
     _check(self.entropy_floor is None or self.entropy_floor > 0, "algorithm.entropy_floor",
            "must be > 0 (or None to disable it)")
-    _check(self.clip_eps_high_max >= self.clip_eps_high, "algorithm.clip_eps_high_max",
-           f"must be >= algorithm.clip_eps_high={self.clip_eps_high}")
+    _check(self.entropy_floor is None or self.entropy_control != "clip_eps_high"
+           or self.clip_eps_high_max >= self.eps_high, "algorithm.clip_eps_high_max",
+           f"must be >= the upper clip range {self.eps_high} (algorithm.clip_eps_high)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,12 +200,53 @@ class OptimizerConfig:
       _check(0 <= getattr(self, name) < 1, f"optimizer.{name}", "must be in [0, 1)")
 
 
-PRESETS = {
-    "ppo": ("gae", "ppo_clip"), "grpo": ("grpo", "ppo_clip"), "dapo": ("grpo", "ppo_clip"),
-    "dr_grpo": ("dr_grpo", "ppo_clip"), "gspo": ("grpo", "gspo"), "cispo": ("grpo", "cispo"),
-    "rloo": ("rloo", "ppo_clip"), "reinforce_pp": ("reinforce_pp", "ppo_clip"),
-}
-"""algorithm.name -> (advantage estimator, policy loss)."""
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """What ``algorithm.name`` fills in, and where each number comes from."""
 
-GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
+  advantage: str
+  loss: str
+  eps_low: float
+  eps_high: float
+  loss_agg: str
+  source: str
+
+
+PRESETS = {
+    "ppo": Preset("gae", "ppo_clip", 0.2, 0.2, "token-mean",
+                  "Schulman et al. 2017, arXiv 1707.06347, sec. 6.1: eps = 0.2"),
+    "grpo": Preset("grpo", "ppo_clip", 0.2, 0.2, "seq-mean-token-mean",
+                   "Shao et al. 2024, arXiv 2402.03300, eq. 3: 1/|o_i| inside the mean over the "
+                   "group; eps = 0.2 as in PPO"),
+    "dapo": Preset("grpo", "ppo_clip", 0.2, 0.28, "token-mean",
+                   "Yu et al. 2025, arXiv 2503.14476, sec. 3.1 (clip-higher: eps_low 0.2, "
+                   "eps_high 0.28) and sec. 3.3 (token-level loss)"),
+    "dr_grpo": Preset("dr_grpo", "ppo_clip", 0.2, 0.2, "seq-mean-token-sum-norm",
+                      "Liu et al. 2025, arXiv 2503.20783, eq. 3 and appendix: no std, a "
+                      "constant normaliser (max generation length) instead of |o_i|"),
+    "gspo": Preset("grpo", "gspo", 3e-4, 4e-4, "seq-mean-token-mean",
+                   "Zheng et al. 2025, arXiv 2507.18071, sec. 5.1: left and right clip ranges "
+                   "3e-4 and 4e-4; eq. 5: a mean over sequences"),
+    "cispo": Preset("grpo", "cispo", 1.0, 5.0, "token-mean",
+                    "MiniMax 2025, arXiv 2506.13585, sec. 3.1: no lower bound on the IS weight, "
+                    "token-level normalisation (eq. 4); eps_max = 5 as ScaleRL (Khatri et al. "
+                    "2025, arXiv 2510.13786) and TRL recommend"),
+    "gmpo": Preset("grpo", "gmpo", 0.4, 0.4, "seq-mean-token-mean",
+                   "Zhao et al. 2025, arXiv 2507.20673, sec. 4: clip range (e^-0.4, e^0.4) in "
+                   "log space, a mean over sequences"),
+    "sapo": Preset("grpo", "sapo", 0.2, 0.2, "token-mean",
+                   "Gao et al. 2025, arXiv 2511.20347: tau_pos 1.0, tau_neg 1.05 "
+                   "(algorithm.sapo_tau_*); no clip (its eps only scale the clip metrics' "
+                   "band)"),
+    "rloo": Preset("rloo", "ppo_clip", 0.2, 0.2, "token-mean",
+                   "Ahmadian et al. 2024, arXiv 2402.14740: leave-one-out baseline"),
+    "reinforce_pp": Preset("reinforce_pp", "ppo_clip", 0.2, 0.2, "token-mean",
+                           "Hu 2025, arXiv 2501.03262: PPO's clip with batch-whitened returns"),
+    "reinforce_pp_baseline": Preset(
+        "reinforce_pp_baseline", "ppo_clip", 0.2, 0.2, "token-mean",
+        "Hu et al. 2025, arXiv 2501.03262 (v3+): group mean subtracted, then batch-whitened"),
+}
+"""algorithm.name -> what it fills in where the config leaves it ('auto' / None)."""
+
+GROUP_RELATIVE = ("grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp_baseline", "passk")
 """Advantage estimators that compare the samples of one prompt's group."""

@@ -254,11 +254,14 @@ class LoggingConfig:
   """Write TensorBoard event files under WORKDIR/tb."""
   progress_bar: bool = True
   """Show a console progress bar."""
+  mismatch_every: int = 10
+  """Split mode (one process): every N batches, the generator recomputes its batch's log-probs with the learner's code under the weights that sampled it, for rollout/mismatch_kl (colocated runs measure it on every step for free); 0 never."""
   profile_steps: str = ""
   """'A:B' writes a jax.profiler trace of training steps A .. B-1 (counted from 0) to WORKDIR/profile (one folder per process; open it in TensorBoard or Perfetto); '' never."""
 
   def __post_init__(self):
     _positive(self, "logging", "every_steps")
+    _check(self.mismatch_every >= 0, "logging.mismatch_every", "must be >= 0 (0 never)")
     if self.profile_steps:
       parts = self.profile_steps.split(":")
       _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts)
@@ -299,7 +302,7 @@ class TrainerConfig:
   eval_prompts: int = 64
   """Held-out prompts scored (greedy) at each evaluation, before and after training; 0 evaluates never (and holds out no rows of a data file)."""
   eval_samples: int = 0
-  """Also sample each held-out prompt this many times (at rollout.temperature) for eval/pass@N and eval/sampled_accuracy; 0 only answers greedily."""
+  """Also sample each held-out prompt this many times (at rollout.temperature) for eval/pass@k (k = 1, 2, 4, ..., N; the unbiased estimate) and eval/sampled_accuracy; 0 only answers greedily."""
   max_skipped_steps: int = 5
   """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
   compile_cache: str = "~/.cache/rlx/jax"

@@ -195,10 +195,10 @@ class Controller:
     if algo.entropy_control == "temperature":
       low, high = rollout.temperature, rollout.temperature_max
     else:
-      low, high = algo.clip_eps_high, algo.clip_eps_high_max
+      low, high = algo.eps_high, algo.clip_eps_high_max
     return cls(Staleness(mesh.max_staleness, mesh.lag_threshold, algo.max_is_clip_frac, window),
                EntropyFloor(algo.entropy_floor, algo.entropy_control, low, high, window),
-               temperature=rollout.temperature, clip_eps_high=algo.clip_eps_high,
+               temperature=rollout.temperature, clip_eps_high=algo.eps_high,
                lag_threshold=mesh.lag_threshold, max_age_s=config.data.max_age_s)
 
   @property

@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy accuracy, and pass@n with sampling.
+"""Held-out evaluation: greedy accuracy, and pass@k with sampling.
 
     metrics = evaluate(run, params)                 # {"eval/accuracy": ..., ...}
 """
@@ -22,19 +22,42 @@ def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
   return bool(every and step % every == 0 and not stopping)
 
 
+def pass_at_k(n: int, correct: np.ndarray, k: int) -> np.ndarray:
+  """The unbiased pass@k estimate of each prompt from ``n`` samples of which ``correct`` [P]
+  are right (Chen et al. 2021, arXiv 2107.03374): ``1 - C(n - c, k) / C(n, k)``, as the
+  stable product ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)``."""
+  if not 1 <= k <= n:
+    raise ValueError(f"pass@{k} needs 1 <= k <= n = {n}")
+  correct = np.asarray(correct, np.int64)
+  out = np.ones(len(correct))
+  for p, c in enumerate(correct):
+    if n - c >= k:
+      out[p] = 1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1))
+  return out
+
+
+def pass_ks(n: int) -> list[int]:
+  """The k reported for n samples: 1, 2, 4, ... up to n, and n."""
+  ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+  return ks if ks[-1] == n else ks + [n]
+
+
 def evaluate(run: Run, params) -> dict[str, float]:
   """Held-out metrics: ``eval/accuracy``, the share of eval prompts whose greedy answer is
   correct (a format bonus never counts); with ``trainer.eval_samples`` = n, also
-  ``eval/pass@n`` (some sample of n correct) and ``eval/sampled_accuracy`` (the share of
-  samples correct). Empty when there are no eval rows. With several processes, each answers
-  its share of the prompts and the metrics are over all of them."""
+  ``eval/pass@k`` for k = 1, 2, 4, ..., n (the unbiased estimate from the n samples at
+  ``rollout.temperature``: the chance that some of k samples is correct) and
+  ``eval/sampled_accuracy`` (the share of samples correct, = pass@1). Empty when there are no
+  eval rows. With several processes, each answers its share of the prompts and the metrics
+  are over all of them."""
   if not run.eval_rows:
     return {}
   started = time.perf_counter()
   count, index = jax.process_count(), jax.process_index()
   rows = run.eval_rows[index::count]
   n = run.config.trainer.eval_samples
-  totals = np.zeros(3)  # greedy correct, prompts with a correct sample, correct samples
+  ks = pass_ks(n) if n else []
+  totals = np.zeros(2 + len(ks))  # greedy correct, correct samples, sums of pass@k
   if rows:
     _, scored = generate_and_score(run, params, rows, n=1, temperature=0.0, seed=0, version=0)
     totals[0] = np.sum(scored.correct)
@@ -42,15 +65,16 @@ def evaluate(run: Run, params) -> dict[str, float]:
       completions, scored = generate_and_score(run, params, rows, n=n,
                                                temperature=run.config.rollout.temperature,
                                                seed=1, version=0)
-      solved = np.zeros(len(rows), bool)
+      right = np.zeros(len(rows), np.int64)
       for completion, correct in zip(completions, scored.correct):
-        solved[completion.prompt_index] |= correct
-      totals[1], totals[2] = solved.sum(), np.sum(scored.correct)
+        right[completion.prompt_index] += bool(correct)
+      totals[1] = right.sum()
+      totals[2:] = [pass_at_k(n, right, k).sum() for k in ks]
   totals = distributed.sum_over_processes(totals)
   run.seconds["evals"] = run.seconds.get("evals", 0.0) + time.perf_counter() - started
   prompts = len(run.eval_rows)
   metrics = {"eval/accuracy": float(totals[0] / prompts)}
   if n:
-    metrics.update({f"eval/pass@{n}": float(totals[1] / prompts),
-                    "eval/sampled_accuracy": float(totals[2] / (prompts * n))})
+    metrics["eval/sampled_accuracy"] = float(totals[1] / (prompts * n))
+    metrics.update({f"eval/pass@{k}": float(total / prompts) for k, total in zip(ks, totals[2:])})
   return metrics

@@ -123,7 +123,8 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
                   temperature: float | None = None) -> tuple[Sampled, dict[str, float]]:
   """The rollouts laid out in arrays (see ``layout``), and statistics of the rewards and
   responses. ``temperature`` is what they were sampled at (None: rollout.temperature); the
-  log-probs of greedy data (0) are taken at temperature 1, like the engine's."""
+  learner takes the log-probs of greedy data (0) at temperature 1 (the engine records their
+  behaviour log-probs as 0, a point mass)."""
   if len(completions) != len(rewards):
     raise ValueError(f"{len(completions)} completions but {len(rewards)} rewards")
   arrays = layout(completions, pad_id, bucket, lengths)
@@ -251,3 +252,30 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
 
   run.jitted = jitted
   return run
+
+
+def make_mismatch(config: RunConfig, transformer: Transformer, pad_id: int):
+  """``measure(params, completions, version, temperature) -> (kl, tokens) | None``: the
+  engine/learner mismatch of a batch, ``KL(behaviour || learner)`` per response token (k3 on
+  the engine's samples), where the learner's log-probs are recomputed with the learner's code
+  under ``params``, the weights of ``version``. Only the rows ``version`` sampled count; None
+  when there are none. Both sides run the same model code, so it should be tiny: a large
+  value means the engine and the learner disagree on the numbers (dtype, kernels, sampling
+  settings), which the off-policy correction then pays for."""
+  logprobs = jax.jit(functools.partial(update.policy_logprobs, config, transformer))
+
+  def measure(params, completions: Sequence[Completion], version: int,
+              temperature: float | None = None) -> tuple[float, int] | None:
+    rows = [c for c in completions if c.policy_version == version]
+    if not rows:
+      return None
+    arrays = layout(rows, pad_id)
+    temperature = config.rollout.temperature if temperature is None else temperature
+    temperatures = np.full(len(rows), update.sampling_temperature(temperature), np.float32)
+    learner = np.asarray(logprobs(params, arrays["tokens"], arrays["attention_mask"],
+                                  arrays["response_mask"], temperatures))
+    mask = arrays["response_mask"]
+    log_w = np.clip(learner - arrays["behaviour_logprobs"], -20, 20)[mask]
+    return float(np.mean(np.exp(log_w) - 1 - log_w)), int(mask.sum())
+
+  return measure

@@ -164,6 +164,11 @@ class Learner:
                                    critic_shardings=critic_shardings,
                                    batch_sharding=self.batch_sharding)
     self.kl_coef = algo.kl_coef
+    self.entropy_coef = algo.entropy_coef
+    """The entropy bonus's coefficient (moved by ``algorithm.entropy_target``)."""
+    self.entropy_below_target = True
+    """With ``algorithm.entropy_target``: whether the last step's entropy was below it (the
+    bonus applies only then)."""
     self.skipped_steps = 0
     """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
     self.skipped_in_a_row = 0
@@ -193,6 +198,7 @@ class Learner:
       return None
     self.state, self.critic = restored.state, restored.critic
     self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
+    self.entropy_coef = restored.meta.get("entropy_coef", self.entropy_coef)
     self.saved_step = restored.step
     self.restored_meta = restored.meta
     return restored
@@ -203,7 +209,7 @@ class Learner:
     self.saved_step = step
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef,
-                                 **meta})
+                                 "entropy_coef": self.entropy_coef, **meta})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:
     every = self.config.checkpoint.every_steps
@@ -226,7 +232,7 @@ class Learner:
     temperature, so neither recompiles."""
     config = self.config
     if clip_eps_high is None:
-      clip_eps_high = config.algorithm.clip_eps_high
+      clip_eps_high = config.algorithm.eps_high
     # every process lays its rows out at the same (bucketed) lengths: the batch is one array
     lengths = distributed.max_over_processes(
         [max(len(c.prompt_tokens) for c in draw.completions),
@@ -244,11 +250,22 @@ class Learner:
     if self.critic is not None:
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
-    self.state, step_metrics = self.step_fn(self.state, batch, self.kl_coef, clip_eps_high)
+    self.state, step_metrics = self.step_fn(
+        self.state, batch, self.kl_coef, clip_eps_high,
+        self.entropy_coef if self.entropy_below_target else 0.0)
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
     self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)
+    # the engine against the learner on the rows the current params sampled (none: no figure)
+    mismatch, tokens = metrics.pop("rollout/mismatch_kl_sum"), metrics.pop("rollout/mismatch_tokens")
+    if tokens > 0:
+      metrics["rollout/mismatch_kl"] = float(mismatch / tokens)
     algo = config.algorithm
+    if algo.entropy_target is not None:
+      self.entropy_below_target = metrics["policy/entropy"] < algo.entropy_target
+      self.entropy_coef = float(algorithms.adaptive_entropy_coef(
+          self.entropy_coef, metrics["policy/entropy"], algo.entropy_target,
+          algo.entropy_coef_step))
     if algo.kl_target is not None and "policy/kl" in metrics:
       self.kl_coef = float(algorithms.adaptive_kl_coef(
           self.kl_coef, metrics["policy/kl"], algo.kl_target, algo.kl_horizon,

@@ -34,12 +34,15 @@ import queue
 import threading
 import time
 
+import jax
+
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import BusyWindow
 from rlx.trainer import control
 from rlx.trainer.buffer import buffered
 from rlx.trainer.collect import Draw, collect
 from rlx.trainer.common import Say
+from rlx.trainer.experience import make_mismatch
 from rlx.trainer.run import Run
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
@@ -88,6 +91,10 @@ class Generator(threading.Thread):
     self.tokens = 0
     self._params = None
     self._version = -1
+    every = run.config.logging.mismatch_every
+    self.mismatch_every = every if jax.process_count() == 1 else 0
+    self._mismatch = (make_mismatch(run.config, run.model.transformer, run.tokenizer.pad_id)
+                      if self.mismatch_every else None)
 
   def finished(self) -> None:
     """The learner is done with one more batch (trained and published, or dropped)."""
@@ -139,6 +146,11 @@ class Generator(threading.Thread):
                                + self.first_step + index, temperature=self.temperature)
         if self.delay_s:
           time.sleep(self.delay_s)
+        if self._mismatch is not None and index % self.mismatch_every == 0:
+          measured = self._mismatch(self._params, draw.completions, self._version,
+                                    draw.temperature)
+          if measured is not None:
+            draw.counts["rollout/mismatch_kl"] = measured[0]
         self.busy_seconds += time.perf_counter() - started
         self.tokens += sum(c.sampled_tokens for c in draw.completions)
         self._hand_over(_Produced(draw, sync_seconds, waited, setting))

@@ -59,7 +59,9 @@ def _ways(sharding: NamedSharding) -> int:
 
 def sampling_temperature(temperature: float) -> float:
   """The temperature the learner takes log-probs at for data sampled at ``temperature``: itself,
-  or 1 for greedy data (0), whose behaviour log-probs the engine takes at 1."""
+  or 1 for greedy data (0). The engine records a greedy token's behaviour log-prob as 0 (a
+  point mass), so greedy data is off-policy for any learner temperature; 1 is the untruncated
+  policy."""
   return temperature if temperature > 0 else 1.0
 
 

@@ -27,32 +27,57 @@ from rlx.update.steps import accumulate, apply_if_finite, over_schedule
 
 
 def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batch: RolloutBatch,
-                kl_coef: jax.Array, clip_eps_high: jax.Array | None = None
+                kl_coef: jax.Array, clip_eps_high: jax.Array | None = None,
+                entropy_coef: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Per-token loss [B, T] of the configured algorithm, and per-token diagnostics;
-  ``clip_eps_high`` (traced) replaces the config's upper clip range when given."""
+  ``clip_eps_high`` and ``entropy_coef`` (traced) replace the config's when given.
+
+  The loss is the policy loss (times the off-policy weight; only the top-entropy tokens with
+  ``top_entropy_quantile < 1``), plus ``kl_coef`` times the KL to the reference (unless it
+  is in the reward), minus ``entropy_coef`` times the entropy. The diagnostic
+  ``policy_loss`` (logged as ``policy/loss``) is the policy loss alone, before the weight."""
   algo = config.algorithm
+  mask = batch.response_mask.astype(bool)
   old = jax.lax.stop_gradient(logprobs) if batch.old_logprobs is None else batch.old_logprobs
-  eps_high = algo.clip_eps_high if clip_eps_high is None else clip_eps_high
+  eps_high = algo.eps_high if clip_eps_high is None else clip_eps_high
   loss, diagnostics = algorithms.POLICY_LOSSES[algo.loss](
       logprobs, old, batch.advantages, batch.response_mask, algo, eps_high)
-  weights = algorithms.off_policy_weights(old, batch.behaviour_logprobs, algo.off_policy,
-                                          algo.tis_cap)
+  weights = algorithms.off_policy_weights(
+      old, batch.behaviour_logprobs, algo.off_policy, cap=algo.tis_cap,
+      response_mask=batch.response_mask, advantages=batch.advantages,
+      opsm_delta=algo.opsm_delta)
   # tokens whose behaviour importance weight pi_old / pi_behav exceeds the cap (truncated by
   # tis): how far the data's sampler has drifted from the policy, whatever the correction
   is_clip = (old - batch.behaviour_logprobs > math.log(algo.tis_cap)).astype(jnp.float32)
   diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights, is_clip=is_clip,
-                     kl_behaviour=algorithms.kl_estimate(logprobs, batch.behaviour_logprobs, "k3"))
+                     is_rejected=(weights == 0).astype(jnp.float32),
+                     kl_behaviour=algorithms.kl_estimate(logprobs, batch.behaviour_logprobs, "k3"),
+                     # KL(behaviour || old) on the behaviour's samples: the engine against the
+                     # learner, where both ran the same weights (rows of the current version)
+                     mismatch_kl=algorithms.kl_estimate(batch.behaviour_logprobs, old, "k3"))
   loss = weights * loss
+  if algo.top_entropy_quantile < 1:
+    kept = _top_entropy(entropy, mask, algo.top_entropy_quantile)
+    loss = jnp.where(kept, loss, 0.0)
+    diagnostics["entropy_kept"] = kept.astype(jnp.float32)
   if batch.ref_logprobs is not None:
     kl = algorithms.kl_estimate(logprobs, batch.ref_logprobs, algo.kl_estimator)
     diagnostics["kl"] = jax.lax.stop_gradient(kl)
     if algo.kl_coef > 0 and not algo.kl_in_reward:
       loss = loss + kl_coef * kl
-  if algo.entropy_coef:
-    loss = loss - algo.entropy_coef * entropy
+  coef = algo.entropy_coef if entropy_coef is None else entropy_coef
+  if algo.entropy_coef or algo.entropy_target is not None:
+    loss = loss - coef * entropy
   diagnostics["entropy"] = jax.lax.stop_gradient(entropy)
   return loss, jax.tree.map(jax.lax.stop_gradient, diagnostics)
+
+
+def _top_entropy(entropy: jax.Array, mask: jax.Array, quantile: float) -> jax.Array:
+  """True on the response tokens whose entropy is in the top ``quantile`` of the batch's."""
+  entropy = jax.lax.stop_gradient(entropy)
+  threshold = jnp.nanquantile(jnp.where(mask, entropy, jnp.nan), 1.0 - quantile)
+  return mask & (entropy >= threshold)
 
 
 def _loss_norm(config: RunConfig) -> float:
@@ -62,30 +87,39 @@ def _loss_norm(config: RunConfig) -> float:
 def loss_denominator(config: RunConfig, response_mask: jax.Array) -> jax.Array:
   """The aggregation denominator of a whole batch (it depends on the mask only)."""
   return algorithms.aggregate(jnp.zeros(response_mask.shape), response_mask,
-                              config.algorithm.loss_agg, _loss_norm(config))[1]
+                              config.algorithm.aggregation, _loss_norm(config))[1]
 
 
 def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array, kl_coef: jax.Array,
-                    clip_eps_high: jax.Array | None = None, *, config: RunConfig,
+                    clip_eps_high: jax.Array | None = None, entropy_coef: jax.Array | None = None,
+                    version: jax.Array | None = None, *, config: RunConfig,
                     transformer: Transformer, rows: NamedSharding | None = None):
-  """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch."""
+  """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch. An
+  all-masked batch (denominator 0) has loss 0, not NaN. ``version``: the params' policy
+  version (the rows sampled by it measure the engine/learner mismatch)."""
   temperature = config_temperature(config) if batch.temperature is None else batch.temperature
   logprobs, entropy = sequence_logprobs(
       transformer, params, batch.tokens, batch.attention_mask, batch.response_mask,
       impl=config.model.logprob_impl, temperature=temperature,
       chunk=config.model.logprob_chunk, rows=rows)
-  loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef, clip_eps_high)
-  numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.loss_agg,
+  loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef, clip_eps_high,
+                                  entropy_coef)
+  numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.aggregation,
                                       _loss_norm(config))
   mask = batch.response_mask.astype(bool)
-  sums = {name: algorithms.masked_sum(value, mask) for name, value in diagnostics.items()}
+  current = mask if version is None else mask & (batch.policy_version == version)[:, None]
+  sums = {name: algorithms.masked_sum(value, mask) for name, value in diagnostics.items()
+          if name != "mismatch_kl"}
+  sums["mismatch_kl"] = algorithms.masked_sum(diagnostics["mismatch_kl"], current)
+  sums["mismatch_tokens"] = current.sum().astype(jnp.float32)
   sums["ratio_max"] = jnp.max(jnp.where(mask, diagnostics["ratio"], -jnp.inf))
   sums["tokens"] = mask.sum().astype(jnp.float32)
-  return numerator / denominator, sums
+  return algorithms.mean_of(numerator, denominator), sums
 
 
 def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
-                   clip_eps_high: jax.Array | None = None, *, config: RunConfig,
+                   clip_eps_high: jax.Array | None = None, entropy_coef: jax.Array | None = None,
+                   version: jax.Array | None = None, *, config: RunConfig,
                    transformer: Transformer, rows: NamedSharding | None = None
                    ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
   """Full-batch loss and gradient, accumulated over ``config.optimizer.micro_batches``."""
@@ -93,8 +127,10 @@ def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
   grad_fn = jax.value_and_grad(
       functools.partial(microbatch_loss, config=config, transformer=transformer, rows=rows),
       has_aux=True)
-  return accumulate(lambda p, micro: grad_fn(p, micro, denominator, kl_coef, clip_eps_high),
-                    params, batch, config.optimizer.micro_batches, maxima=("ratio_max",))
+  return accumulate(
+      lambda p, micro: grad_fn(p, micro, denominator, kl_coef, clip_eps_high, entropy_coef,
+                               version),
+      params, batch, config.optimizer.micro_batches, maxima=("ratio_max",))
 
 
 def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str, jax.Array]:
@@ -104,7 +140,8 @@ def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str
   for name, values in metrics.items():
     if name == "policy/ratio_max":
       reduced[name] = values.max()
-    elif name in ("train/skipped", "train/skipped_update"):
+    elif name in ("train/skipped", "train/skipped_update", "train/empty_steps",
+                  "rollout/mismatch_kl_sum", "rollout/mismatch_tokens"):
       reduced[name] = values.sum()
     elif name == "response/tokens":
       reduced[name] = values.sum() / epochs
@@ -116,8 +153,8 @@ def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str
 def make_update_step(config: RunConfig, transformer: Transformer,
                      optimizer: optax.GradientTransformation, schedule=None, *,
                      state_shardings: Any = None, batch_shardings: Any = None):
-  """The jitted ``update_step(state, batch, kl_coef=None, clip_eps_high=None) -> (state,
-  metrics)``: the whole ``trainer.ppo_epochs x trainer.mini_batches`` schedule on one rollout
+  """The jitted ``update_step(state, batch, kl_coef=None, clip_eps_high=None,
+  entropy_coef=None) -> (state, metrics)``: the whole ``trainer.ppo_epochs x trainer.mini_batches`` schedule on one rollout
   batch.
 
   Each pass draws a fresh permutation of the sequences from ``fold_in(state.key,
@@ -128,8 +165,8 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   one per call (unless every update was skipped): the generator sees one new policy per
   rollout batch. Jitted once, the state donated, with explicit shardings when
   ``state_shardings`` (a ``TrainState`` of shardings) and ``batch_shardings`` (a prefix of
-  the batch) are given. ``kl_coef`` and ``clip_eps_high`` (None: the config's) are traced
-  scalars, like the batch's sampling temperatures: a controller that moves them never
+  the batch) are given. ``kl_coef``, ``clip_eps_high`` and ``entropy_coef`` (None: the
+  config's) are traced scalars, like the batch's sampling temperatures: a controller that moves them never
   recompiles the step.
   ``step.minibatch`` is one optimizer step on one mini-batch (the reference the schedule is
   tested against).
@@ -139,10 +176,12 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   rows = batch_shardings if isinstance(batch_shardings, NamedSharding) else None
 
   def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
-                       clip_eps_high: jax.Array):
+                       clip_eps_high: jax.Array, entropy_coef: jax.Array):
     loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, clip_eps_high,
-                                       config=config, transformer=transformer, rows=rows)
-    new_state, applied = apply_if_finite(optimizer, state, loss, grads)
+                                       entropy_coef, state.policy_version, config=config,
+                                       transformer=transformer, rows=rows)
+    empty = sums["tokens"] == 0
+    new_state, applied = apply_if_finite(optimizer, state, loss, grads, empty)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {
         "loss": loss,
@@ -156,21 +195,30 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "policy/ratio_max": sums["ratio_max"],
         "policy/is_weight_mean": sums["is_weight"] / tokens,
         "policy/is_clip_frac": sums["is_clip"] / tokens,
+        "policy/is_rejected_frac": sums["is_rejected"] / tokens,
+        "rollout/mismatch_kl_sum": sums["mismatch_kl"],
+        "rollout/mismatch_tokens": sums["mismatch_tokens"],
         "optim/grad_norm": applied["grad_norm"],
         "train/skipped": applied["skipped"],
         "train/skipped_update": applied["skipped_update"],
+        "train/empty_steps": applied["empty"],
         "optim/lr": jnp.asarray(schedule(state.step) if schedule else jnp.nan, jnp.float32),
         "response/tokens": tokens,
     }
     if "kl" in sums:
       metrics["policy/kl"] = sums["kl"] / tokens
+    if "entropy_kept" in sums:
+      metrics["policy/entropy_kept_frac"] = sums["entropy_kept"] / tokens
+    if "cov_selected" in sums:
+      metrics["policy/cov_selected_frac"] = sums["cov_selected"] / tokens
     return new_state, metrics
 
   def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
-                  clip_eps_high: jax.Array):
+                  clip_eps_high: jax.Array, entropy_coef: jax.Array):
     version = state.policy_version
-    state, metrics = over_schedule(lambda s, b: minibatch_update(s, b, kl_coef, clip_eps_high),
-                                   state, batch, epochs=epochs, mini_batches=mini_batches)
+    state, metrics = over_schedule(
+        lambda s, b: minibatch_update(s, b, kl_coef, clip_eps_high, entropy_coef),
+        state, batch, epochs=epochs, mini_batches=mini_batches)
     metrics = _reduce_over_updates(metrics, epochs)
     mask = batch.response_mask.astype(bool)
     metrics["advantage/mean"] = algorithms.masked_mean(batch.advantages, mask)
@@ -178,25 +226,34 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     metrics["train/updates"] = jnp.asarray(epochs * mini_batches, jnp.int32)
     if "policy/kl" in metrics:
       metrics["policy/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
-    changed = metrics["train/skipped"] < epochs * mini_batches  # not every update was skipped
+    if algo.entropy_target is not None:
+      metrics["policy/entropy_coef"] = jnp.asarray(entropy_coef, jnp.float32)
+    # not every update was skipped or empty
+    changed = metrics["train/skipped"] + metrics["train/empty_steps"] < epochs * mini_batches
     return state.replace(policy_version=version + changed.astype(version.dtype)), metrics
 
   if state_shardings is None:
     jitted = jax.jit(update_step, donate_argnums=0)
-  else:  # metrics and the controller's scalars replicated, like the state's scalars
+  else:  # metrics and the controllers' scalars replicated, like the state's scalars
     replicated = state_shardings.step
     jitted = jax.jit(update_step, donate_argnums=0,
-                     in_shardings=(state_shardings, batch_shardings, replicated, replicated),
+                     in_shardings=(state_shardings, batch_shardings, replicated, replicated,
+                                   replicated),
                      out_shardings=(state_shardings, replicated))
   algo = config.algorithm
   scalar = lambda value, default: jnp.asarray(default if value is None else value, jnp.float32)
 
+  def scalars(kl_coef, clip_eps_high, entropy_coef):
+    return (scalar(kl_coef, algo.kl_coef), scalar(clip_eps_high, algo.eps_high),
+            scalar(entropy_coef, algo.entropy_coef))
+
   def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None,
-           clip_eps_high: float | jax.Array | None = None):
-    return jitted(state, batch, scalar(kl_coef, algo.kl_coef),
-                  scalar(clip_eps_high, algo.clip_eps_high))
+           clip_eps_high: float | jax.Array | None = None,
+           entropy_coef: float | jax.Array | None = None):
+    return jitted(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef))
 
   step.jitted = jitted
-  step.minibatch = jax.jit(lambda state, batch, kl_coef=None, clip_eps_high=None: minibatch_update(
-      state, batch, scalar(kl_coef, algo.kl_coef), scalar(clip_eps_high, algo.clip_eps_high)))
+  step.minibatch = jax.jit(
+      lambda state, batch, kl_coef=None, clip_eps_high=None, entropy_coef=None: minibatch_update(
+          state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef)))
   return step

@@ -68,21 +68,27 @@ def finite_or_unchanged(ok: jax.Array, new: TrainState, old: TrainState) -> Trai
 
 
 def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, loss: jax.Array,
-                    grads: Params) -> tuple[TrainState, dict[str, jax.Array]]:
+                    grads: Params, empty: jax.Array | bool = False
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on ``state``, kept only when the loss, the gradient norm, the new
   params and the new optimizer state are all finite (else ``state`` comes back unchanged).
   Also returns ``grad_norm``, ``skipped`` (int 0/1) and ``skipped_update`` (skipped although
-  the loss and gradient were finite: the update itself overflowed)."""
+  the loss and gradient were finite: the update itself overflowed). An ``empty`` mini-batch
+  (no response token in the loss) is not a numerical failure: it leaves ``state`` unchanged
+  (Adam's momentum would move the weights even on a zero gradient) and counts as ``empty``,
+  not ``skipped``."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
   gradient_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   update_finite = all_finite(params) & all_finite(opt_state)
   finite = gradient_finite & update_finite
+  empty = jnp.asarray(empty)
   updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-  return finite_or_unchanged(finite, updated, state), {
-      "grad_norm": grad_norm, "skipped": jnp.logical_not(finite).astype(jnp.int32),
-      "skipped_update": (gradient_finite & ~update_finite).astype(jnp.int32)}
+  return finite_or_unchanged(finite & ~empty, updated, state), {
+      "grad_norm": grad_norm, "skipped": (~finite & ~empty).astype(jnp.int32),
+      "skipped_update": (gradient_finite & ~update_finite & ~empty).astype(jnp.int32),
+      "empty": empty.astype(jnp.int32)}
 
 
 def minibatch_order(batch_size: int, key: jax.Array, *, epochs: int,
