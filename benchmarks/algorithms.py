@@ -1,26 +1,36 @@
-"""DAPO vs GRPO vs Dr.GRPO on the built-in task, on the same budget: held-out accuracy
-(mean ± std over seeds) and time per step, as JSON.
+"""The algorithms' presets and DAPO's entropy tools on the built-in task, on the same
+budget: held-out greedy accuracy, pass@8, final entropy and time per step (mean ± std over
+seeds), as JSON.
 
-Every algorithm runs the same number of RL steps, prompts per step, samples per
-prompt and optimizer steps per rollout batch (``trainer.mini_batches``), colocated
-(always on-policy), as separate ``python -m rlx.main`` processes one after the
-other. For each seed, the three algorithms start from the same warmed-up model
-(the first run of the seed trains it, the others load it) and are evaluated on
-the same held-out prompts; the seed also sets the data order and sampling.
+Every run has the same number of RL steps, prompts per step, samples per prompt and
+optimizer steps per rollout batch (``trainer.mini_batches``), colocated (always
+on-policy), as separate ``python -m rlx.main`` processes one after the other. For each
+seed, every run starts from the same warmed-up model (the seed's first run trains it, the
+others load it) and is evaluated on the same held-out prompts; the seed also sets the data
+order and sampling.
 
     python benchmarks/algorithms.py --steps 200 --seeds 0 1 2 [--config.a.b=value ...]
 
-The algorithms:
+The presets run with their papers' values (``rlx.config.algorithm.PRESETS``); each run
+names only what is not the preset's:
 
-- ``dapo``: all five pieces of DAPO: clip-higher (0.2 / 0.28), dynamic sampling,
-  token-level loss, overlong filtering and soft overlong punishment; no KL.
-- ``grpo``: group-normalised advantages, symmetric clip 0.2, sequence-mean of
-  token-means, k3 KL to the reference (0.04).
-- ``dr_grpo``: group-mean-centred advantages without the std, a constant
-  normaliser (the generation budget) instead of each response's length, no KL.
+- ``dapo``: clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, overlong
+  filtering and soft overlong punishment; no KL.
+- ``grpo``: group-normalised advantages, clip 0.2, sequence-mean of token-means, k3 KL to
+  the reference (0.04).
+- ``dr_grpo``: no std, the constant normaliser (the generation budget); no KL.
+- ``gspo``: the sequence-level ratio, clip 3e-4 / 4e-4, sequence-mean.
+- ``cispo``: the clipped IS weight (upper bound 5, none below), token-level.
+- ``dapo+clip_cov``, ``dapo+kl_cov``: DAPO with Clip-Cov / KL-Cov on 2% of the tokens
+  (the papers' 2e-4 .. 2e-3 select no token of a batch this small).
+- ``dapo+top_entropy``: DAPO training only the top 20% highest-entropy tokens.
+- ``dapo+adaptive_entropy``: DAPO with Skywork-OR1's adaptive entropy coefficient
+  (target 0.3, step 0.005 per batch).
+- ``dapo+entropy_floor``: DAPO with rlx's entropy-floor controller (floor 0.3, raising the
+  sampling temperature).
 
-A DAPO step draws more prompts than the others when dynamic sampling drops
-groups: its time per step includes that extra generation (``draws_mean``).
+A DAPO step draws more prompts than the others when dynamic sampling drops groups: its time
+per step includes that extra generation (``draws_per_step_mean``).
 """
 
 from __future__ import annotations
@@ -38,21 +48,26 @@ import runs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+_DAPO = ["--config.algorithm.name=dapo", "--config.algorithm.dynamic_sampling=true",
+         "--config.algorithm.dynamic_sampling_max_draws=32",
+         "--config.algorithm.overlong_filter=true", "--config.algorithm.overlong_buffer=4",
+         "--config.algorithm.kl_coef=0"]
+
 ALGORITHMS = {
-    "dapo": ["--config.algorithm.name=dapo", "--config.algorithm.clip_eps_low=0.2",
-             "--config.algorithm.clip_eps_high=0.28", "--config.algorithm.loss_agg=token-mean",
-             "--config.algorithm.dynamic_sampling=true",
-             "--config.algorithm.dynamic_sampling_max_draws=32",
-             "--config.algorithm.overlong_filter=true", "--config.algorithm.overlong_buffer=4",
-             "--config.algorithm.kl_coef=0"],
-    "grpo": ["--config.algorithm.name=grpo", "--config.algorithm.clip_eps_low=0.2",
-             "--config.algorithm.clip_eps_high=0.2",
-             "--config.algorithm.loss_agg=seq-mean-token-mean", "--config.algorithm.kl_coef=0.04",
+    "dapo": _DAPO,
+    "grpo": ["--config.algorithm.name=grpo", "--config.algorithm.kl_coef=0.04",
              "--config.algorithm.kl_estimator=k3"],
-    "dr_grpo": ["--config.algorithm.name=dr_grpo", "--config.algorithm.clip_eps_low=0.2",
-                "--config.algorithm.clip_eps_high=0.2",
-                "--config.algorithm.loss_agg=seq-mean-token-sum-norm",
-                "--config.algorithm.kl_coef=0"],
+    "dr_grpo": ["--config.algorithm.name=dr_grpo", "--config.algorithm.kl_coef=0"],
+    "gspo": ["--config.algorithm.name=gspo", "--config.algorithm.kl_coef=0"],
+    "cispo": ["--config.algorithm.name=cispo", "--config.algorithm.kl_coef=0"],
+    "dapo+clip_cov": [*_DAPO, "--config.algorithm.policy_loss=clip_cov",
+                      "--config.algorithm.cov_ratio=0.02"],
+    "dapo+kl_cov": [*_DAPO, "--config.algorithm.policy_loss=kl_cov",
+                    "--config.algorithm.cov_ratio=0.02"],
+    "dapo+top_entropy": [*_DAPO, "--config.algorithm.top_entropy_quantile=0.2"],
+    "dapo+adaptive_entropy": [*_DAPO, "--config.algorithm.entropy_target=0.3",
+                              "--config.algorithm.entropy_coef_step=0.005"],
+    "dapo+entropy_floor": [*_DAPO, "--config.algorithm.entropy_floor=0.3"],
 }
 
 
@@ -63,6 +78,7 @@ def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]
              f"--config.mesh.cpu_devices={args.cpu_devices}", f"--config.trainer.steps={args.steps}",
              f"--config.trainer.mini_batches={args.mini_batches}",
              f"--config.trainer.eval_prompts={args.eval_prompts}",
+             f"--config.trainer.eval_samples={args.eval_samples}",
              f"--config.trainer.seed={seed}", f"--config.data.shuffle_seed={seed}",
              f"--config.model.seed={seed}", "--config.trainer.eval_every=0",
              "--config.logging.progress_bar=false", "--config.logging.tensorboard=false",
@@ -78,9 +94,12 @@ def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]
     raise SystemExit(f"{algorithm} (seed {seed}): no held-out accuracy in its output:\n"
                      f"{result.stdout[-2000:]}")
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  final = json.loads((workdir / "eval_final.json").read_text())
   steady = rows[args.skip:]  # the first steps compile
   return {
       "before": measured[0], "after": measured[1],
+      "pass_at_k": final.get(f"eval/pass@{args.eval_samples}", float("nan")),
+      "entropy_last": statistics.mean(r["policy/entropy"] for r in rows[-args.tail:]),
       "step_s_median": statistics.median(r["time/step_s"] for r in steady),
       "draws_mean": statistics.mean(r["rollout/draws"] for r in rows),
       "clip_frac_high_mean": statistics.mean(r["policy/clip_frac_high"] for r in rows),
@@ -101,6 +120,7 @@ def main() -> None:
   parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
   parser.add_argument("--mini-batches", type=int, default=2)
   parser.add_argument("--eval-prompts", type=int, default=500)
+  parser.add_argument("--eval-samples", type=int, default=8, help="n of the final pass@n")
   parser.add_argument("--cpu-devices", type=int, default=2)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the train accuracy averages")
@@ -122,6 +142,8 @@ def main() -> None:
     results[name] = {
         "eval_accuracy_after": _mean_std([r["after"] for r in per_seed]),
         "eval_gain_points": _mean_std([100 * (r["after"] - r["before"]) for r in per_seed]),
+        f"eval_pass@{args.eval_samples}": _mean_std([r["pass_at_k"] for r in per_seed]),
+        "entropy_last_steps": _mean_std([r["entropy_last"] for r in per_seed]),
         "step_s_median": round(statistics.median(r["step_s_median"] for r in per_seed), 4),
         "draws_per_step_mean": round(statistics.mean(r["draws_mean"] for r in per_seed), 3),
         "clip_frac_high_mean": round(statistics.mean(r["clip_frac_high_mean"] for r in per_seed), 4),
@@ -131,7 +153,8 @@ def main() -> None:
   results["eval_accuracy_before"] = [round(r["before"], 4)
                                      for r in results_by[args.algorithms[0]]]
   results["config"] = {"steps": args.steps, "seeds": args.seeds, "mini_batches": args.mini_batches,
-                       "eval_prompts": args.eval_prompts, "cpu_devices": args.cpu_devices,
+                       "eval_prompts": args.eval_prompts,
+                       "eval_samples": args.eval_samples, "cpu_devices": args.cpu_devices,
                        "mode": "colocated", "overrides": args.overrides}
   print(json.dumps(results, indent=2))
 

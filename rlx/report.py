@@ -289,6 +289,7 @@ def summary(run: Run) -> dict[str, object]:
   evals = run.column("eval/accuracy")
   throughput = [v for _, v in run.column("throughput/tokens_per_s")]
   lag = [v for _, v in run.column("rollout/policy_lag_mean")]
+  mismatch = [v for _, v in run.column("rollout/mismatch_kl")]
   minutes = run.minutes()
   return {
       "run": run.label,
@@ -302,6 +303,8 @@ def summary(run: Run) -> dict[str, object]:
       "held-out accuracy, last": evals[-1][1] if evals else None,
       "tokens/s (median)": statistics.median(throughput) if throughput else None,
       "policy lag (mean)": statistics.fmean(lag) if lag else None,
+      # the engine against the learner under the same weights: numerics, not staleness
+      "engine/learner KL (median)": statistics.median(mismatch) if mismatch else None,
       "controller events": len(run.events()),
   }
 

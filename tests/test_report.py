@@ -26,6 +26,7 @@ def _workdir(path, name, mode, steps, *, control=False):
       row["control/k"] = 2 if step < 10 else 1
     if step % 10 == 0:
       row["eval/accuracy"] = 0.3 + step / 100
+      row["rollout/mismatch_kl"] = step * 1e-9
     lines.append(json.dumps(row))
   (path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": ')  # a torn last line
   return path
@@ -48,6 +49,8 @@ def test_report_overlays_runs_and_marks_controller_events(tmp_path):
   assert row["wall clock (min)"] == pytest.approx(4.0)
   assert row["reward, last 10%"] == pytest.approx((37 + 38 + 39 + 40) / 4 / 40)
   assert row["held-out accuracy, last"] == pytest.approx(0.7)
+  assert row["engine/learner KL (median)"] == pytest.approx(25e-9)  # steps 10, 20, 30, 40
+  assert "2.5e-08" in page
 
 
 def test_report_errors_name_the_problem(tmp_path, capsys):

@@ -255,7 +255,7 @@ class LoggingConfig:
   progress_bar: bool = True
   """Show a console progress bar."""
   mismatch_every: int = 10
-  """Split mode (one process): every N batches, the generator recomputes its batch's log-probs with the learner's code under the weights that sampled it, for rollout/mismatch_kl (colocated runs measure it on every step for free); 0 never."""
+  """Split mode: every N batches, the generator recomputes its batch's log-probs with the learner's code under the weights that sampled it, for rollout/mismatch_kl (colocated runs measure it on every step for free); 0 never."""
   profile_steps: str = ""
   """'A:B' writes a jax.profiler trace of training steps A .. B-1 (counted from 0) to WORKDIR/profile (one folder per process; open it in TensorBoard or Perfetto); '' never."""
 

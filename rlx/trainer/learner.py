@@ -90,7 +90,9 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
            say: Say, save_meta: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
-  after RL}`` (skipped after a stop signal, so that a stop takes seconds)."""
+  after RL}`` (skipped after a stop signal, so that a stop takes seconds). The final
+  evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
+  ``WORKDIR/eval_final.json``."""
   seconds = run.seconds
   seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
                         - (seconds["evals"] - seconds.pop("evals before loop")))
@@ -109,7 +111,14 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
         "skipped; rerun the same command to resume")
     accuracy_after = None
   else:
-    accuracy_after = evaluate(run, learner.generation_params()).get("eval/accuracy")
+    final = evaluate(run, learner.generation_params())
+    accuracy_after = final.get("eval/accuracy")
+    if final and distributed.lead():  # every held-out figure of the final policy, kept
+      (run.workdir / "eval_final.json").write_text(json.dumps(dict(final, step=step), indent=1))
+    passes = {name.removeprefix("eval/"): value for name, value in final.items()
+              if name.startswith("eval/pass@")}
+    if passes:
+      say("rlx: held-out after RL, sampled: " + ", ".join(f"{k} {v:.1%}" for k, v in passes.items()))
   return {"seconds": dict(seconds), "eval_accuracy_after": accuracy_after}
 
 

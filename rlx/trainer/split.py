@@ -34,8 +34,6 @@ import queue
 import threading
 import time
 
-import jax
-
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import BusyWindow
 from rlx.trainer import control
@@ -70,7 +68,8 @@ class Generator(threading.Thread):
   """
 
   def __init__(self, run: Run, *, first_step: int, versions_per_step: int,
-               delay_s: float = 0.0, collect_fn=collect, like=None):
+               delay_s: float = 0.0, collect_fn=collect, like=None, mismatch=None,
+               mismatch_every: int = 0):
     del like  # the weight sync knows the params' structure; accepted for older callers
     super().__init__(name="rlx-generator", daemon=True)
     self.job, self.delay_s, self.collect_fn = run, delay_s, collect_fn
@@ -91,10 +90,8 @@ class Generator(threading.Thread):
     self.tokens = 0
     self._params = None
     self._version = -1
-    every = run.config.logging.mismatch_every
-    self.mismatch_every = every if jax.process_count() == 1 else 0
-    self._mismatch = (make_mismatch(run.config, run.model.transformer, run.tokenizer.pad_id)
-                      if self.mismatch_every else None)
+    self._mismatch, self.mismatch_every = mismatch, mismatch_every
+    """``experience.make_mismatch``'s measure, run on every ``mismatch_every``-th batch."""
 
   def finished(self) -> None:
     """The learner is done with one more batch (trained and published, or dropped)."""
@@ -240,8 +237,10 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   run, learner, start, accuracy_before = begin(config, workdir, say)
   controller = control.Controller.from_config(config)
   controller.restore(learner.restored_meta.get("control"))
+  every = config.logging.mismatch_every
   generator = Generator(run, first_step=start or 0, versions_per_step=1,
-                        delay_s=generator_delay_s)
+                        delay_s=generator_delay_s, mismatch_every=every, mismatch=make_mismatch(
+                            config, run.model.transformer, run.tokenizer.pad_id) if every else None)
   source = ThreadSource(generator)
   source.retune(controller)
   source = buffered(source, config, controller, learner.restored_meta, run.stream.get_state())
