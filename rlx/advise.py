@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
     aot.environment()
   jax = start_jax(config)
+  if args.devices is None and jax.default_backend() != "cpu":
+    devices = jax.device_count()  # mesh.cpu_devices counts fake CPU devices only
   for target in args.target:  # a missing compiler is reported before minutes of probing
     try:
       aot.devices(target, 1)

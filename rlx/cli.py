@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import os
 import pathlib
 import sys
 import textwrap
@@ -48,11 +49,39 @@ usage: python -m rlx.main --config configs/X.py --workdir DIR [--config.section.
 """
 
 
+def _help_config(argv: list[str]) -> tuple[RunConfig | None, str]:
+  """The config ``--config`` names in ``argv`` (with its overrides), for ``--help`` to show its
+  values; (None, why) when there is none or it does not load."""
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+    path = argv[argv.index("--config") + 1]
+  if path is None:
+    return None, ""
+  try:
+    return apply_overrides(load_config_file(path),
+                           [a for a in argv if a.startswith(OVERRIDE_PREFIX)]), path
+  except ConfigError as error:
+    return None, f"{path} (not loaded: {error})"
+
+
+def _print_help(argv: list[str]) -> None:
+  """The usage and every field, with the values of the config given with ``--config`` (else
+  the defaults); a reader that closes the pipe early (``--help | head``) ends it quietly."""
+  config, source = _help_config(argv)
+  try:
+    print(USAGE)
+    print(f"Values shown: {source if config is not None else 'the defaults'}"
+          + ("" if config is not None or not source else f"; {source}") + "\n")
+    print(describe_fields(RunConfig, default=config), flush=True)
+  except BrokenPipeError:
+    # the interpreter's own flush at exit would raise again: point stdout at nothing
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def parse_args(argv: list[str]) -> Invocation | None:
   """Parses argv (without the program name); returns None when help was printed."""
   if not argv or "--help" in argv or "-h" in argv:
-    print(USAGE)
-    print(describe_fields(RunConfig))
+    _print_help(argv)
     return None
   config_path, workdir, overrides = None, None, []
   args = list(argv)

@@ -132,6 +132,25 @@ def test_main_help_prints_field_docs():
   assert "Nucleus sampling mass" in result.stdout
 
 
+def test_help_with_a_config_shows_its_values(capsys):
+  assert cli.parse_args(["--help", "--config", str(ROOT / "configs/dapo_split.py"),
+                         "--config.rollout.top_p=0.9"]) is None
+  out = capsys.readouterr().out
+  assert "Values shown: " in out and "dapo_split.py" in out
+  assert "--config.algorithm.name='dapo'" in out and "--config.rollout.top_p=0.9" in out
+  assert cli.parse_args(["--help"]) is None
+  assert "--config.algorithm.name='grpo'" in capsys.readouterr().out  # the schema's default
+
+
+def test_help_into_a_closed_pipe_ends_without_a_traceback():
+  process = subprocess.Popen([sys.executable, "-m", "rlx.main", "--help"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  process.stdout.read(200)
+  process.stdout.close()  # like `| head`
+  _, err = process.communicate(timeout=120)
+  assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
+
+
 def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_path):
   from tests.trainer.tiny import OVERRIDES
 
