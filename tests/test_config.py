@@ -167,6 +167,13 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   assert "held-out accuracy: before RL" in result.stdout
   assert f"metrics:     {workdir / 'metrics.jsonl'}" in result.stdout
   assert f"checkpoints: {workdir / 'checkpoints'}" in result.stdout
+  # the final policy, exported whatever checkpoint.export_hf_every says, and its eval figures
+  final = workdir / "hf" / "final"
+  assert f"final policy (step 2) in Hugging Face format: {final}" in result.stdout
+  assert {"config.json", "model.safetensors"} <= {p.name for p in final.iterdir()}
+  assert not final.with_name("final.partial").exists()
+  evaluated = json.loads((workdir / "eval_final.json").read_text())
+  assert evaluated["step"] == 2 and 0 <= evaluated["eval/accuracy"] <= 1
 
 
 def test_main_trains_a_hugging_face_model_with_its_tokenizer(tmp_path):

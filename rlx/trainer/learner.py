@@ -12,6 +12,7 @@ data is beyond what each rollout's policy version says.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -28,7 +29,7 @@ from rlx.sync import WeightSync
 from rlx.trainer.collect import Draw
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.trainer.evaluate import evaluate
-from rlx.trainer.run import Run, prepare
+from rlx.trainer.run import Run, prepare, save_hf
 from rlx.trainer.experience import make_prepare, sample_arrays
 
 
@@ -92,7 +93,8 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
   after RL}`` (skipped after a stop signal, so that a stop takes seconds). The final
   evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
-  ``WORKDIR/eval_final.json``."""
+  ``WORKDIR/eval_final.json``, and the final policy to ``WORKDIR/hf/final`` (Hugging Face
+  format, what ``python -m rlx.serve --model`` and ``transformers`` load)."""
   seconds = run.seconds
   seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
                         - (seconds["evals"] - seconds.pop("evals before loop")))
@@ -111,6 +113,9 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
         "skipped; rerun the same command to resume")
     accuracy_after = None
   else:
+    exported = save_hf(dataclasses.replace(run.model, params=learner.state.params),
+                       run.tokenizer, run.workdir / "hf" / "final")
+    say(f"rlx: final policy (step {step}) in Hugging Face format: {exported}")
     final = evaluate(run, learner.generation_params())
     accuracy_after = final.get("eval/accuracy")
     if final and distributed.lead():  # every held-out figure of the final policy, kept
