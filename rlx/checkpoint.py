@@ -128,6 +128,10 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """The steps of the checkpoints on disk, oldest first."""
+    return sorted(self._manager.all_steps())
+
   def save(self, step: int, state: TrainState, *, critic: TrainState | None = None,
            data_state: dict | None = None, meta: dict | None = None) -> None:
     """Starts writing checkpoint ``step`` (returns before it is on disk when async). A state

@@ -296,6 +296,26 @@ def describe_fields(cls: type, prefix: str = "config.", default: Any = None) -> 
   return "\n".join(lines)
 
 
+def config_from_json(data: dict, cls: type = RunConfig, prefix: str = "") -> Any:
+  """The config ``to_json`` wrote (``WORKDIR/config.json``), loaded back; a field the file
+  lacks (added since) takes its default, a key the schema lacks (removed since) is ignored."""
+  hints, values = _type_hints(cls), {}
+  for f in dataclasses.fields(cls):
+    if f.name not in data:
+      continue
+    hint, value = hints[f.name], data[f.name]
+    if dataclasses.is_dataclass(hint):
+      values[f.name] = config_from_json(value, hint, f"{prefix}{f.name}.")
+    elif isinstance(value, list):  # a tuple field (possibly optional)
+      arms = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
+          else (hint,)
+      tuple_hint = next(a for a in arms if typing.get_origin(a) is tuple)
+      values[f.name] = _from_json(value, tuple_hint, prefix + f.name)
+    else:
+      values[f.name] = value
+  return cls(**values)
+
+
 def to_json(config: RunConfig) -> str:
   """The resolved config as JSON (what is written to WORKDIR/config.json)."""
   return json.dumps(dataclasses.asdict(config), indent=2)

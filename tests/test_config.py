@@ -156,7 +156,10 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
 
   workdir = tmp_path / "run"
   result = _rlx_main("--config", "configs/dapo_split.py", "--workdir", str(workdir), *OVERRIDES,
-                     "--config.trainer.steps=2", "--config.algorithm.dynamic_sampling=false")
+                     "--config.trainer.steps=2", "--config.algorithm.dynamic_sampling=false",
+                     "--config.checkpoint.every_steps=1",
+                     # an entropy bonus: gradients before the tiny model earns any reward
+                     "--config.algorithm.entropy_coef=0.01")
   assert result.returncode == 0, result.stderr
   written = json.loads((workdir / "config.json").read_text())
   assert written["mesh"]["mode"] == "split" and written["model"]["arch"]["num_layers"] == 1
@@ -174,6 +177,9 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   assert not final.with_name("final.partial").exists()
   evaluated = json.loads((workdir / "eval_final.json").read_text())
   assert evaluated["step"] == 2 and 0 <= evaluated["eval/accuracy"] <= 1
+  from tests.test_export import check_export
+
+  check_export(workdir, tmp_path)
 
 
 def test_main_trains_a_hugging_face_model_with_its_tokenizer(tmp_path):
