@@ -254,6 +254,8 @@ class LoggingConfig:
   """Write TensorBoard event files under WORKDIR/tb."""
   progress_bar: bool = True
   """Show a console progress bar."""
+  warn_after_steps: int = 10
+  """Print one warning line when the run is not learning for this many steps in a row (every group's rewards equal, no reward at all, entropy collapsed, most responses truncated), naming the likely cause and the field to change; 0 never."""
   mismatch_every: int = 10
   """Split mode: every N batches, the generator recomputes its batch's log-probs with the learner's code under the weights that sampled it, for rollout/mismatch_kl (colocated runs measure it on every step for free); 0 never."""
   profile_steps: str = ""
@@ -262,6 +264,7 @@ class LoggingConfig:
   def __post_init__(self):
     _positive(self, "logging", "every_steps")
     _check(self.mismatch_every >= 0, "logging.mismatch_every", "must be >= 0 (0 never)")
+    _check(self.warn_after_steps >= 0, "logging.warn_after_steps", "must be >= 0 (0 never)")
     if self.profile_steps:
       parts = self.profile_steps.split(":")
       _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts)

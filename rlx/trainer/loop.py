@@ -43,6 +43,7 @@ from rlx.trainer import control
 from rlx.trainer.collect import Draw
 from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.evaluate import evaluate, evaluation_due
+from rlx.trainer.health import Health
 from rlx.trainer.run import Run, save_hf
 from rlx.trainer.learner import Learner, finish
 
@@ -124,6 +125,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
   data_state = run.stream.get_state()
   learned_tokens, learning_seconds = 0.0, 0.0
   failing = 0  # steps in a row on which every reward call failed
+  health = Health(config)  # a warning line when the run is not learning
 
   def meta() -> dict:  # what a checkpoint keeps beside the train state and data position
     return {"control": controller.state(), "data_fingerprint": run.source.fingerprint(),
@@ -195,6 +197,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           learned_tokens += metrics["throughput/tokens_per_s"] * elapsed  # every process's
           learning_seconds += finished - received
           metrics["throughput/learning_tokens_per_s"] = learned_tokens / learning_seconds
+          for line in health.check(metrics):
+            say(line)
           since = finished
           stopping = stop.agree()  # every process stops after the same step
           if config.mesh.check_agreement:

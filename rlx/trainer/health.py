@@ -1,0 +1,74 @@
+"""One console line when a run is not learning, naming the likely cause and the config field
+to change.
+
+    health = Health(config)
+    for line in health.check(metrics):    # after every step
+      say(line)
+
+A symptom is reported once it has held for ``logging.warn_after_steps`` steps in a row, and
+again only after it has cleared and come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from rlx.config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Symptom:
+  name: str
+  holds: Callable[[dict], bool]
+  """Whether the step's metrics show it (False when a metric it reads is absent)."""
+  advice: str
+
+
+ENTROPY_COLLAPSED = 0.01
+"""policy/entropy (nats per token) below which exploration is over."""
+MOSTLY_TRUNCATED = 0.5
+"""response/truncated_frac above which the generation budget is too short."""
+
+SYMPTOMS = (
+    Symptom("equal_groups",
+            lambda m: m.get("advantage/zero_groups_frac", 0.0) >= 1.0,
+            "every group's samples got the same reward, so every advantage is 0 and nothing is "
+            "learned: the task is too hard (or too easy) for the model as it is. Look at what it "
+            "generates; raise rollout.group_size or rollout.temperature, warm it up "
+            "(trainer.warmup_sft_steps), or check the reward (reward.name)"),
+    Symptom("zero_reward",
+            lambda m: "reward/mean" in m and m["reward/mean"] == 0.0,
+            "no sample earned any reward: check that the reward reads the answer format the "
+            "model writes (reward.name, data.answer_field), or warm the model up first "
+            "(trainer.warmup_sft_steps)"),
+    Symptom("entropy_collapse",
+            lambda m: "policy/entropy" in m and m["policy/entropy"] < ENTROPY_COLLAPSED,
+            f"policy/entropy is below {ENTROPY_COLLAPSED}: the policy samples one answer and "
+            "exploration is over. Set algorithm.entropy_floor or algorithm.entropy_target, or "
+            "raise rollout.temperature"),
+    Symptom("truncated",
+            lambda m: m.get("response/truncated_frac", 0.0) > MOSTLY_TRUNCATED,
+            f"more than {MOSTLY_TRUNCATED:.0%} of the responses hit rollout.max_new_tokens and were "
+            "cut: raise it, or shape lengths with algorithm.overlong_buffer"),
+)
+
+
+class Health:
+  """Counts how long each symptom has held; ``check`` returns the lines to print."""
+
+  def __init__(self, config: RunConfig, symptoms: tuple[Symptom, ...] = SYMPTOMS):
+    self.after = config.logging.warn_after_steps
+    self.symptoms = symptoms
+    self.streaks = {s.name: 0 for s in symptoms}
+
+  def check(self, metrics: dict) -> list[str]:
+    if not self.after:
+      return []
+    lines = []
+    for symptom in self.symptoms:
+      streak = self.streaks[symptom.name] + 1 if symptom.holds(metrics) else 0
+      self.streaks[symptom.name] = streak
+      if streak == self.after:
+        lines.append(f"rlx: warning: for {streak} steps in a row, {symptom.advice}")
+    return lines
