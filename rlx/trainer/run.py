@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import pathlib
 import shutil
@@ -15,7 +16,7 @@ import time
 
 import jax
 
-from rlx import rollout
+from rlx import distributed, rollout
 from rlx.config import ConfigError, RunConfig
 from rlx.envs import ToolRunner, load_agent, load_factory
 from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
@@ -231,11 +232,48 @@ def warms_up(config: RunConfig) -> bool:
                                             and config.data.source in TASKS)
 
 
+FINGERPRINT = "rlx_warmup.json"
+"""The settings a saved warm-up was made with, beside its weights."""
+
+
+def warmup_fingerprint(config: RunConfig) -> dict:
+  """What the supervised warm-up's result depends on: a saved warm-up is reused only when
+  every one of these is the same."""
+  t = config.trainer
+  return json.loads(json.dumps({"model.path": config.model.path, "model.seed": config.model.seed,
+          "model.arch": dataclasses.asdict(config.model.arch),
+          "data.source": config.data.source, "data.shuffle_seed": config.data.shuffle_seed,
+          "rollout.max_prompt_len": config.rollout.max_prompt_len,
+          "env.enabled": config.env.enabled, "trainer.warmup_sft_steps": t.warmup_sft_steps,
+          "trainer.warmup_sft_learning_rate": t.warmup_sft_learning_rate,
+          "trainer.warmup_sft_batch": t.warmup_sft_batch}))  # as it reads back
+
+
+def _read_fingerprint(directory: pathlib.Path) -> dict | None:
+  try:
+    return json.loads((directory / FINGERPRINT).read_text())
+  except (OSError, ValueError):
+    return None
+
+
 def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
                directory: pathlib.Path, say: Say) -> Model:
   """The model after the supervised warm-up, saved with its tokenizer in Hugging Face format
   under ``directory`` (a resumed run loads it from there instead of training it again; any run
   can start from it with ``--config.model.path``)."""
+  wanted = warmup_fingerprint(config)
+  made = _read_fingerprint(directory)
+  # every process takes the lead's view of the files: one decision, one warm-up or none
+  stale = distributed.agree((directory / "config.json").is_file() and made != wanted)
+  if stale:
+    aside = directory.with_name(f"{directory.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+    changed = sorted(k for k in wanted if (made or {}).get(k) != wanted[k])
+    if jax.process_index() == 0:
+      directory.rename(aside)
+    say("rlx: supervised warm-up: the one in the workdir was made with other settings ("
+        + (", ".join(f"{k}: {made.get(k)!r} -> {wanted[k]!r}" for k in changed) if made
+           else "an older rlx that did not record them")
+        + f"); moved it to {aside} and warming up again")
   if (directory / "config.json").is_file():
     say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
     loaded = build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
@@ -263,6 +301,8 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
             " although its loss stayed finite") + f"; nothing was saved. Lower "
         f"config.trainer.warmup_sft_learning_rate={trainer.warmup_sft_learning_rate}")
   save_hf(model, tokenizer, directory)
+  if jax.process_index() == 0:
+    (directory / FINGERPRINT).write_text(json.dumps(wanted, indent=1))
   say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
       f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
   return model
