@@ -157,7 +157,7 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   workdir = tmp_path / "run"
   result = _rlx_main("--config", "configs/dapo_split.py", "--workdir", str(workdir), *OVERRIDES,
                      "--config.trainer.steps=2", "--config.algorithm.dynamic_sampling=false",
-                     "--config.checkpoint.every_steps=1",
+                     "--config.checkpoint.every_steps=1", "--config.logging.samples_every=1",
                      # an entropy bonus: gradients before the tiny model earns any reward
                      "--config.algorithm.entropy_coef=0.01")
   assert result.returncode == 0, result.stderr
@@ -177,6 +177,12 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   assert not final.with_name("final.partial").exists()
   evaluated = json.loads((workdir / "eval_final.json").read_text())
   assert evaluated["step"] == 2 and 0 <= evaluated["eval/accuracy"] <= 1
+  # what the model generated, readable: every step, the first 2 groups (2 samples each)
+  samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+  assert [(s["step"], s["group"]) for s in samples] == [(1, 0), (1, 0), (1, 1), (1, 1),
+                                                        (2, 0), (2, 0), (2, 1), (2, 1)]
+  assert all(isinstance(s["prompt"], str) and s["prompt"] and isinstance(s["response"], str)
+             and s["finish_reason"] in ("stop", "length") for s in samples)
   from tests.test_export import check_export
 
   check_export(workdir, tmp_path)

@@ -254,6 +254,10 @@ class LoggingConfig:
   """Write TensorBoard event files under WORKDIR/tb."""
   progress_bar: bool = True
   """Show a console progress bar."""
+  samples_every: int = 10
+  """Every N steps, write the prompt, response, reward and verdict of a few sampled groups to WORKDIR/samples.jsonl (what the model actually generates); 0 never."""
+  samples_groups: int = 2
+  """Groups written to samples.jsonl each time (all their samples)."""
   warn_after_steps: int = 10
   """Print one warning line when the run is not learning for this many steps in a row (every group's rewards equal, no reward at all, entropy collapsed, most responses truncated), naming the likely cause and the field to change; 0 never."""
   mismatch_every: int = 10
@@ -265,6 +269,8 @@ class LoggingConfig:
     _positive(self, "logging", "every_steps")
     _check(self.mismatch_every >= 0, "logging.mismatch_every", "must be >= 0 (0 never)")
     _check(self.warn_after_steps >= 0, "logging.warn_after_steps", "must be >= 0 (0 never)")
+    _check(self.samples_every >= 0, "logging.samples_every", "must be >= 0 (0 never)")
+    _check(self.samples_groups >= 1, "logging.samples_groups", "must be >= 1")
     if self.profile_steps:
       parts = self.profile_steps.split(":")
       _check(len(parts) == 2 and all(p.strip().isdigit() for p in parts)

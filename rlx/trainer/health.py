@@ -72,3 +72,19 @@ class Health:
       if streak == self.after:
         lines.append(f"rlx: warning: for {streak} steps in a row, {symptom.advice}")
     return lines
+
+
+def sample_rows(step: int, draw, tokenizer, groups: int, group_size: int) -> list[dict]:
+  """The first ``groups`` groups of a draw as readable rows: prompt and response text (the
+  response as the model wrote it, special tokens included), reward, the verifier's verdict,
+  why it ended, the policy version that sampled it."""
+  rows = []
+  for i, completion in enumerate(draw.completions[:groups * group_size]):
+    rows.append({
+        "step": step, "group": i // group_size,
+        "prompt": tokenizer.decode(completion.prompt_tokens),
+        "response": tokenizer.decode(completion.response_tokens, skip_special_tokens=False),
+        "reward": float(draw.rewards[i]), "correct": bool(draw.correct[i]),
+        "finish_reason": completion.finish_reason, "policy_version": completion.policy_version,
+        "response_tokens": len(completion.response_tokens)})
+  return rows

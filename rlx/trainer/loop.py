@@ -43,7 +43,7 @@ from rlx.trainer import control
 from rlx.trainer.collect import Draw
 from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.evaluate import evaluate, evaluation_due
-from rlx.trainer.health import Health
+from rlx.trainer.health import Health, sample_rows
 from rlx.trainer.run import Run, save_hf
 from rlx.trainer.learner import Learner, finish
 
@@ -199,6 +199,12 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           metrics["throughput/learning_tokens_per_s"] = learned_tokens / learning_seconds
           for line in health.check(metrics):
             say(line)
+          every = config.logging.samples_every
+          if every and step % every == 0 and distributed.lead():
+            with open(run.workdir / "samples.jsonl", "a") as samples:
+              for row in sample_rows(step, draw, run.tokenizer, config.logging.samples_groups,
+                                     config.rollout.group_size):
+                samples.write(json.dumps(row) + "\n")
           since = finished
           stopping = stop.agree()  # every process stops after the same step
           if config.mesh.check_agreement:
