@@ -4,6 +4,7 @@ checkpoints, logging and the training loop."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Literal
 
 from rlx.config._checks import _check, _positive
@@ -114,9 +115,24 @@ class DataConfig:
   """Split mode: a batch sampled longer ago than this many seconds when the learner takes it is expired (dropped and counted as rollout/expired_batches); None disables it."""
   eval_source: str | None = None
   """A .jsonl / .parquet file of held-out rows (same fields as source) for eval/accuracy; None holds out eval_fraction of the source instead."""
+  system_prompt: str = ""
+  """A system message put before every prompt (a row whose prompt is a list of messages that already starts with one keeps its own); without a chat template, plain text before the prompt. '' none."""
+  chat_template_kwargs: str = ""
+  """Extra variables for the chat template, as a JSON object, e.g. '{"enable_thinking": false}' for Qwen3; '' none."""
+
+  @property
+  def template_kwargs(self) -> dict:
+    """``chat_template_kwargs`` parsed."""
+    return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
   def __post_init__(self):
     _check(self.prompts_per_step > 0, "data.prompts_per_step", "must be positive")
+    try:
+      kwargs = self.template_kwargs
+    except json.JSONDecodeError as error:
+      kwargs = error
+    _check(isinstance(kwargs, dict), "data.chat_template_kwargs",
+           f"must be a JSON object like '{{\"enable_thinking\": false}}' ({kwargs})")
     _check(self.max_age_s is None or self.max_age_s > 0, "data.max_age_s",
            "must be > 0 (or None to disable it)")
     _check(0 < self.eval_fraction < 1, "data.eval_fraction", "must be in (0, 1)")

@@ -84,18 +84,24 @@ class Tokenizer:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory
 
-  def encode_prompt(self, prompt: str | Sequence[dict[str, Any]]) -> list[int]:
+  def encode_prompt(self, prompt: str | Sequence[dict[str, Any]], system: str = "",
+                    template_kwargs: dict | None = None) -> list[int]:
     """A prompt as ids: plain text as a user message through the chat template (as it is
-    when there is none), or a list of chat messages through the chat template."""
+    when there is none), or a list of chat messages through the chat template. ``system``:
+    a system message first (unless the messages start with their own; without a template,
+    plain text and a blank line before the prompt); ``template_kwargs``: the template's extra
+    variables (Qwen3's ``enable_thinking``)."""
     if isinstance(prompt, str):
       if self.chat_template is None:
-        return self.encode(prompt)
+        return self.encode(f"{system}\n\n{prompt}" if system else prompt)
       prompt = [{"role": "user", "content": prompt}]
     elif self.chat_template is None:
       raise ValueError("the prompt is a list of chat messages, but the tokenizer has no chat "
                        "template to render them; use a model whose tokenizer_config.json has "
                        "one, or plain-text prompts")
-    return self.apply_chat_template(prompt)
+    if system and (not prompt or prompt[0].get("role") != "system"):
+      prompt = [{"role": "system", "content": system}, *prompt]
+    return self.apply_chat_template(prompt, **(template_kwargs or {}))
 
 
 def _raise(message: str):

@@ -7,6 +7,7 @@ stream, held-out rows, rollout engine, weight sync and reward pool.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -139,7 +140,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
     _check_code_rows(config, source, eval_rows)
   stream = PromptStream(source, batch_size=config.data.prompts_per_step,
                         seed=config.data.shuffle_seed, num_epochs=config.data.num_epochs,
-                        encode=tokenizer.encode_prompt,
+                        encode=prompt_encoder(config, tokenizer),
                         max_prompt_tokens=config.rollout.max_prompt_len,
                         on_bad_row=config.data.on_bad_row,
                         # a generator job of several: its own share of the prompts
@@ -206,7 +207,7 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
   for i in range(min(wanted, len(held)) if held is not None else 0):
     row = held[i]
     try:
-      tokens = tokenizer.encode_prompt(row["prompt"])
+      tokens = prompt_encoder(config, tokenizer)(row["prompt"])
     except ValueError as error:
       raise DataError(f"{row['where']}: {error}") from None
     if len(tokens) > config.rollout.max_prompt_len:
@@ -220,6 +221,13 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
     raise DataError(f"no held-out prompt fits config.rollout.max_prompt_len="
                     f"{config.rollout.max_prompt_len}; raise it")
   return source, eval_rows
+
+
+def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):
+  """``encode(prompt) -> ids``: a row's prompt rendered as the run renders every prompt, with
+  ``data.system_prompt`` and ``data.chat_template_kwargs``."""
+  return functools.partial(tokenizer.encode_prompt, system=config.data.system_prompt,
+                           template_kwargs=config.data.template_kwargs)
 
 
 def warms_up(config: RunConfig) -> bool:
@@ -243,6 +251,8 @@ def warmup_fingerprint(config: RunConfig) -> dict:
   return json.loads(json.dumps({"model.path": config.model.path, "model.seed": config.model.seed,
           "model.arch": dataclasses.asdict(config.model.arch),
           "data.source": config.data.source, "data.shuffle_seed": config.data.shuffle_seed,
+          "data.system_prompt": config.data.system_prompt,
+          "data.chat_template_kwargs": config.data.chat_template_kwargs,
           "rollout.max_prompt_len": config.rollout.max_prompt_len,
           "env.enabled": config.env.enabled, "trainer.warmup_sft_steps": t.warmup_sft_steps,
           "trainer.warmup_sft_learning_rate": t.warmup_sft_learning_rate,
@@ -287,7 +297,8 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
         f"version); moved it to {aside} and warming up again")
   trainer = config.trainer
   stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
-                        seed=config.data.shuffle_seed + 1, encode=tokenizer.encode_prompt,
+                        seed=config.data.shuffle_seed + 1,
+                        encode=prompt_encoder(config, tokenizer),
                         max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
   started = time.perf_counter()
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,

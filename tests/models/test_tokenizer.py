@@ -70,3 +70,33 @@ def test_a_saved_tokenizer_loads_back_the_same(tmp_path):
   assert loaded.encode(text) == original.encode(text)
   assert (loaded.eos_id, loaded.pad_id, loaded.vocab_size) == (original.eos_id, original.pad_id,
                                                                 original.vocab_size)
+
+
+def test_system_prompt_and_template_variables(tokenizer_dir, tmp_path):
+  tok = models.load_tokenizer(tokenizer_dir)
+  text = lambda ids: tok.decode(ids, skip_special_tokens=False)
+  with_system = text(tok.encode_prompt("What is 2 + 2?", system="Answer briefly."))
+  assert with_system.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>")
+  assert "What is 2 + 2?" in with_system
+  own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]
+  assert "Answer briefly" not in text(tok.encode_prompt(own, system="Answer briefly."))
+  # a template variable reaches the template (Qwen3's enable_thinking works this way)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+  (tmp_path / "chat_template.jinja").write_text(
+      "{{ messages[-1]['content'] }}{% if enable_thinking is defined and not enable_thinking %}"
+      " /no_think{% endif %}")
+  plain = models.load_tokenizer(tmp_path)
+  assert plain.decode(plain.encode_prompt("hi", template_kwargs={"enable_thinking": False})) \
+      == "hi /no_think"
+  assert plain.decode(plain.encode_prompt("hi")) == "hi"
+
+
+def test_a_malformed_template_kwargs_value_is_refused():
+  from rlx.config import ConfigError, DataConfig
+
+  assert DataConfig(chat_template_kwargs='{"enable_thinking": false}').template_kwargs == {
+      "enable_thinking": False}
+  for bad in ("enable_thinking=false", "[1]"):
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs"):
+      DataConfig(chat_template_kwargs=bad)
