@@ -120,12 +120,10 @@ def load_config_file(path: str) -> RunConfig:
   file = pathlib.Path(path)
   if not file.is_file():
     raise ConfigError(f"config file {path!r} does not exist")
-  # Config files import their base as `from configs import base`: make the nearest directory
-  # above the file that holds `configs/` importable, wherever rlx is started from.
-  parents = file.resolve().parents
-  root = str(next((p for p in parents if (p / "configs").is_dir()), parents[1]))
-  if root not in sys.path:
-    sys.path.insert(0, root)
+  # The shipped configs are the package rlx.configs (`from rlx.configs import base`); a config
+  # written before they moved there imports them as `configs`: the same modules.
+  if "configs" not in sys.modules:
+    sys.modules["configs"] = importlib.import_module("rlx.configs")
   spec = importlib.util.spec_from_file_location(f"_rlx_config_{file.stem}", file)
   module = importlib.util.module_from_spec(spec)
   try:

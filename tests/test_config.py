@@ -368,3 +368,19 @@ def test_a_refused_resume_names_the_config_fields_that_changed(tmp_path):
   said = _what_changed(run)
   assert "config.20261202-100000.json" in said and "model.arch.hidden_size" in said
   assert "optimizer.learning_rate" in said
+
+
+def test_a_config_outside_the_checkout_imports_the_shipped_ones(tmp_path):
+  mine = tmp_path / "elsewhere" / "mine.py"
+  mine.parent.mkdir()
+  mine.write_text("import dataclasses\nfrom rlx.configs import dapo_split\n\n"
+                  "def get_config():\n"
+                  "  return dataclasses.replace(dapo_split.get_config(), name='mine')\n")
+  assert cli.load_config_file(str(mine)).name == "mine"
+  legacy = tmp_path / "elsewhere" / "legacy.py"  # written when the configs were not a package
+  legacy.write_text("from configs import base\n\ndef get_config():\n  return base.get_config()\n")
+  code = ("import sys; from rlx import cli; "
+          f"print(cli.load_config_file({str(legacy)!r}).name)")
+  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, check=True).stdout
+  assert out.strip() == "base"

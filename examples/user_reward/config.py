@@ -12,7 +12,7 @@ warm-up on the file's answers (``trainer.warmup_sft=always``); with a real check
 import dataclasses
 import pathlib
 
-from configs import base
+from rlx.configs import base
 
 HERE = pathlib.Path(__file__).parent
 

@@ -13,7 +13,7 @@ Measured on 2 CPU cores from the warm-up of an ``agent_calc`` run: held-out accu
 import dataclasses
 import pathlib
 
-from configs import agent_calc
+from rlx.configs import agent_calc
 
 AGENT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "calc_agent.py"
 

@@ -8,7 +8,7 @@ the reference policy as a loss term (DeepSeekMath).
 
 import dataclasses
 
-from configs import base
+from rlx.configs import base
 
 
 def get_config():

@@ -8,7 +8,7 @@ the KL to the reference policy is a per-token reward penalty.
 
 import dataclasses
 
-from configs import base
+from rlx.configs import base
 
 
 def get_config():

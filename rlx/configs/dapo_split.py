@@ -9,7 +9,7 @@ and corrects them with truncated importance sampling.
 
 import dataclasses
 
-from configs import base
+from rlx.configs import base
 
 
 def get_config():

@@ -13,7 +13,7 @@ calling the tool pays, and to copy its result exactly.
 
 import dataclasses
 
-from configs import dapo_split
+from rlx.configs import dapo_split
 
 
 def get_config():

@@ -19,7 +19,7 @@ problems the difference is within the noise: a longer comparison is still to be 
 
 import dataclasses
 
-from configs import code_grpo
+from rlx.configs import code_grpo
 
 
 def get_config():

@@ -16,7 +16,7 @@ the warm-up takes about 8 minutes and the 100 steps about 35.
 
 import dataclasses
 
-from configs import base
+from rlx.configs import base
 
 
 def get_config():
