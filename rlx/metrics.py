@@ -38,6 +38,29 @@ def _scalar(value: Any) -> float | int:
   return value
 
 
+def progress_bar(console=None):
+  """A rich progress display of two lines: ``rlx [bar] step/total  s/step  ETA`` (always whole,
+  at any terminal width), and under it the task's description (the step's metrics), cut to
+  the width."""
+  from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                             TimeRemainingColumn)
+  from rich.text import Text
+
+  class SecondsPerStep(ProgressColumn):
+    def render(self, task):
+      return Text(f"{1 / task.speed:.2f} s/step" if task.speed else "– s/step")
+
+  class TwoLines(Progress):
+    def get_renderables(self):
+      yield self.make_tasks_table(self.tasks)
+      for task in self.tasks:
+        if task.description:
+          yield Text(f"  {task.description}", no_wrap=True, overflow="ellipsis")
+
+  return TwoLines(TextColumn("[bold]rlx"), BarColumn(bar_width=None), MofNCompleteColumn(),
+                  SecondsPerStep(), TimeRemainingColumn(), console=console, expand=True)
+
+
 class MetricsSink:
   """Writes each step's metrics to the console, a JSONL file and TensorBoard event files."""
 
@@ -59,9 +82,7 @@ class MetricsSink:
       from tensorboardX import SummaryWriter
       self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=(resume_step or 0) + 1)
     if config.progress_bar and sys.stdout.isatty():  # else a plain line per written step
-      from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-      self._progress = Progress(TextColumn("[bold]rlx"), BarColumn(), MofNCompleteColumn(),
-                                TimeRemainingColumn(), TextColumn("{task.description}"))
+      self._progress = progress_bar()
       self._task = self._progress.add_task("", total=total_steps, completed=resume_step or 0)
       self._progress.start()
 

@@ -89,3 +89,24 @@ def test_busy_window_follows_the_recent_steps():
   assert window.update(15.0, {"gen": 10.0}) == {"gen": pytest.approx(0.5)}
   assert window.update(20.0, {"gen": 10.0}) == {"gen": 0.0}
   assert window.update(25.0, {"gen": 12.5}) == {"gen": pytest.approx(0.25)}
+
+
+@pytest.mark.parametrize("width", [60, 120])
+def test_the_progress_bar_keeps_step_rate_and_eta_and_puts_metrics_below(width):
+  import io
+
+  from rich.console import Console
+
+  from rlx.metrics import progress_bar
+
+  bar = progress_bar(Console(file=io.StringIO(), width=width))
+  task = bar.add_task("", total=600, completed=0)
+  metrics = "  ".join(f"reward/metric_{i} 0.{i}" for i in range(20))  # far wider than a line
+  for step in range(1, 4):
+    bar.update(task, completed=step, description=metrics)
+  screen = Console(file=io.StringIO(), width=width, color_system=None)
+  screen.print(bar.get_renderable())  # what the live display draws
+  lines = [line for line in screen.file.getvalue().splitlines() if line.strip()]
+  assert len(lines) == 2
+  assert "3/600" in lines[0] and "s/step" in lines[0] and len(lines[0]) <= width
+  assert lines[1].lstrip().startswith("reward/metric_0") and len(lines[1]) <= width
