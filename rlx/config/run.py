@@ -115,6 +115,8 @@ class DataConfig:
   """Split mode: a batch sampled longer ago than this many seconds when the learner takes it is expired (dropped and counted as rollout/expired_batches); None disables it."""
   eval_source: str | None = None
   """A .jsonl / .parquet file of held-out rows (same fields as source) for eval/accuracy; None holds out eval_fraction of the source instead."""
+  answer_format: Literal["plain", "gsm8k"] = "plain"
+  """How the answer field reads: as it is, or GSM8K's rationale ending in '#### 72' (the reference answer is what follows the last '####', without thousands commas)."""
   system_prompt: str = ""
   """A system message put before every prompt (a row whose prompt is a list of messages that already starts with one keeps its own); without a chat template, plain text before the prompt. '' none."""
   chat_template_kwargs: str = ""

@@ -29,9 +29,23 @@ class DataError(ValueError):
   """A data file is missing or has a malformed row; the message names the file and line."""
 
 
-def _row(record, prompt_field: str, answer_field: str) -> dict | str:
-  """The row (every field kept; the prompt under "prompt", the answer under "answer"), or why
-  it is malformed."""
+ANSWER_FORMATS = ("plain", "gsm8k")
+
+
+def extract_answer(text: str, answer_format: str = "plain") -> str:
+  """The reference answer a reward compares with: the field as it is (``plain``), or GSM8K's
+  final answer, the text after the last ``####`` of its rationale without thousands commas
+  (``gsm8k``: "... so she has 72 left.\n#### 1,072" -> "1072"). A GSM8K answer without
+  ``####`` is kept whole."""
+  if answer_format == "gsm8k" and "####" in text:
+    return text.rsplit("####", 1)[1].strip().replace(",", "")
+  return text
+
+
+def _row(record, prompt_field: str, answer_field: str,
+         answer_format: str = "plain") -> dict | str:
+  """The row (every field kept; the prompt under "prompt", the answer under "answer", as
+  ``extract_answer`` reads it), or why it is malformed."""
   if not isinstance(record, dict):
     return f"expected a JSON object, got {type(record).__name__}"
   missing = [f for f in (prompt_field, answer_field) if f and record.get(f) is None]
@@ -46,7 +60,8 @@ def _row(record, prompt_field: str, answer_field: str) -> dict | str:
   if problem:
     return f"field {prompt_field!r} {problem}"
   return {**record, "prompt": prompt,
-          "answer": str(record[answer_field]) if answer_field else ""}
+          "answer": extract_answer(str(record[answer_field]), answer_format)
+          if answer_field else ""}
 
 
 def _prompt_problem(prompt) -> str | None:
@@ -85,11 +100,13 @@ class JsonlSource:
   """A JSONL file, indexed by byte offsets (rows are parsed again when read)."""
 
   def __init__(self, path: str | pathlib.Path, prompt_field: str = "prompt",
-               answer_field: str = "answer", on_bad_row: OnBadRow = "error"):
+               answer_field: str = "answer", on_bad_row: OnBadRow = "error",
+               answer_format: str = "plain"):
     self.path = pathlib.Path(path)
     if not self.path.is_file():
       raise DataError(f"data file {self.path} does not exist")
     self.prompt_field, self.answer_field = prompt_field, answer_field
+    self.answer_format = answer_format
     self.offsets: list[int] = []
     self.lines: list[int] = []
     self.skipped, self.first_skipped = 0, None
@@ -130,7 +147,8 @@ class JsonlSource:
                       "while the run was reading it. Restore it and rerun the same command "
                       "to resume") from None
     try:
-      row = _row(json.loads(line), self.prompt_field, self.answer_field)
+      row = _row(json.loads(line), self.prompt_field, self.answer_field,
+                 self.answer_format)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
       row = f"not valid JSON ({error})"
     if isinstance(row, str):  # the file changed since it was indexed
@@ -146,7 +164,8 @@ class ParquetSource:
   """A Parquet file's rows, every column, held in memory (needs pyarrow)."""
 
   def __init__(self, path: str | pathlib.Path, prompt_field: str = "prompt",
-               answer_field: str = "answer", on_bad_row: OnBadRow = "error"):
+               answer_field: str = "answer", on_bad_row: OnBadRow = "error",
+               answer_format: str = "plain"):
     self.path = pathlib.Path(path)
     if not self.path.is_file():
       raise DataError(f"data file {self.path} does not exist")
@@ -162,7 +181,7 @@ class ParquetSource:
     table = pq.read_table(self.path).to_pylist()
     self.rows, self.skipped, self.first_skipped = [], 0, None
     for number, record in enumerate(table):
-      row = _row(record, prompt_field, answer_field)
+      row = _row(record, prompt_field, answer_field, answer_format)
       if isinstance(row, str):
         _refuse_or_count(self, f"{self.path}: row {number}", row, on_bad_row)
         continue
@@ -240,14 +259,14 @@ def hold_out(source, eval_fraction: float) -> tuple[Subset, Subset]:
 
 def open_source(source: str, *, prompt_field: str = "prompt", answer_field: str = "answer",
                 on_bad_row: OnBadRow = "error", split: Split = "train", seed: int = 0,
-                eval_fraction: float = 0.1):
+                eval_fraction: float = 0.1, answer_format: str = "plain"):
   """A built-in task by name, or a ``.jsonl`` / ``.parquet`` file by path."""
   if source in TASKS:
     return TaskSource(source, seed=seed, split=split, eval_fraction=eval_fraction)
   suffix = pathlib.Path(source).suffix.lower()
   if suffix in (".jsonl", ".json"):
-    return JsonlSource(source, prompt_field, answer_field, on_bad_row)
+    return JsonlSource(source, prompt_field, answer_field, on_bad_row, answer_format)
   if suffix in (".parquet", ".pq"):
-    return ParquetSource(source, prompt_field, answer_field, on_bad_row)
+    return ParquetSource(source, prompt_field, answer_field, on_bad_row, answer_format)
   raise DataError(f"config.data.source={source!r} is neither a built-in task "
                   f"({', '.join(TASKS)}) nor a .jsonl / .parquet file")

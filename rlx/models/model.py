@@ -94,6 +94,11 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_d
   directory = pathlib.Path(path)
   config_file = directory / "config.json"
   if not config_file.is_file():
+    if not directory.exists() and len(directory.parts) == 2 and not str(path).startswith(("/", ".")):
+      raise CheckpointError(
+          f"{path} is not a directory here; rlx reads models from disk only. If it is a Hugging "
+          f"Face hub id, download it first (`huggingface-cli download {path} --local-dir "
+          f"models/{directory.name}`) and pass that directory")
     raise CheckpointError(f"{directory} has no config.json; is it a Hugging Face model directory?")
   config = read_json(config_file)
   try:

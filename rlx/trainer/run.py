@@ -185,7 +185,8 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
   rows of data.eval_source, or data.eval_fraction of the data file, held out."""
   data, wanted = config.data, config.trainer.eval_prompts
   options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field,
-                 on_bad_row=data.on_bad_row, seed=data.shuffle_seed,
+                 answer_format=data.answer_format, on_bad_row=data.on_bad_row,
+                 seed=data.shuffle_seed,
                  eval_fraction=data.eval_fraction)
   source = open_source(data.source, **options)
   if source.skipped:

@@ -172,3 +172,16 @@ def test_rows_without_an_answer_need_answer_field_empty(tmp_path):
     JsonlSource(path)
   row = JsonlSource(path, answer_field="")[0]
   assert row["answer"] == "" and row["tests"] == ["assert f(1)"]
+
+
+def test_gsm8k_answers_read_as_their_final_number(tmp_path):
+  from rlx.data.sources import extract_answer, open_source
+
+  rationale = "She sold 48 clips in April and half as many in May.\n48 + 24 = 72\n#### 1,072"
+  assert extract_answer(rationale, "gsm8k") == "1072"
+  assert extract_answer(rationale, "plain") == rationale
+  assert extract_answer("72", "gsm8k") == "72"  # no '####': kept whole
+  path = tmp_path / "gsm8k.jsonl"
+  path.write_text(json.dumps({"question": "How many?", "answer": rationale}) + "\n")
+  row = open_source(str(path), prompt_field="question", answer_format="gsm8k")[0]
+  assert row["answer"] == "1072" and row["prompt"] == "How many?"

@@ -193,3 +193,9 @@ def test_partial_reads_equal_slicing_the_converted_tensor(seed):
     index = tuple(index)
     np.testing.assert_array_equal(hf._hf_block(tensor, tmap, index),
                                   _full_conversion(tensor, tmap)[index], err_msg=tmap.name)
+
+
+def test_a_hub_id_is_told_to_download_first(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(models.CheckpointError, match="huggingface-cli download Qwen/Qwen2.5-0.5B"):
+    models.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
