@@ -14,7 +14,7 @@ from rlx import cli
 from rlx.config import ArchConfig, ConfigError, RunConfig, check
 
 ROOT = pathlib.Path(__file__).parent.parent
-CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
+CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*.py") if not p.name.startswith("_"))
 CONFIG_FILES = [p for p in CONFIG_FILES if p.name != "__init__.py"]
 CONFIG_FILES += sorted((ROOT / "examples").glob("*/config.py"))  # the examples' configs too
 
