@@ -11,7 +11,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from rlx import cli
-from tests.trainer import tiny
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -19,8 +18,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")
                                         if not p.stem.startswith("_")))
 def test_config_json_reads_back_as_the_same_config(name):
-  config = tiny.config(name) if name != "base" else cli.load_config_file(
-      str(ROOT / "configs" / "base.py"))
+  config = cli.load_config_file(str(ROOT / "configs" / f"{name}.py"))
   assert cli.config_from_json(json.loads(cli.to_json(config))) == config
 
 
