@@ -61,9 +61,11 @@ def model():
   return init_model(ARCH, jax.random.key(0))
 
 
+# one case per aggregation (exactness depends on the denominators; every per-token loss is
+# checked against NumPy in tests/algorithms), GSPO for a loss that reads whole rows
 @pytest.mark.parametrize("name, loss_agg", [
     ("dapo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("dr_grpo", "seq-mean-token-sum-norm"),
-    ("rloo", "seq-mean-token-sum"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")])
+    ("gspo", "seq-mean-token-sum")])
 def test_microbatch_accumulation_equals_full_batch(model, loss_agg, name):
   config = _config(name=name, loss_agg=loss_agg, kl_coef=0.1, entropy_coef=0.01, off_policy="tis")
   batch = _batch(model, config)
@@ -251,8 +253,7 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_state_unchanged(model, pois
 SCHEDULE = {"ppo_epochs": 2, "mini_batches": 2}
 
 
-@pytest.mark.parametrize("name, clip_low, clip_high", [
-    ("dapo", 0.2, 0.28), ("gspo", 3e-4, 4e-4), ("cispo", 0.2, 0.28)])
+@pytest.mark.parametrize("name, clip_low, clip_high", [("dapo", 0.2, 0.28), ("gspo", 3e-4, 4e-4)])
 def test_minibatch_schedule_equals_the_step_by_step_reference(model, name, clip_low, clip_high):
   """The scanned ppo_epochs x mini_batches schedule against one jitted optimizer step per
   mini-batch, called from Python on the same permutation."""
@@ -321,7 +322,7 @@ def test_a_typed_loss_choice_runs_what_its_preset_runs(model):
   assert float(plain[0]) != pytest.approx(float(run(preset)[0]))  # the choice matters
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
 def test_one_update_without_old_logprobs_equals_one_with_them(model, name):
   # One update per batch: the old policy is the params being updated, so the update may take
   # its own log-probs (no gradient) instead of the prepared ones. Same params and metrics.

@@ -46,7 +46,7 @@ class AlgorithmConfig:
   top_entropy_quantile: float = 1.0
   """Train on the highest-entropy tokens only: the fraction of each micro-batch's response tokens, by entropy, whose policy loss is kept (Wang et al. 2025, arXiv 2506.01939: 0.2; TRL's top_entropy_quantile); 1 keeps every token."""
   cov_ratio: float = 0.0002
-  """Clip-Cov / KL-Cov: the fraction of response tokens detached (Clip-Cov) or held by the KL term (KL-Cov), among those of highest log-prob/advantage covariance (verl's 2e-4; a small batch needs more)."""
+  """Clip-Cov / KL-Cov: the fraction of each micro-batch's response tokens detached (Clip-Cov) or held by the KL term (KL-Cov), among those of highest log-prob/advantage covariance, centred over the micro-batch as verl does (verl's 2e-4; a small batch needs more)."""
   cov_bounds: tuple[float, float] = (1.0, 5.0)
   """Clip-Cov: the covariance range of the tokens it may detach (verl's)."""
   kl_cov_coef: float = 1.0
