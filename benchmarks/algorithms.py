@@ -25,9 +25,12 @@ names only what is not the preset's:
   (the papers' 2e-4 .. 2e-3 select no token of a batch this small).
 - ``dapo+top_entropy``: DAPO training only the top 20% highest-entropy tokens.
 - ``dapo+adaptive_entropy``: DAPO with Skywork-OR1's adaptive entropy coefficient
-  (target 0.3, step 0.005 per batch).
-- ``dapo+entropy_floor``: DAPO with rlx's entropy-floor controller (floor 0.3, raising the
+  (target 0.7, step 0.005 per batch).
+- ``dapo+entropy_floor``: DAPO with rlx's entropy-floor controller (floor 0.7, raising the
   sampling temperature).
+
+The entropy targets sit above DAPO's own entropy at the end of a short run, so that the
+tools act within it; below it they never engage and the runs equal plain DAPO.
 
 A DAPO step draws more prompts than the others when dynamic sampling drops groups: its time
 per step includes that extra generation (``draws_per_step_mean``).
@@ -65,9 +68,11 @@ ALGORITHMS = {
     "dapo+kl_cov": [*_DAPO, "--config.algorithm.policy_loss=kl_cov",
                     "--config.algorithm.cov_ratio=0.02"],
     "dapo+top_entropy": [*_DAPO, "--config.algorithm.top_entropy_quantile=0.2"],
-    "dapo+adaptive_entropy": [*_DAPO, "--config.algorithm.entropy_target=0.3",
+    # targets above DAPO's entropy at the end of a short run (about 0.57 at 60 steps), so that
+    # both act within it
+    "dapo+adaptive_entropy": [*_DAPO, "--config.algorithm.entropy_target=0.7",
                               "--config.algorithm.entropy_coef_step=0.005"],
-    "dapo+entropy_floor": [*_DAPO, "--config.algorithm.entropy_floor=0.3"],
+    "dapo+entropy_floor": [*_DAPO, "--config.algorithm.entropy_floor=0.7"],
 }
 
 
