@@ -12,6 +12,7 @@ one uninterrupted run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -36,6 +37,26 @@ def _scalar(value: Any) -> float | int:
   if not isinstance(value, (int, float)):
     raise TypeError(f"metrics must be scalars, got {type(value).__name__}")
   return value
+
+
+def _wandb_run(project: str, workdir: pathlib.Path, name: str, run_config: dict | None):
+  """A Weights & Biases run for the workdir (a resumed run continues the same one), or None
+  with one warning line when wandb is missing or cannot start (no login, no network)."""
+  try:
+    import wandb  # noqa: PLC0415 - an optional dependency
+  except ImportError:
+    print("rlx: warning: logging.wandb_project is set but wandb is not installed (pip install "
+          "'rlx[wandb]'); metrics go to metrics.jsonl and TensorBoard only", flush=True)
+    return None
+  run_id = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:12]
+  try:
+    return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(workdir),
+                      config=run_config or {})
+  except Exception as error:  # noqa: BLE001 - a login or network problem never stops a run
+    print(f"rlx: warning: Weights & Biases did not start ({type(error).__name__}: "
+          f"{str(error)[:200]}); metrics go to metrics.jsonl and TensorBoard only (WANDB_MODE="
+          "offline logs locally for a later `wandb sync`)", flush=True)
+    return None
 
 
 def progress_bar(console=None):
@@ -66,11 +87,11 @@ class MetricsSink:
 
   def __init__(self, workdir: str | pathlib.Path, config: LoggingConfig = LoggingConfig(), *,
                total_steps: int | None = None, resume_step: int | None = None,
-               write: bool = True):
+               write: bool = True, run_name: str = "rlx", run_config: dict | None = None):
     self.config, self.total_steps, self.write_files = config, total_steps, write
     workdir = pathlib.Path(workdir)
     self.jsonl_path = workdir / "metrics.jsonl"
-    self._jsonl = self._tensorboard = self._progress = None
+    self._jsonl = self._tensorboard = self._progress = self._wandb = None
     if not write:  # other processes of a multi-host run keep quiet
       return
     workdir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +102,8 @@ class MetricsSink:
     if config.tensorboard:
       from tensorboardX import SummaryWriter
       self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=(resume_step or 0) + 1)
+    if config.wandb_project:
+      self._wandb = _wandb_run(config.wandb_project, workdir, run_name, run_config)
     if config.progress_bar and sys.stdout.isatty():  # else a plain line per written step
       self._progress = progress_bar()
       self._task = self._progress.add_task("", total=total_steps, completed=resume_step or 0)
@@ -114,6 +137,13 @@ class MetricsSink:
     if self._tensorboard is not None:
       for key, value in values.items():
         self._tensorboard.add_scalar(key, value, step)
+    if self._wandb is not None:
+      try:
+        self._wandb.log(values, step=step)
+      except Exception as error:  # noqa: BLE001 - a logging service never stops a run
+        print(f"rlx: warning: Weights & Biases logging stopped ({type(error).__name__}: "
+              f"{str(error)[:200]}); metrics.jsonl and TensorBoard go on", flush=True)
+        self._wandb = None
     summary = "  ".join(f"{k} {values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
     if self._progress is not None:
       self._progress.update(self._task, completed=step, description=summary)
@@ -122,6 +152,12 @@ class MetricsSink:
     return values
 
   def close(self) -> None:
+    if self._wandb is not None:
+      try:
+        self._wandb.finish()
+      except Exception:  # noqa: BLE001
+        pass
+      self._wandb = None
     if self._progress is not None:
       self._progress.stop()
       self._progress = None

@@ -110,3 +110,54 @@ def test_the_progress_bar_keeps_step_rate_and_eta_and_puts_metrics_below(width):
   assert len(lines) == 2
   assert "3/600" in lines[0] and "s/step" in lines[0] and len(lines[0]) <= width
   assert lines[1].lstrip().startswith("reward/metric_0") and len(lines[1]) <= width
+
+
+class _FakeWandb:
+  """The part of the wandb module rlx uses, recording calls; ``fail`` makes init raise."""
+
+  def __init__(self, fail=None):
+    self.fail, self.inits, self.logged, self.finished = fail, [], [], 0
+
+  def init(self, **kwargs):
+    if self.fail:
+      raise self.fail
+    self.inits.append(kwargs)
+    return self
+
+  def log(self, values, step):
+    self.logged.append((step, values))
+
+  def finish(self):
+    self.finished += 1
+
+
+def test_wandb_gets_every_step_and_a_resumed_run_continues_the_same_one(tmp_path, monkeypatch):
+  import sys
+
+  fake = _FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  config = LoggingConfig(progress_bar=False, tensorboard=False, wandb_project="rl")
+  with MetricsSink(tmp_path, config, run_name="dapo", run_config={"a": 1}) as sink:
+    sink.write(1, {"reward/mean": 0.5})
+    sink.write(2, {"reward/mean": 0.75})
+  with MetricsSink(tmp_path, config, run_name="dapo", resume_step=2):
+    pass
+  assert [(s, v["reward/mean"]) for s, v in fake.logged] == [(1, 0.5), (2, 0.75)]
+  assert fake.inits[0]["project"] == "rl" and fake.inits[0]["config"] == {"a": 1}
+  assert fake.inits[0]["id"] == fake.inits[1]["id"] and fake.inits[0]["resume"] == "allow"
+  assert fake.finished == 2
+
+
+def test_wandb_that_cannot_start_or_is_missing_never_stops_the_run(tmp_path, monkeypatch, capsys):
+  import sys
+
+  config = LoggingConfig(progress_bar=False, tensorboard=False, wandb_project="rl")
+  monkeypatch.setitem(sys.modules, "wandb", _FakeWandb(fail=RuntimeError("no API key")))
+  with MetricsSink(tmp_path, config) as sink:
+    sink.write(1, {"reward/mean": 0.5})
+  assert "Weights & Biases did not start (RuntimeError: no API key)" in capsys.readouterr().out
+  monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+  with MetricsSink(tmp_path / "b", config) as sink:
+    sink.write(1, {"reward/mean": 0.5})
+  assert "pip install 'rlx[wandb]'" in capsys.readouterr().out
+  assert (tmp_path / "b" / "metrics.jsonl").read_text().count("reward/mean") == 1

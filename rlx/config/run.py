@@ -272,6 +272,8 @@ class LoggingConfig:
   """Write TensorBoard event files under WORKDIR/tb."""
   progress_bar: bool = True
   """Show a console progress bar."""
+  wandb_project: str = ""
+  """Also log every step to this Weights & Biases project (needs the wandb extra and a login, or WANDB_MODE=offline); a missing package, login or network prints one warning and the run goes on. '' never."""
   samples_every: int = 10
   """Every N steps, write the prompt, response, reward and verdict of a few sampled groups to WORKDIR/samples.jsonl (what the model actually generates); 0 never."""
   samples_groups: int = 2

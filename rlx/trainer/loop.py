@@ -35,7 +35,7 @@ import zlib
 
 import jax
 
-from rlx import distributed
+from rlx import cli, distributed
 from rlx.checkpoint import StopSignal
 from rlx.data import DataError
 from rlx.metrics import MetricsSink, ProfileWindow
@@ -121,7 +121,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
   step = start or 0
   counts = {control.DROP: 0, control.EXPIRE: 0}
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
-                     resume_step=start, write=distributed.lead())
+                     resume_step=start, write=distributed.lead(), run_name=config.name,
+                     run_config=json.loads(cli.to_json(config)))
   data_state = run.stream.get_state()
   learned_tokens, learning_seconds = 0.0, 0.0
   failing = 0  # steps in a row on which every reward call failed
