@@ -252,6 +252,8 @@ def _from_json(value: Any, hint: Any, key: str) -> Any:
     hint = next(a for a in args if a is not type(None))
   if isinstance(hint, type) and isinstance(value, hint):
     return value
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)  # JSON writes 1.0 as 1 where it can
   raise ConfigError(f"config.{key}: expected {_type_name(hint)}, got {value!r}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Literal
 
 from rlx.config._checks import _check, _positive
@@ -150,6 +151,8 @@ class RewardConfig:
   """'math', 'arithmetic', 'countdown', 'sort', 'code' (programs run against the row's tests in a sandbox), your own function as 'package.module:function' or 'path/to/file.py:function' ((response, row) -> float or dict), or 'auto': the one that matches data.source ('math' for files)."""
   batched: bool = False
   """Your function takes lists (responses, rows) and returns a list; it may be async (a reward served over HTTP)."""
+  extra: tuple[tuple[str, float], ...] = ()
+  """More rewards added to `name`'s with weights, e.g. '[["my_rewards.py:brevity", 0.1]]': each named as `name` is (a built-in or your per-response function), logged as reward/<function name>; the verdict (accuracy) stays `name`'s."""
   batch_size: int = 64
   """Responses per call of a batched function (each call has its own timeout)."""
   format_weight: float = 0.0
@@ -178,6 +181,9 @@ class RewardConfig:
     _check(self.format_weight >= 0, "reward.format_weight", "must be >= 0")
     _check(self.memory_mb >= 0, "reward.memory_mb", "must be >= 0 (0 is unlimited)")
     _positive(self, "reward", "timeout_s", "batch_size", "code_timeout_s", "code_memory_mb")
+    for name, weight in self.extra:
+      _check(bool(str(name).strip()) and math.isfinite(weight), "reward.extra",
+             f"each entry is [name, finite weight], got [{name!r}, {weight!r}]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -65,6 +65,10 @@ class RewardFn:
   batched: bool = False
   """The user function takes lists (and may be async)."""
   code: CodeOptions = dataclasses.field(default_factory=CodeOptions)
+  extra: tuple[tuple[str, float], ...] = ()
+  """More rewards, each (name, weight), named like ``name`` and called per response: their
+  weighted sum is added to the reward, each is logged as ``reward/<its name>``, and none
+  changes the verdict (``correct`` is the main reward's)."""
 
 
 def from_config(reward, data_source: str) -> RewardFn:
@@ -76,7 +80,8 @@ def from_config(reward, data_source: str) -> RewardFn:
   return RewardFn(name, format_weight=reward.format_weight, batched=reward.batched,
                   code=CodeOptions(tests_field=reward.code_tests_field, scoring=reward.code_scoring,
                                    timeout_s=reward.code_timeout_s,
-                                   memory_mb=reward.code_memory_mb))
+                                   memory_mb=reward.code_memory_mb),
+                  extra=tuple((str(n), float(w)) for n, w in reward.extra))
 
 
 class Judged(NamedTuple):
@@ -92,7 +97,10 @@ def is_user_function(name) -> bool:
 
 
 def check(reward: RewardFn) -> Callable:
-  """The function ``reward`` names, resolved here (where errors are cheap to report)."""
+  """The function ``reward`` names, resolved here (where errors are cheap to report); the
+  extra rewards' too."""
+  for name, _ in reward.extra:
+    check(_extra(reward, name))
   name = reward.name
   if isinstance(name, str) and ":" not in name and name not in BUILTIN:
     raise RewardError(f"unknown reward {name!r}; choose one of {', '.join(BUILTIN)}, or name "
@@ -154,7 +162,29 @@ def _import(spec: str) -> Callable:
 
 def judge(reward: RewardFn, response: str, row: dict) -> Judged:
   """One response's reward, verdict and components."""
-  return _judged(reward, resolve(reward)(response, row), response)
+  return _with_extras(reward, _judged(reward, resolve(reward)(response, row), response),
+                      response, row)
+
+
+def _extra(reward: RewardFn, name: str) -> RewardFn:
+  return RewardFn(name, code=reward.code)
+
+
+def extra_label(name: str) -> str:
+  """What an extra reward is logged as: its function's name, or the built-in's."""
+  return name.rpartition(":")[2] or name
+
+
+def _with_extras(reward: RewardFn, judged: Judged, response: str, row: dict) -> Judged:
+  """``judged`` plus the weighted extra rewards (the verdict unchanged)."""
+  if not reward.extra:
+    return judged
+  value, components = judged.reward, dict(judged.components)
+  for name, weight in reward.extra:
+    extra = _judged(_extra(reward, name), resolve(_extra(reward, name))(response, row), response)
+    value += weight * extra.reward
+    components[extra_label(name)] = extra.reward
+  return Judged(value, judged.correct, components)
 
 
 def judge_batch(reward: RewardFn, responses: Sequence[str], rows: Sequence[dict]) -> list[Judged]:
@@ -167,7 +197,8 @@ def judge_batch(reward: RewardFn, responses: Sequence[str], rows: Sequence[dict]
   if len(results) != len(responses):
     raise RewardError(f"a batched reward returned {len(results)} results for "
                       f"{len(responses)} responses")
-  return [_judged(reward, result, response) for result, response in zip(results, responses)]
+  return [_with_extras(reward, _judged(reward, result, response), response, row)
+          for result, response, row in zip(results, responses, rows)]
 
 
 async def _awaited(awaitable):

@@ -285,3 +285,29 @@ def test_the_math_verifier_scores_in_a_thread_without_workers():
   thread.join()
   assert found["scored"].counts["reward/errors"] == 0  # every call raised here before
   assert list(found["scored"].correct) == [True, True, False]
+
+
+def test_extra_rewards_add_with_weights_are_logged_and_leave_the_verdict(tmp_path):
+  (tmp_path / "shaping.py").write_text(
+      "def brevity(response, row):\n  return -len(response) / 100\n\n"
+      "def noted(response, row):\n  return {'reward': 2.0, 'correct': False}\n")
+  reward = rewards.RewardFn("arithmetic", extra=((f"{tmp_path}/shaping.py:brevity", 0.5),
+                                                 (f"{tmp_path}/shaping.py:noted", 0.25)))
+  rewards.check(reward)
+  response = "<answer>7</answer>"
+  value, correct, components = rewards.judge(reward, response, {"answer": "7"})
+  assert correct  # the main reward's verdict; the extra's 'correct' does not count
+  assert components == {"brevity": pytest.approx(-len(response) / 100), "noted": 2.0}
+  assert value == pytest.approx(1.0 + 0.5 * -len(response) / 100 + 0.25 * 2.0)
+  with pytest.raises(rewards.RewardError, match="unknown reward"):
+    rewards.check(rewards.RewardFn("arithmetic", extra=(("nonsense", 1.0),)))
+
+
+def test_extra_rewards_come_from_the_config():
+  from rlx.config import ConfigError, RewardConfig
+  from rlx.rewards.functions import from_config
+
+  reward = from_config(RewardConfig(name="math", extra=(("countdown", 0.2),)), "data.jsonl")
+  assert reward.extra == (("countdown", 0.2),)
+  with pytest.raises(ConfigError, match="reward.extra"):
+    RewardConfig(extra=(("math", float("nan")),))
