@@ -34,6 +34,7 @@ import os
 import queue
 import resource
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -62,17 +63,30 @@ class Scored(NamedTuple):
   """name -> float32 [N]: the named parts a reward returned (NaN where it gave none)."""
 
 
-def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
+LOG_CAP_BYTES = 64 << 20
+"""What reward functions print stops being kept once their log file is this large."""
+
+
+def _redirect_output(log_path: str | None) -> int:
+  """Points the worker's stdout and stderr at ``log_path`` (appended to; None: nowhere);
+  returns the descriptor."""
+  target = (os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if log_path
+            else os.open(os.devnull, os.O_WRONLY))
+  os.dup2(target, 1)
+  os.dup2(target, 2)
+  return target
+
+
+def _serve(connection, reward: RewardFn, memory_mb: int, log_path: str | None = None) -> None:
   """A worker's loop: (positions, payload) in, ("ok", [Judged]) or ("error", text) out, until
   the parent sends None or goes away. The payload is (response, row), or (responses, rows)
-  for a batched function."""
+  for a batched function. What the reward prints goes to ``log_path`` (up to
+  ``LOG_CAP_BYTES``), else nowhere."""
   for sig in _STOP_SIGNALS:
     signal.signal(sig, signal.SIG_IGN)
   _die_with_parent()
   _adopt_orphans()
-  devnull = os.open(os.devnull, os.O_WRONLY)  # what reward functions print goes nowhere
-  os.dup2(devnull, 1)
-  os.dup2(devnull, 2)
+  log = _redirect_output(log_path)
   limit = memory_mb * 2**20
   if memory_mb:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -85,6 +99,11 @@ def _serve(connection, reward: RewardFn, memory_mb: int) -> None:
     if task is None:
       _kill_descendants()
       return
+    if log_path and os.fstat(log).st_size > LOG_CAP_BYTES:
+      sys.stdout.flush()
+      os.write(log, f"rlx: {log_path} is past {LOG_CAP_BYTES >> 20} MiB; what reward functions "
+               "print is no longer kept\n".encode())
+      log, log_path = _redirect_output(None), None
     try:
       _, payload = task
       judged = (judge_batch(reward, *payload) if reward.batched else [judge(reward, *payload)])
@@ -203,10 +222,10 @@ def _start_ignoring_stop_signals(process) -> None:
 class _Worker:
   """One worker process and the parent's end of its pipe."""
 
-  def __init__(self, context, reward: RewardFn, memory_mb: int):
+  def __init__(self, context, reward: RewardFn, memory_mb: int, log_path: str | None = None):
     self.connection, child = context.Pipe()
-    self.process = context.Process(target=_serve, args=(child, reward, memory_mb), daemon=True,
-                                   name="rlx-reward-worker")
+    self.process = context.Process(target=_serve, args=(child, reward, memory_mb, log_path),
+                                   daemon=True, name="rlx-reward-worker")
     _start_ignoring_stop_signals(self.process)
     child.close()
     self.ready = False
@@ -243,13 +262,16 @@ class RewardPool:
   """
 
   def __init__(self, reward, *, format_weight: float = 0.0, num_workers: int = 2,
-               timeout_s: float = 5.0, memory_mb: int = 4096, batch_size: int = 64):
+               timeout_s: float = 5.0, memory_mb: int = 4096, batch_size: int = 64,
+               log_path: str | os.PathLike | None = None):
     if not isinstance(reward, RewardFn):
       reward = RewardFn(reward, format_weight=format_weight)
     check(reward)  # an unknown name or an import error is reported here, not in a worker
     if timeout_s <= 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     self.reward, self.memory_mb, self.batch_size = reward, memory_mb, batch_size
+    self.log_path = None if log_path is None else str(log_path)
+    """Where the workers' reward functions print to (None: nowhere)."""
     self.num_workers, self.timeout_s = num_workers, timeout_s
     self.totals = {"reward/errors": 0, "reward/timeouts": 0}
     self._lock = threading.Lock()  # guards totals, the logged-once flags and closing
@@ -268,7 +290,7 @@ class RewardPool:
       atexit.register(self.close)
 
   def _new_worker(self) -> _Worker:
-    return _Worker(self._context, self.reward, self.memory_mb)
+    return _Worker(self._context, self.reward, self.memory_mb, self.log_path)
 
   def score(self, responses: Sequence[str], rows: Sequence[dict | str]) -> Scored:
     """Rewards, verdicts, this call's error and timeout counts, and the named components. A

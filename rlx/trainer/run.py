@@ -161,7 +161,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
-                    batch_size=config.reward.batch_size)
+                    batch_size=config.reward.batch_size, log_path=workdir / "reward.log")
   warmup_started = time.perf_counter()
   if warms_up(config) and config.mesh.role != "generator":  # it gets the learner's
     if config.model.path:

@@ -311,3 +311,16 @@ def test_extra_rewards_come_from_the_config():
   assert reward.extra == (("countdown", 0.2),)
   with pytest.raises(ConfigError, match="reward.extra"):
     RewardConfig(extra=(("math", float("nan")),))
+
+
+def test_what_a_reward_prints_goes_to_the_log_file(tmp_path):
+  (tmp_path / "chatty.py").write_text(
+      "import sys\n\ndef score(response, row):\n"
+      "  print('scoring', response)\n  print('warned', file=sys.stderr)\n  return 1.0\n")
+  log = tmp_path / "reward.log"
+  with rewards.RewardPool(f"{tmp_path}/chatty.py:score", num_workers=1, timeout_s=30,
+                          log_path=log) as pool:
+    scores, _, _, _ = pool.score(["a", "b"], ["", ""])
+  assert list(scores) == [1.0, 1.0]
+  text = log.read_text()
+  assert "scoring a" in text and "scoring b" in text and "warned" in text
