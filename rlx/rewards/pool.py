@@ -12,7 +12,7 @@ reward function that raises (or calls ``sys.exit``) scores 0 and is counted
 between calls). Processes a reward call starts end with the call: each worker is its own
 process group and the subreaper of its calls' orphans, kills what a call left behind when
 the call returns, and is killed with its group on a timeout. What a reward function prints
-is discarded. The first failure
+goes to ``log_path`` (a run's ``WORKDIR/reward.log``), else nowhere. The first failure
 of each kind is logged; the run goes on. A batched reward function is called
 on chunks of ``batch_size`` responses, each chunk one call with its own
 timeout.
