@@ -14,7 +14,7 @@ class AlgorithmConfig:
 
   name: Literal["ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo", "sapo", "rloo",
                  "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
-  """Preset: fills `advantage`, `policy_loss`, `clip_eps_low`, `clip_eps_high` and `loss_agg` where they are left to it, with its paper's values (see PRESETS); the DAPO pieces (dynamic sampling, overlong shaping) are their own fields."""
+  """Preset: fills `advantage`, `policy_loss`, `clip_eps_low`, `clip_eps_high`, `loss_agg`, `dynamic_sampling` and `overlong_filter` where they are left to it, with its paper's values (see PRESETS); DAPO's soft overlong punishment needs its size (`overlong_buffer`)."""
   advantage: Literal["auto", "gae", "grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp",
                      "reinforce_pp_baseline", "passk"] = "auto"
   """Advantage estimator: GAE over a learned critic (PPO), group-normalised (GRPO), group mean only (Dr.GRPO), group mean with the batch's std (Lite PPO), leave-one-out (RLOO), batch-whitened returns (REINFORCE++), group mean then batch-whitened (REINFORCE++-baseline), best-beats-runner-up (the pass@k objective); 'auto' takes the preset's."""
@@ -64,12 +64,12 @@ class AlgorithmConfig:
   """Discount of GAE (PPO)."""
   lam: float = 0.95
   """Lambda of GAE (PPO)."""
-  dynamic_sampling: bool = False
-  """DAPO: drop groups whose rewards are all equal and refill the batch."""
+  dynamic_sampling: bool | None = None
+  """DAPO: drop groups whose rewards are all equal and refill the batch; None takes the preset's (on for dapo, off for the others)."""
   dynamic_sampling_max_draws: int = 16
   """DAPO: most prompt batches drawn to fill one training batch before the run stops with an error."""
-  overlong_filter: bool = False
-  """DAPO: mask truncated responses out of the loss."""
+  overlong_filter: bool | None = None
+  """DAPO: mask truncated responses out of the loss; None takes the preset's (on for dapo, off for the others)."""
   overlong_buffer: int = 0
   """DAPO soft overlong punishment: length of the penalty interval L_cache in tokens; 0 disables it."""
   off_policy: Literal["none", "tis", "decoupled", "token_mask", "seq_tis", "geo_tis",
@@ -117,6 +117,16 @@ class AlgorithmConfig:
   def aggregation(self) -> str:
     """The loss aggregation this config runs (``loss_agg``, or the preset's)."""
     return self.preset.loss_agg if self.loss_agg == "auto" else self.loss_agg
+
+  @property
+  def dynamic(self) -> bool:
+    """Whether dynamic sampling runs (``dynamic_sampling``, or the preset's)."""
+    return self.preset.dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
+
+  @property
+  def filters_overlong(self) -> bool:
+    """Whether truncated responses are masked out (``overlong_filter``, or the preset's)."""
+    return self.preset.overlong_filter if self.overlong_filter is None else self.overlong_filter
 
   @property
   def uses_critic(self) -> bool:
@@ -210,6 +220,8 @@ class Preset:
   eps_high: float
   loss_agg: str
   source: str
+  dynamic_sampling: bool = False
+  overlong_filter: bool = False
 
 
 PRESETS = {
@@ -220,7 +232,10 @@ PRESETS = {
                    "group; eps = 0.2 as in PPO"),
     "dapo": Preset("grpo", "ppo_clip", 0.2, 0.28, "token-mean",
                    "Yu et al. 2025, arXiv 2503.14476, sec. 3.1 (clip-higher: eps_low 0.2, "
-                   "eps_high 0.28) and sec. 3.3 (token-level loss)"),
+                   "eps_high 0.28), 3.2 (dynamic sampling), 3.3 (token-level loss) and 3.4 "
+                   "(overlong filtering; the soft punishment's interval, overlong_buffer, is "
+                   "sized by the user: the paper's 4096 of 20480 tokens)",
+                   dynamic_sampling=True, overlong_filter=True),
     "dr_grpo": Preset("dr_grpo", "ppo_clip", 0.2, 0.2, "seq-mean-token-sum-norm",
                       "Liu et al. 2025, arXiv 2503.20783, eq. 3 and appendix: no std, a "
                       "constant normaliser (max generation length) instead of |o_i|"),

@@ -202,7 +202,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
       part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
     varied = np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
     alike += int((~varied).sum()) // group  # groups with a zero group-relative advantage
-    keep = varied if config.algorithm.dynamic_sampling else np.ones(len(scores), bool)
+    keep = varied if config.algorithm.dynamic else np.ones(len(scores), bool)
     dropped += int((~keep).sum()) // group
     completions += [drawn[i] for i in np.flatnonzero(keep)]
     rewards += [scores[i] for i in np.flatnonzero(keep)]

@@ -131,7 +131,7 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
   shaped = shaped_rewards(completions, rewards, config)
   response_mask = arrays["response_mask"]
   truncated = np.array([c.finish_reason == "length" for c in completions])
-  if config.algorithm.overlong_filter:
+  if config.algorithm.filters_overlong:
     response_mask = np.asarray(algorithms.overlong_filter(jnp.asarray(response_mask),
                                                           jnp.asarray(truncated)))
   lengths = np.array([len(c.response_tokens) for c in completions])
