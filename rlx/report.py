@@ -348,9 +348,42 @@ figcaption {{ color: #555; font-size: 0.9em; }}
 {f"<ul>{events}</ul>" if events else "<p>None (no control/* metric changed).</p>"}
 <h2>Figures</h2>
 {figures_html}
+{_samples_html(runs)}
 {_episodes_html(runs)}
 </body></html>
 """
+
+
+def _tail_records(file: pathlib.Path, count: int) -> list[dict]:
+  """The last ``count`` readable JSON lines of ``file`` (none when it is absent)."""
+  if not file.is_file():
+    return []
+  records = []
+  for line in file.read_text().splitlines()[-count:]:
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
+
+
+def _samples_html(runs: list[Run], count: int = 8) -> str:
+  """A table of the last ``count`` samples of each run (its ``samples.jsonl``): what the
+  model wrote, its reward and verdict."""
+  rows = []
+  for run in runs:
+    for record in _tail_records(run.workdir / "samples.jsonl", count):
+      cells = [run.label, record.get("step"), record.get("reward"),
+               "yes" if record.get("correct") else "no", record.get("finish_reason")]
+      rows.append("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in cells)
+                  + f'<td style="text-align:left"><pre>{html.escape(str(record.get("prompt")))}'
+                  f'</pre></td><td style="text-align:left"><pre>'
+                  f'{html.escape(str(record.get("response")))}</pre></td></tr>')
+  if not rows:
+    return ""
+  head = "".join(f"<th>{h}</th>" for h in ("run", "step", "reward", "correct", "ended",
+                                            "prompt", "response"))
+  return f"<h2>Samples</h2><table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def _episodes_html(runs: list[Run], count: int = 4) -> str:
@@ -358,16 +391,7 @@ def _episodes_html(runs: list[Run], count: int = 4) -> str:
   sampled tokens in bold on a tinted background, the prompt and the environment's tokens plain."""
   parts = []
   for run in runs:
-    file = run.workdir / "episodes.jsonl"
-    if not file.is_file():
-      continue
-    records = []
-    for line in file.read_text().splitlines()[-count:]:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-    for record in records:
+    for record in _tail_records(run.workdir / "episodes.jsonl", count):
       text = "".join(f'<b style="background:#e8f0ff">{html.escape(t)}</b>' if sampled
                      else html.escape(t) for t, sampled in record.get("segments", []))
       parts.append(f"<p>{html.escape(run.label)}, policy version {record.get('policy_version')}, "

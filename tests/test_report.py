@@ -29,6 +29,9 @@ def _workdir(path, name, mode, steps, *, control=False):
       row["rollout/mismatch_kl"] = step * 1e-9
     lines.append(json.dumps(row))
   (path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": ')  # a torn last line
+  (path / "samples.jsonl").write_text(json.dumps(
+      {"step": steps, "group": 0, "prompt": "Sort 3 1 2", "response": "<answer>1 2 3</answer>",
+       "reward": 1.0, "correct": True, "finish_reason": "stop"}) + "\n")
   return path
 
 
@@ -51,6 +54,7 @@ def test_report_overlays_runs_and_marks_controller_events(tmp_path):
   assert row["held-out accuracy, last"] == pytest.approx(0.7)
   assert row["engine/learner KL (median)"] == pytest.approx(25e-9)  # steps 10, 20, 30, 40
   assert "2.5e-08" in page
+  assert "<h2>Samples</h2>" in page and "&lt;answer&gt;1 2 3&lt;/answer&gt;" in page
 
 
 def test_report_errors_name_the_problem(tmp_path, capsys):
