@@ -111,6 +111,8 @@ class RolloutConfig:
   """Longest response, in tokens; responses that reach it finish with reason 'length'."""
   group_size: int = 8
   """Samples per prompt (the GRPO group, n)."""
+  stop_strings: tuple[str, ...] = ()
+  """Single-turn responses end at the token that completes the first of these strings (e.g. '["</answer>"]'): the rest is dropped before scoring and training, finish_reason 'stop'. The model's end-of-sequence tokens always stop it."""
   temperature: float = 1.0
   """Sampling temperature; 0 is greedy."""
   temperature_max: float = 1.5
@@ -130,3 +132,5 @@ class RolloutConfig:
     _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
     for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size", "decode_steps"):
       _check(getattr(self, name) > 0, f"rollout.{name}", "must be positive")
+    _check(all(isinstance(s, str) and s for s in self.stop_strings), "rollout.stop_strings",
+           "must be non-empty strings, e.g. '[\"</answer>\"]'")

@@ -59,6 +59,30 @@ class Completion:
     """How many response tokens the policy sampled (an episode's environment tokens aside)."""
     return len(self.response_tokens) if self.sampled_mask is None else sum(self.sampled_mask)
 
+  def cut_at_stop_strings(self, stop_strings: Sequence[str],
+                          decode: Callable[[list[int]], str]) -> bool:
+    """Ends the response at the token that completes the first of ``stop_strings`` in its
+    text (that token kept, everything sampled after it dropped with its log-probs;
+    ``finish_reason`` becomes 'stop'); returns whether it cut. The tokens kept are exactly
+    those sampled, so the learner's log-probs still match the engine's. The shortest prefix
+    whose text holds a stop string is found by bisection (holding one only grows with the
+    prefix): a few decodes per response."""
+    if not stop_strings or not any(s in decode(self.response_tokens) for s in stop_strings):
+      return False
+    low, high = 1, len(self.response_tokens)  # the answer is in [low, high]
+    while low < high:
+      middle = (low + high) // 2
+      if any(s in decode(self.response_tokens[:middle]) for s in stop_strings):
+        high = middle
+      else:
+        low = middle + 1
+    if low < len(self.response_tokens):
+      del self.response_tokens[low:], self.logprobs[low:], self.policy_logprobs[low:]
+      if self.sampled_mask is not None:
+        del self.sampled_mask[low:]
+    self.finish_reason = "stop"
+    return True
+
 
 def _power_of_two(value: int, smallest: int = 1) -> int:
   size = smallest

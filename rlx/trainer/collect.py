@@ -40,12 +40,18 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
                         version=version, first_prompt_index=first_prompt_index)
   r = run.config.rollout
   scorer = _Scorer(run, rows)
+
+  def finished(completion: Completion) -> None:  # cut at a stop string before it is scored
+    completion.cut_at_stop_strings(r.stop_strings, run.tokenizer.decode)
+    scorer.submit(completion)
+
   try:
     completions = rollout.generate(
         run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
         max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
         stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
-        first_prompt_index=first_prompt_index, on_finished=scorer.submit)
+        first_prompt_index=first_prompt_index,
+        on_finished=finished if r.stop_strings else scorer.submit)
   finally:
     parts = scorer.finish()
   return completions, _in_order(completions, parts)
