@@ -7,10 +7,20 @@
 #   TPU_NAME=my-v5p-64 ZONE=us-east5-a launch/tpu_pod.sh --config configs/grpo_colocated.py \
 #       --workdir /mnt/shared/runs/grpo --config.model.path=/mnt/shared/models/Qwen3-8B
 #
+# Every worker needs rlx installed with JAX's TPU plugin: INSTALL=1 copies this checkout to
+# ~/rlx on each worker and installs it (pip install -e ".[tpu]" -c constraints.txt) first.
+#
 # On GKE, run `python -m rlx.main ... --config.mesh.multihost=true` in each pod of a
 # JobSet; the GKE TPU environment is detected the same way.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
+if [ "${INSTALL:-0}" = 1 ]; then
+  checkout=$(cd "$(dirname "$0")/.." && pwd)
+  gcloud compute tpus tpu-vm scp --recurse "$checkout" "$TPU_NAME":~/rlx --zone "$ZONE" \
+    --worker=all
+  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command \
+    "cd ~/rlx && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]' -c constraints.txt"
+fi
 args=$(printf '%q ' "$@")
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all \
-  --command "cd ~/rlx && python -m rlx.main $args --config.mesh.multihost=true"
+  --command "cd ~/rlx && { [ -x .venv/bin/python ] && . .venv/bin/activate || true; } && python -m rlx.main $args --config.mesh.multihost=true"
