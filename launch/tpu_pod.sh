@@ -16,10 +16,12 @@ set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 if [ "${INSTALL:-0}" = 1 ]; then
   checkout=$(cd "$(dirname "$0")/.." && pwd)
-  gcloud compute tpus tpu-vm scp --recurse "$checkout" "$TPU_NAME":~/rlx --zone "$ZONE" \
-    --worker=all
+  archive=$(mktemp --suffix=.tgz)
+  tar -C "$checkout" --exclude=.venv --exclude=.git -czf "$archive" .
+  gcloud compute tpus tpu-vm scp "$archive" "$TPU_NAME":rlx.tgz --zone "$ZONE" --worker=all
   gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command \
-    "cd ~/rlx && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]' -c constraints.txt"
+    "mkdir -p ~/rlx && tar -xzf ~/rlx.tgz -C ~/rlx && cd ~/rlx && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]' -c constraints.txt"
+  rm -f "$archive"
 fi
 args=$(printf '%q ' "$@")
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all \
