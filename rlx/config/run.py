@@ -284,6 +284,8 @@ class LoggingConfig:
   """Every N steps, write the prompt, response, reward and verdict of a few sampled groups to WORKDIR/samples.jsonl (what the model actually generates); 0 never."""
   samples_groups: int = 2
   """Groups written to samples.jsonl each time (all their samples)."""
+  samples_console: bool = False
+  """Also print one of those samples (prompt, response, reward) on the console each time."""
   warn_after_steps: int = 10
   """Print one warning line when the run is not learning for this many steps in a row (every group's rewards equal, no reward at all, entropy collapsed, most responses truncated), naming the likely cause and the field to change; 0 never."""
   mismatch_every: int = 10

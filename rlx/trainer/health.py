@@ -88,3 +88,14 @@ def sample_rows(step: int, draw, tokenizer, groups: int, group_size: int) -> lis
         "finish_reason": completion.finish_reason, "policy_version": completion.policy_version,
         "response_tokens": len(completion.response_tokens)})
   return rows
+
+
+def describe_sample(row: dict, width: int = 300) -> str:
+  """One sample of ``sample_rows`` for the console: the prompt's end, the response, the
+  reward and verdict (long texts cut to ``width`` characters)."""
+  cut = lambda text, keep_end=False: (text if len(text) <= width else
+                                      ("…" + text[-width:]) if keep_end else (text[:width] + "…"))
+  return (f"rlx: sample at step {row['step']} (reward {row['reward']:.3g}, "
+          f"{'correct' if row['correct'] else 'wrong'}, {row['finish_reason']}):\n"
+          f"  prompt:   {cut(row['prompt'], keep_end=True)!r}\n"
+          f"  response: {cut(row['response'])!r}")

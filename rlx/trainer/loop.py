@@ -43,7 +43,7 @@ from rlx.trainer import control
 from rlx.trainer.collect import Draw
 from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.evaluate import evaluate, evaluation_due
-from rlx.trainer.health import Health, sample_rows
+from rlx.trainer.health import Health, describe_sample, sample_rows
 from rlx.trainer.run import Run, save_hf
 from rlx.trainer.learner import Learner, finish
 
@@ -202,10 +202,12 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
             say(line)
           every = config.logging.samples_every
           if every and step % every == 0 and distributed.lead():
+            rows = sample_rows(step, draw, run.tokenizer, config.logging.samples_groups,
+                               config.rollout.group_size)
             with open(run.workdir / "samples.jsonl", "a") as samples:
-              for row in sample_rows(step, draw, run.tokenizer, config.logging.samples_groups,
-                                     config.rollout.group_size):
-                samples.write(json.dumps(row) + "\n")
+              samples.writelines(json.dumps(row) + "\n" for row in rows)
+            if config.logging.samples_console and rows:
+              say(describe_sample(rows[0]))
           since = finished
           stopping = stop.agree()  # every process stops after the same step
           if config.mesh.check_agreement:

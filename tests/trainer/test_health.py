@@ -40,3 +40,13 @@ def test_every_symptom_is_recognised_and_a_healthy_run_says_nothing():
   assert all(health.check({}) == [] for _ in range(20))  # metrics absent: no symptom
   off = Health(_config(0))
   assert all(off.check({"reward/mean": 0.0}) == [] for _ in range(20))
+
+
+def test_a_sample_reads_on_the_console():
+  from rlx.trainer.health import describe_sample
+
+  row = {"step": 7, "prompt": "x" * 1000 + "Sort 3 1 2", "response": "<answer>1 2 3</answer>",
+         "reward": 1.0, "correct": True, "finish_reason": "stop"}
+  text = describe_sample(row)
+  assert text.startswith("rlx: sample at step 7 (reward 1, correct, stop)")
+  assert "Sort 3 1 2" in text and "<answer>1 2 3</answer>" in text and len(text) < 800
