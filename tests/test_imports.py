@@ -1,7 +1,7 @@
 """The import rules of rlx, checked on the source: who may import whom inside rlx.
 
-Each top-level part of ``rlx`` lists the other parts it may import directly (the
-README's layout table says what each part is). The table has no cycles, so checking direct
+Each top-level part of ``rlx`` lists the other parts it may import directly
+(``docs/architecture.md`` says what each part is and how they fit). The table has no cycles, so checking direct
 imports also rules out the indirect ones. Parts that do not exist yet are
 checked as soon as they land.
 """
@@ -110,3 +110,9 @@ def test_the_checker_catches_a_forbidden_import(tmp_path, monkeypatch):
     assert "rlx/algorithms/bad.py imports rlx.models" in str(e)
   else:
     raise AssertionError("a forbidden import went unnoticed")
+
+
+def test_every_part_is_described_on_the_architecture_page():
+  page = (ROOT / "docs" / "architecture.md").read_text()
+  missing = [part for part in ALLOWED if f"rlx/{part}" not in page]
+  assert not missing, f"docs/architecture.md does not describe {missing}"
