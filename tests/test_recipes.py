@@ -4,6 +4,10 @@ CPU devices; where the CUDA or TPU compiler is installed, they compile for it to
 
 import dataclasses
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -51,3 +55,35 @@ def test_recipe_compiles_for_its_accelerator(name):
   memory = aot.deployment_memory(config, target, 8, [config.mesh.generation_devices]
                                  if config.mesh.mode == "split" else [])
   assert all(entry["status"] == "ok" for entry in memory.values()), memory
+
+
+def test_a_newcomer_runs_a_recipe_on_a_local_checkpoint(tmp_path):
+  """The README's path from a fresh clone: a recipe, a locally saved Qwen2-architecture model
+  (the tests' tiny one) and a GSM8K-format file, with the recipe's sizes overridden to fit a
+  CPU. The untrained model earns no reward, so the not-learning warning fires too."""
+  for split, count in (("train", 16), ("test", 4)):
+    rows = [{"question": f"What is {a} + {a}?",
+             "answer": f"{a} and {a} make {2 * a}.\n#### {2 * a}"} for a in range(count)]
+    (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  result = subprocess.run(
+      [sys.executable, "-m", "rlx.main", "--config", "configs/qwen25_math_grpo.py", "--workdir",
+       str(tmp_path / "run"), "--config.model.path=tests/fixtures/hf/qwen2",
+       f"--config.data.source={tmp_path / 'train.jsonl'}",
+       f"--config.data.eval_source={tmp_path / 'test.jsonl'}",
+       "--config.model.dtype=float32", "--config.mesh.cpu_devices=2",
+       "--config.rollout.max_new_tokens=8", "--config.rollout.max_prompt_len=128",
+       "--config.rollout.max_slots=8", "--config.rollout.group_size=2",
+       "--config.data.prompts_per_step=2", "--config.trainer.steps=2",
+       "--config.trainer.eval_prompts=2", "--config.trainer.eval_samples=2",
+       "--config.trainer.mini_batches=1", "--config.reward.num_workers=0",
+       "--config.logging.warn_after_steps=2", "--config.logging.progress_bar=false",
+       "--config.logging.tensorboard=false", "--config.checkpoint.async_save=false",
+       f"--config.trainer.compile_cache={os.environ.get('RLX_TEST_COMPILE_CACHE', '')}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  assert "held-out accuracy: before RL" in result.stdout
+  assert "rlx: warning: for 2 steps in a row, every group's samples got the same reward" \
+      in result.stdout
+  final = tmp_path / "run" / "hf" / "final"
+  assert (final / "config.json").is_file() and (final / "tokenizer.json").is_file()
+  assert json.loads((final / "config.json").read_text())["model_type"] == "qwen2"
