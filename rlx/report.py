@@ -41,10 +41,13 @@ class Run:
   workdir: pathlib.Path
   config: dict
   rows: list[dict]
+  initial: dict = dataclasses.field(default_factory=dict)
+  """The held-out evaluation before RL (``eval_initial.json``): step 0 of the eval/* keys."""
 
   def column(self, key: str) -> list[tuple[float, float]]:
-    """(step, value) for the steps that recorded ``key``."""
-    return [(r["step"], r[key]) for r in self.rows if _finite(r.get(key))]
+    """(step, value) for the steps that recorded ``key`` (step 0: before RL, for eval/*)."""
+    before = [(0, self.initial[key])] if _finite(self.initial.get(key)) else []
+    return before + [(r["step"], r[key]) for r in self.rows if _finite(r.get(key))]
 
   def minutes(self) -> dict[int, float]:
     """Wall-clock minutes since the first recorded step, by step."""
@@ -97,7 +100,13 @@ def load(workdir: str | pathlib.Path) -> Run:
     raise ReportError(f"{path} has no steps yet")
   config_path = workdir / "config.json"
   config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-  return Run(label=config.get("name") or workdir.name, workdir=workdir, config=config, rows=rows)
+  initial_path = workdir / "eval_initial.json"
+  try:
+    initial = json.loads(initial_path.read_text()) if initial_path.is_file() else {}
+  except json.JSONDecodeError:
+    initial = {}
+  return Run(label=config.get("name") or workdir.name, workdir=workdir, config=config, rows=rows,
+             initial=initial)
 
 
 def _labelled(runs: list[Run]) -> list[Run]:
@@ -300,7 +309,8 @@ def summary(run: Run) -> dict[str, object]:
       "wall clock (min)": max(minutes.values()) if minutes else None,
       "reward, first 10%": _mean_of_part(run.column("reward/mean"), first=True),
       "reward, last 10%": _mean_of_part(run.column("reward/mean"), first=False),
-      "held-out accuracy, last": evals[-1][1] if evals else None,
+      "held-out accuracy, before RL": run.initial.get("eval/accuracy"),
+      "held-out accuracy, last": evals[-1][1] if evals and evals[-1][0] > 0 else None,
       "tokens/s (median)": statistics.median(throughput) if throughput else None,
       "policy lag (mean)": statistics.fmean(lag) if lag else None,
       # the engine against the learner under the same weights: numerics, not staleness

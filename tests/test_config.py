@@ -175,6 +175,7 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   assert f"final policy (step 2) in Hugging Face format: {final}" in result.stdout
   assert {"config.json", "model.safetensors"} <= {p.name for p in final.iterdir()}
   assert not final.with_name("final.partial").exists()
+  assert json.loads((workdir / "eval_initial.json").read_text())["step"] == 0  # the baseline
   evaluated = json.loads((workdir / "eval_final.json").read_text())
   assert evaluated["step"] == 2 and 0 <= evaluated["eval/accuracy"] <= 1
   # what the model generated, readable: every step, the first 2 groups (2 samples each)

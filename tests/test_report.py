@@ -29,6 +29,7 @@ def _workdir(path, name, mode, steps, *, control=False):
       row["rollout/mismatch_kl"] = step * 1e-9
     lines.append(json.dumps(row))
   (path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": ')  # a torn last line
+  (path / "eval_initial.json").write_text(json.dumps({"eval/accuracy": 0.25, "step": 0}))
   (path / "samples.jsonl").write_text(json.dumps(
       {"step": steps, "group": 0, "prompt": "Sort 3 1 2", "response": "<answer>1 2 3</answer>",
        "reward": 1.0, "correct": True, "finish_reason": "stop"}) + "\n")
@@ -52,6 +53,8 @@ def test_report_overlays_runs_and_marks_controller_events(tmp_path):
   assert row["wall clock (min)"] == pytest.approx(4.0)
   assert row["reward, last 10%"] == pytest.approx((37 + 38 + 39 + 40) / 4 / 40)
   assert row["held-out accuracy, last"] == pytest.approx(0.7)
+  assert row["held-out accuracy, before RL"] == 0.25  # the step-0 baseline
+  assert report.load(split).column("eval/accuracy")[0] == (0, 0.25)
   assert row["engine/learner KL (median)"] == pytest.approx(25e-9)  # steps 10, 20, 30, 40
   assert "2.5e-08" in page
   assert "<h2>Samples</h2>" in page and "&lt;answer&gt;1 2 3&lt;/answer&gt;" in page

@@ -63,8 +63,10 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
     say(f"rlx: moved {discarded} policy version(s) from {learner.version} on aside: a stopped "
         "run wrote them after the checkpoint this run resumes from")
   learner.publish()
-  accuracy_before = (evaluate(run, learner.generation_params()).get("eval/accuracy")
-                     if start is None else None)
+  initial = evaluate(run, learner.generation_params()) if start is None else {}
+  accuracy_before = initial.get("eval/accuracy")
+  if initial and distributed.lead():  # the baseline a report draws at step 0
+    (run.workdir / "eval_initial.json").write_text(json.dumps(dict(initial, step=0), indent=1))
   if accuracy_before is not None:
     say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
   evals = run.seconds.setdefault("evals", 0.0)
