@@ -70,7 +70,8 @@ class Health:
       streak = self.streaks[symptom.name] + 1 if symptom.holds(metrics) else 0
       self.streaks[symptom.name] = streak
       if streak == self.after:
-        lines.append(f"rlx: warning: for {streak} steps in a row, {symptom.advice}")
+        steps = f"{streak} steps in a row" if streak > 1 else "a step"
+        lines.append(f"rlx: warning: for {steps}, {symptom.advice}")
     return lines
 
 
