@@ -69,7 +69,7 @@ class AlgorithmConfig:
   dynamic_sampling_max_draws: int = 16
   """DAPO: most prompt batches drawn to fill one training batch before the run stops with an error."""
   overlong_filter: bool | None = None
-  """DAPO: mask truncated responses out of the loss; None takes the preset's (on for dapo, off for the others)."""
+  """DAPO: mask truncated responses out of the loss; None takes the preset's (off: DAPO's final recipe shapes overlong responses with overlong_buffer instead)."""
   overlong_buffer: int = 0
   """DAPO soft overlong punishment: length of the penalty interval L_cache in tokens; 0 disables it."""
   off_policy: Literal["none", "tis", "decoupled", "token_mask", "seq_tis", "geo_tis",
@@ -233,9 +233,10 @@ PRESETS = {
     "dapo": Preset("grpo", "ppo_clip", 0.2, 0.28, "token-mean",
                    "Yu et al. 2025, arXiv 2503.14476, sec. 3.1 (clip-higher: eps_low 0.2, "
                    "eps_high 0.28), 3.2 (dynamic sampling), 3.3 (token-level loss) and 3.4 "
-                   "(overlong filtering; the soft punishment's interval, overlong_buffer, is "
-                   "sized by the user: the paper's 4096 of 20480 tokens)",
-                   dynamic_sampling=True, overlong_filter=True),
+                   "(overlong reward shaping: the soft punishment is the final recipe, its "
+                   "interval overlong_buffer sized by the user, the paper's 4096 of 20480 "
+                   "tokens; overlong filtering was the intermediate step, off)",
+                   dynamic_sampling=True),
     "dr_grpo": Preset("dr_grpo", "ppo_clip", 0.2, 0.2, "seq-mean-token-sum-norm",
                       "Liu et al. 2025, arXiv 2503.20783, eq. 3 and appendix: no std, a "
                       "constant normaliser (max generation length) instead of |o_i|"),

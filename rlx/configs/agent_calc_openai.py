@@ -15,7 +15,7 @@ import pathlib
 
 from rlx.configs import agent_calc
 
-AGENT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "calc_agent.py"
+AGENT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "calc_agent.py"  # the checkout's
 
 
 def get_config():

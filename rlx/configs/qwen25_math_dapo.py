@@ -2,8 +2,8 @@
 accelerators generating while 4 learn.
 
 Data and model as in ``qwen25_math_grpo.py`` (download both first). DAPO's pieces as its
-paper sets them: clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, overlong
-filtering and soft punishment over the last 512 tokens of a 2048 budget; 16 samples per
+paper sets them (its preset): clip-higher (0.2 / 0.28), token-level loss, dynamic sampling,
+and the soft overlong punishment over the last 512 tokens of a 2048 budget; 16 samples per
 prompt. Split with staleness at most one version, corrected by truncated importance
 sampling.
 
@@ -27,8 +27,8 @@ def get_config():
       model=dataclasses.replace(config.model, path="models/Qwen2.5-1.5B-Instruct",
                                 arch=real.QWEN25_15B),
       rollout=dataclasses.replace(config.rollout, max_new_tokens=2048, group_size=16),
-      algorithm=dataclasses.replace(config.algorithm, name="dapo", dynamic_sampling=True,
-                                    overlong_filter=True, overlong_buffer=512, off_policy="tis"),
+      algorithm=dataclasses.replace(config.algorithm, name="dapo", overlong_buffer=512,
+                                    off_policy="tis"),
       mesh=dataclasses.replace(config.mesh, mode="split", generation_devices=4,
                                max_staleness=1),
       data=dataclasses.replace(config.data, prompts_per_step=32),

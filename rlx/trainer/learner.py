@@ -115,9 +115,10 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
         "skipped; rerun the same command to resume")
     accuracy_after = None
   else:
-    exported = save_hf(dataclasses.replace(run.model, params=learner.state.params),
-                       run.tokenizer, run.workdir / "hf" / "final")
-    say(f"rlx: final policy (step {step}) in Hugging Face format: {exported}")
+    if run.model is not None:  # a run without a model (a test's stand-in) has none to export
+      exported = save_hf(dataclasses.replace(run.model, params=learner.state.params),
+                         run.tokenizer, run.workdir / "hf" / "final")
+      say(f"rlx: final policy (step {step}) in Hugging Face format: {exported}")
     final = evaluate(run, learner.generation_params())
     accuracy_after = final.get("eval/accuracy")
     if final and distributed.lead():  # every held-out figure of the final policy, kept

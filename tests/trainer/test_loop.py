@@ -99,6 +99,7 @@ def _run(config, workdir):
   stream = types.SimpleNamespace(get_state=lambda: {"next_index": 0}, skipped=0)
   return types.SimpleNamespace(
       config=config, workdir=workdir, stream=stream, eval_rows=[], close=lambda: None,
+      model=None,  # nothing to export at the end
       pool=types.SimpleNamespace(first_error="KeyError: 'anwser'"),
       source=types.SimpleNamespace(skipped=0, fingerprint=lambda: "fake-data"),
       seconds={"warm-up": 0.0, "evals": 0.0, "loop started": time.perf_counter(),
