@@ -398,5 +398,6 @@ def test_mismatch_kl_is_measured_on_the_rows_the_current_params_sampled(model):
   assert float(metrics["rollout/mismatch_tokens"]) == current.sum()
   assert float(metrics["rollout/mismatch_kl_sum"]) / current.sum() == pytest.approx(
       k3[current].mean(), rel=1e-4)
+  assert "policy/is_rejected_frac" not in metrics  # tis never rejects: no constant 0 logged
   _, stale = step(fresh(), batch.replace(policy_version=jnp.full(B, 5, jnp.int32)))
   assert float(stale["rollout/mismatch_tokens"]) == 0

@@ -9,12 +9,12 @@ from rlx.algorithms.dapo import dynamic_sampling_keep, overlong_filter, overlong
 from rlx.algorithms.kl import (adaptive_entropy_coef, adaptive_kl_coef, kl_estimate,
                               kl_reward_penalty)
 from rlx.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from rlx.algorithms.off_policy import OFF_POLICY, off_policy_weights
+from rlx.algorithms.off_policy import MASKING, OFF_POLICY, off_policy_weights
 from rlx.algorithms.policy_losses import (cispo, clip_cov, gmpo, gspo, kl_cov, ppo_clip, sapo,
                                           value_loss)
 
 __all__ = [
-    "ADVANTAGES", "OFF_POLICY", "POLICY_LOSSES", "adaptive_entropy_coef", "adaptive_kl_coef", "aggregate", "cispo",
+    "ADVANTAGES", "MASKING", "OFF_POLICY", "POLICY_LOSSES", "adaptive_entropy_coef", "adaptive_kl_coef", "aggregate", "cispo",
     "clip_cov", "dynamic_sampling_keep", "gae", "gmpo", "group_mean_batch_std", "group_relative",
     "gspo", "kl_cov", "kl_estimate", "kl_reward_penalty", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "mean_of", "off_policy_weights", "overlong_filter",

@@ -94,6 +94,8 @@ OFF_POLICY: dict[str, Correction] = {
     "seq_tis": _seq_tis, "geo_tis": _geo_tis, "seq_reject": _seq_reject, "opsm": _opsm,
     "icepop": _icepop}
 """algorithm.off_policy -> correction."""
+MASKING = ("token_mask", "seq_reject", "opsm", "icepop")
+"""The corrections that can zero a token or a whole sequence."""
 
 
 def off_policy_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, kind: str, *,

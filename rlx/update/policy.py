@@ -51,11 +51,12 @@ def policy_loss(config: RunConfig, logprobs: jax.Array, entropy: jax.Array, batc
   # tis): how far the data's sampler has drifted from the policy, whatever the correction
   is_clip = (old - batch.behaviour_logprobs > math.log(algo.tis_cap)).astype(jnp.float32)
   diagnostics = dict(diagnostics, policy_loss=loss, is_weight=weights, is_clip=is_clip,
-                     is_rejected=(weights == 0).astype(jnp.float32),
                      kl_behaviour=algorithms.kl_estimate(logprobs, batch.behaviour_logprobs, "k3"),
                      # KL(behaviour || old) on the behaviour's samples: the engine against the
                      # learner, where both ran the same weights (rows of the current version)
                      mismatch_kl=algorithms.kl_estimate(batch.behaviour_logprobs, old, "k3"))
+  if algo.off_policy in algorithms.MASKING:  # the others never zero a token: no constant 0 logged
+    diagnostics["is_rejected"] = (weights == 0).astype(jnp.float32)
   loss = weights * loss
   if algo.top_entropy_quantile < 1:
     kept = _top_entropy(entropy, mask, algo.top_entropy_quantile)
@@ -195,7 +196,6 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "policy/ratio_max": sums["ratio_max"],
         "policy/is_weight_mean": sums["is_weight"] / tokens,
         "policy/is_clip_frac": sums["is_clip"] / tokens,
-        "policy/is_rejected_frac": sums["is_rejected"] / tokens,
         "rollout/mismatch_kl_sum": sums["mismatch_kl"],
         "rollout/mismatch_tokens": sums["mismatch_tokens"],
         "optim/grad_norm": applied["grad_norm"],
@@ -207,6 +207,8 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     }
     if "kl" in sums:
       metrics["policy/kl"] = sums["kl"] / tokens
+    if "is_rejected" in sums:
+      metrics["policy/is_rejected_frac"] = sums["is_rejected"] / tokens
     if "entropy_kept" in sums:
       metrics["policy/entropy_kept_frac"] = sums["entropy_kept"] / tokens
     if "cov_selected" in sums:
