@@ -113,7 +113,8 @@ class OrbaxSync:
         like, generation_shardings)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                            create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # listing the versions reads each one's metadata: another job may move one away meanwhile
+    self._manager = _retried(lambda: ocp.CheckpointManager(self.directory, options=options))
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self.last_seconds = 0.0
 
@@ -129,7 +130,7 @@ class OrbaxSync:
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """Restores the newest version above ``newer_than`` into the generation shardings."""
     with self._lock:
-      self._manager.reload()  # another job may have written new versions
+      _retried(self._manager.reload)  # another job may have written or moved versions
       version = self._manager.latest_step()
     if version is None or version <= newer_than:
       return None
@@ -141,7 +142,7 @@ class OrbaxSync:
 
   def versions(self) -> list[int]:
     with self._lock:
-      self._manager.reload()
+      _retried(self._manager.reload)
       return list(self._manager.all_steps())
 
   def discard_from(self, version: int) -> int:
@@ -149,7 +150,7 @@ class OrbaxSync:
     every process of the job then sees the same versions)."""
     moved = 0
     with self._lock:
-      self._manager.reload()
+      _retried(self._manager.reload)
       if distributed.lead():
         aside = self.directory.with_name(self.directory.name + ".discarded")
         for step in self._manager.all_steps():
@@ -158,8 +159,20 @@ class OrbaxSync:
             (self.directory / str(step)).rename(aside / f"{step}.{time.time_ns()}")
             moved += 1
       moved = distributed.agree(moved)  # every process waits until the versions are gone
-      self._manager.reload()
+      _retried(self._manager.reload)
     return moved
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _retried(read, attempts: int = 50, pause_s: float = 0.1):
+  """``read()``, again while a version it lists vanishes under it (moved aside or deleted by
+  another job between the listing and the read of its metadata)."""
+  for attempt in range(attempts):
+    try:
+      return read()
+    except FileNotFoundError:
+      if attempt == attempts - 1:
+        raise
+      time.sleep(pause_s)

@@ -89,3 +89,32 @@ def test_a_resumed_writer_discards_the_versions_it_writes_again(meshes, tmp_path
   reshard = sync.ReshardSync(generation)
   reshard.publish(_learner_params(meshes, 0), 4)
   assert reshard.discard_from(5) == 0 and reshard.discard_from(4) == 1 and reshard.latest() is None
+
+
+def test_a_reader_opened_while_the_writer_moves_a_version_aside(meshes, tmp_path, monkeypatch):
+  """The generator job opens the versions while a resumed learner moves the dead run's newest
+  away: the listing saw them, reading their metadata finds them gone. The reader lists again."""
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  writer = sync.OrbaxSync(tmp_path / "w", generation, like=like, keep=5)
+  for version in (1, 2, 3):
+    writer.publish(_learner_params(meshes, version), version)
+  writer.close()
+  load = sync.ocp.CheckpointManager._load_checkpoint_infos
+  moved = []
+
+  def racing_load(self, *args, **kwargs):
+    if len(moved) < 2:  # one version vanishes between the listing and its metadata, twice
+      step = 3 - len(moved)
+      (tmp_path / "w" / str(step)).rename(tmp_path / f"aside-{step}")
+      moved.append(step)
+      raise FileNotFoundError(tmp_path / "w" / str(step) / "_CHECKPOINT_METADATA")
+    return load(self, *args, **kwargs)
+
+  monkeypatch.setattr(sync.ocp.CheckpointManager, "_load_checkpoint_infos", racing_load)
+  reader = sync.OrbaxSync(tmp_path / "w", generation, like=like)
+  try:
+    assert moved == [3, 2] and reader.versions() == [1]
+    assert reader.latest(newer_than=-1)[1] == 1
+  finally:
+    reader.close()
