@@ -212,7 +212,9 @@ class EnvConfig:
   step_timeout_s: float = 30.0
   """An environment step (yours, on the host) that runs longer ends its episode, truncated, and is counted."""
   agent: str = ""
-  """An agent program instead of an environment: 'path/to/file.py:run' or 'package.module:run', an 'async def run(client, row)' that reaches the policy only through an openai.AsyncOpenAI client (the run's OpenAI-compatible endpoint) and returns the episode's reward (or None: the run's reward scores its final answer). Needs pip install 'rlx[serve]'."""
+  """An agent program instead of an environment: 'path/to/file.py:run' or 'package.module:run', an 'async def run(client, row)' that reaches the policy only through an openai.AsyncOpenAI client (the run's OpenAI-compatible endpoint) and returns the episode's reward (or None: the run's reward scores its final answer); or 'verifiers:TASKSET_ID', a verifiers environment whose tasks become the run's prompts (pip install 'rlx[verifiers]'). Needs pip install 'rlx[serve]'."""
+  verifiers_config: str = ""
+  """With env.agent='verifiers:TASKSET_ID': the rest of the verifiers environment's config as JSON (its SingleAgentEnvConfig: agent.harness, agent.runtime, timeout, taskset options); the runtime defaults to a local subprocess."""
   agent_timeout_s: float = 120.0
   """An agent program's episode that runs longer is cancelled; its group is dropped and counted."""
   trajectory: Literal["last", "longest"] = "last"

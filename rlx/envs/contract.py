@@ -98,11 +98,17 @@ def load_factory(name: str) -> Callable[[dict], Environment]:
     raise ValueError(str(error).replace("reward ", "environment ", 1)) from None
 
 
-def load_agent(name: str) -> Callable:
+def load_agent(name: str, verifiers_config: str = "") -> Callable:
   """The agent program ``env.agent`` names (``'path/to/file.py:run'`` or
-  ``'package.module:run'``), an ``async def run(client, row)``; ValueError naming the problem."""
+  ``'package.module:run'``), an ``async def run(client, row)``, or the one that plays a
+  ``verifiers`` taskset (``'verifiers:TASKSET_ID'``, ``rlx.envs.verifiers``, configured by
+  ``verifiers_config``); ValueError naming the problem."""
   import inspect  # noqa: PLC0415
 
+  if name.startswith("verifiers:"):
+    from rlx.envs import verifiers  # noqa: PLC0415 - needs the verifiers package
+
+    return verifiers.program(name.removeprefix("verifiers:").strip(), verifiers_config)
   if ":" not in name:
     raise ValueError(f"agent program {name!r}: name it as 'path/to/file.py:function' or "
                      "'package.module:function'")

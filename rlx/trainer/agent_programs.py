@@ -117,7 +117,7 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
          first_prompt_index) -> tuple[list[Completion], Scored]:
   config = run.config
   e, r = config.env, config.rollout
-  agent = load_agent(e.agent)
+  agent = load_agent(e.agent, e.verifiers_config)
   endpoint.forced = Forced(temperature, r.top_p, r.top_k, e.turn_max_new_tokens or r.max_new_tokens)
   endpoint.batcher.set_params(params, version)
   base = jax.random.key(seed)

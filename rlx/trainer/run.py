@@ -111,7 +111,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
       raise ConfigError(f"config.env.name: {error}") from None
   if config.env.agent:
     try:
-      load_agent(config.env.agent)
+      load_agent(config.env.agent, config.env.verifiers_config)
     except ValueError as error:
       raise ConfigError(f"config.env.agent: {error}") from None
     missing = [name for name in ("fastapi", "uvicorn", "openai", "httpx")
@@ -188,7 +188,16 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
                  answer_format=data.answer_format, on_bad_row=data.on_bad_row,
                  seed=data.shuffle_seed,
                  eval_fraction=data.eval_fraction)
-  source = open_source(data.source, **options)
+  if config.env.agent.startswith("verifiers:"):  # the environment's tasks are the prompts
+    from rlx.envs.verifiers import TaskRows  # noqa: PLC0415 - needs the verifiers package
+
+    source = TaskRows(config.env.agent.removeprefix("verifiers:").strip(),
+                      config.env.verifiers_config)
+    say(f"rlx: data: the {len(source)} tasks of the verifiers taskset {source.taskset} are the "
+        f"prompts (config.data.source={data.source!r} is not read)")
+    data = dataclasses.replace(data, eval_source="")
+  else:
+    source = open_source(data.source, **options)
   if source.skipped:
     say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
         f"the first: {source.first_skipped}")
