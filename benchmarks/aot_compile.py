@@ -2,6 +2,7 @@
 Mosaic, or XLA:GPU + Triton compilers, run on this machine), at the shapes of real models.
 
     python benchmarks/aot_compile.py --target v5e|v6e|h100|a100 [--tokens 4096,16384]
+    python benchmarks/aot_compile.py --target v5e|v6e|h100|a100 --cost
 
 Needs the target's jaxlib plugin at the same version as jax (``pip install -e ".[aot-tpu]"``
 or ``".[aot-cuda]"``, in a venv of its own) and JAX_PLATFORMS=cpu. It proves that a program
@@ -13,6 +14,24 @@ bf16 activations, fp32 params, the Pallas loss, full remat) for a Qwen2.5-0.5B-s
 on 1 device and FSDP over 8; the engine's decode step on 1 device. Each is "ok" with the
 per-device argument, output and temp memory in MiB, or "failed" with the first line of the
 compiler's error.
+
+``--cost``: how much of the target the programs would use, from XLA's cost analysis of the
+compiled programs (flops and bytes accessed per device) against the ideal for the same work:
+
+- decode (one token for each of 64 slots, attending to a cache filled to 1024 and to 2048 of
+  2048 positions) for Qwen2.5-0.5B and 7B shapes on one device: the ideal reads the weights
+  once and the filled part of the KV cache once; its flops are 2 per weight per token plus
+  attention's 4 per cached key per head;
+- the learner's GRPO update step (2 mini-batches, 16 rows of 1024 tokens, full remat) for a
+  Qwen2.5-0.5B shape on one device: the ideal does 8 flops per matmul weight per token (6
+  without remat) plus attention's, and reads and writes the weights and optimizer state once
+  per optimizer update.
+
+Each row has ideal/XLA for bytes and flops (1.0: no excess; 0.5: XLA's program moves twice
+what it must) and the roofline time at the target's published peaks (``rlx/targets/peaks.json``):
+the larger of XLA's flops at peak FLOP/s and XLA's bytes at peak bandwidth. The learner step
+runs its log-prob loss as XLA here, so that the cost analysis sees all of it (a Pallas kernel is
+a custom call that XLA does not cost).
 """
 
 import argparse
@@ -31,13 +50,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlx.aot import (PLATFORM, compile_one, devices, learner_program,  # noqa: E402
-                     placed as _placed)
+                     peaks, placed as _placed)
 from rlx.config import (AlgorithmConfig, ArchConfig, DataConfig, ModelConfig,  # noqa: E402
                         OptimizerConfig, RolloutConfig, RunConfig, TrainerConfig)
 from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa: E402
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
 from rlx.mesh import MESH_AXES  # noqa: E402
 from rlx.models import Transformer  # noqa: E402
+from rlx.models.transformer import unrolled_layers  # noqa: E402
 from rlx.rollout.engine import Engine, _generate_chunk, _generate_one  # noqa: E402
 
 # (name, model width D, vocabulary V) of real models
@@ -46,6 +66,9 @@ MODELS = [("qwen2.5-0.5b", 896, 151936), ("qwen2.5-1.5b", 1536, 151936),
 QWEN_05B = ArchConfig(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                       num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True,
                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=32768)
+QWEN_7B = ArchConfig(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, qkv_bias=True,
+                     rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768)
 
 
 def logprob_programs(target: str, tokens: list[int]):
@@ -86,11 +109,13 @@ def learner_step(target: str, count: int, tokens_per_row: int = 1024, rows: int 
   return learner_program(config, mesh)
 
 
-def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 1):
-  """The engine's decode (every slot ``steps`` tokens, attending to the whole cache) for a
-  Qwen2.5-0.5B-shaped model on one device: (jitted step, abstract args)."""
+def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 1,
+                arch: ArchConfig = QWEN_05B, attend_len: int | None = None):
+  """The engine's decode (every slot ``steps`` tokens, attending to the first ``attend_len``
+  positions of the cache, None: all) for a model of ``arch`` on one device: (jitted step,
+  abstract args)."""
   device = devices(target)[0]
-  transformer = Transformer(QWEN_05B, jnp.bfloat16, "fused", "none")
+  transformer = Transformer(arch, jnp.bfloat16, "fused", "none")
   engine = Engine(transformer, max_slots=slots, max_len=max_len, max_prompt_len=1024,
                   platform=PLATFORM[target])
   params = jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.bfloat16))
@@ -98,8 +123,90 @@ def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 
   placed = jax.sharding.SingleDeviceSharding(device)
   args = (transformer, _placed(params, placed), _placed(state, placed))
   if steps == 1:
-    return _generate_one, args + (max_len, None)
-  return _generate_chunk, args + (steps, max_len, None)
+    return _generate_one, args + (max_len, attend_len)
+  return _generate_chunk, args + (steps, max_len, attend_len)
+
+
+def _matmul_weights(arch: ArchConfig) -> int:
+  """Weights a token multiplies through: every layer's projections and the unembedding (the
+  embedding lookup is no matmul)."""
+  d, f, e = arch.hidden_size, arch.intermediate_size, arch.head_dim
+  attention = d * e * (arch.num_heads * 2 + arch.num_kv_heads * 2)
+  return arch.num_layers * (attention + 3 * d * f) + d * arch.vocab_size
+
+
+def _param_count(arch: ArchConfig) -> int:
+  transformer = Transformer(arch, jnp.bfloat16, "fused", "none")
+  shapes = jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.bfloat16))
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+
+def ideal_decode(arch: ArchConfig, slots: int, attend: int) -> dict:
+  """One token per slot: weights (bf16) read once, the filled cache (bf16 keys and values of
+  every layer) read once; 2 flops per matmul weight per token, 4 per cached key per query
+  head (scores and the weighted sum)."""
+  cache = arch.num_layers * slots * attend * 2 * arch.num_kv_heads * arch.head_dim * 2
+  flops = slots * (2 * _matmul_weights(arch)
+                   + 4 * arch.num_layers * arch.num_heads * arch.head_dim * attend)
+  return {"bytes": 2 * _param_count(arch) + cache, "flops": flops}
+
+
+def ideal_learner(arch: ArchConfig, rows: int, length: int, updates: int, epochs: int,
+                  remat: bool) -> dict:
+  """The update step: 6 flops per matmul weight per token (8 with full remat: the forward
+  again), plus causal attention's (4 per key per head forward, on average half the row), on
+  every position of every row, each epoch; fp32 weights and Adam's two moments read and
+  written once per optimizer update."""
+  tokens = rows * length * epochs
+  passes = 4 if remat else 3
+  attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * (length / 2)
+  flops = tokens * (2 * passes * _matmul_weights(arch) + passes * attention)
+  return {"bytes": updates * 2 * 3 * 4 * _param_count(arch), "flops": flops}
+
+
+def cost_table(target: str) -> list[dict]:
+  """The efficiency rows of ``--cost`` (see the module docstring)."""
+  peak, platform = peaks(target), PLATFORM[target]
+  runs = []
+  for model, arch in (("qwen2.5-0.5b", QWEN_05B), ("qwen2.5-7b", QWEN_7B)):
+    for attend in (1024, 2048):
+      fn, args = decode_step(target, arch=arch, attend_len=attend)
+      runs.append((f"{model}/decode 64 slots, cache {attend}/2048", fn, args,
+                   ideal_decode(arch, 64, attend)))
+  mesh = jax.sharding.Mesh(np.array(devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
+  config = RunConfig(model=ModelConfig(arch=QWEN_05B, dtype="bfloat16", remat="full",
+                                       logprob_impl="xla"),
+                     rollout=RolloutConfig(max_prompt_len=512, max_new_tokens=512, group_size=8),
+                     data=DataConfig(prompts_per_step=2), algorithm=AlgorithmConfig(name="grpo"),
+                     optimizer=OptimizerConfig(learning_rate=1e-6),
+                     trainer=TrainerConfig(mini_batches=2))
+  runs.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", *learner_program(config, mesh),
+               ideal_learner(QWEN_05B, 16, 1024, updates=2, epochs=1, remat=True)))
+  rows = []
+  for name, fn, args, ideal in runs:
+    with unrolled_layers():  # XLA's cost analysis counts a loop's body once
+      result = compile_one(fn, args, None, platform, with_cost=True)
+    row = {"program": name, "status": result["status"]}
+    if result["status"] == "ok" and result["bytes"] > 0:
+      seconds = max(result["flops"] / peak["bf16_flops"], result["bytes"] / peak["hbm_bytes_per_s"])
+      row.update({
+          "xla_gb": round(result["bytes"] / 1e9, 3), "ideal_gb": round(ideal["bytes"] / 1e9, 3),
+          "ideal_over_xla_bytes": round(ideal["bytes"] / result["bytes"], 3),
+          "xla_gflop": round(result["flops"] / 1e9, 1),
+          "ideal_gflop": round(ideal["flops"] / 1e9, 1),
+          "ideal_over_xla_flops": round(ideal["flops"] / max(result["flops"], 1.0), 3),
+          "roofline_ms": round(seconds * 1e3, 3),
+          "bound": "memory" if result["bytes"] / peak["hbm_bytes_per_s"]
+                   > result["flops"] / peak["bf16_flops"] else "compute",
+          "temp_mib": result["temp_mib"],
+          # loops left in the program: XLA counts their bodies once, so the figures are
+          # lower bounds where this is not 0
+          "loops_left": result["loops"]})
+    else:
+      row["error"] = result.get("error", "no cost analysis")
+    print(f"{name}: {row}", file=sys.stderr, flush=True)
+    rows.append(row)
+  return rows
 
 
 def main():
@@ -107,9 +214,16 @@ def main():
   parser.add_argument("--target", required=True, choices=sorted(PLATFORM))
   parser.add_argument("--tokens", default="4096,16384")
   parser.add_argument("--only", default="", help="run the programs whose name contains this")
+  parser.add_argument("--cost", action="store_true",
+                      help="the efficiency table: XLA's flops and bytes against the ideal")
   args = parser.parse_args()
   if PLATFORM[args.target] == "cuda":
     jax.config.update("jax_pallas_use_mosaic_gpu", False)  # the kernels are written for Triton
+  if args.cost:
+    peak = peaks(args.target)
+    print(json.dumps({"target": args.target, "peaks": peak, "programs": cost_table(args.target)},
+                     indent=2))
+    return
   device, platform = devices(args.target)[0], PLATFORM[args.target]
   results = {}
 

@@ -87,9 +87,31 @@ def _mib(value) -> float:
   return round(value / 2**20, 1)
 
 
-def compile_one(fn, args, device=None, platform: str | None = None) -> dict:
+def peaks(target: str) -> dict:
+  """The target's published peak bf16 FLOP/s, HBM bytes/s and memory, with their source
+  (``rlx/targets/peaks.json``)."""
+  return json.loads(importlib.resources.files("rlx").joinpath("targets/peaks.json")
+                    .read_text())[target]
+
+
+def cost(compiled) -> dict:
+  """XLA's cost analysis of a compiled program, per device: flops and bytes accessed (what
+  the compiler's model of the program reads and writes, each fusion's operands and results)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
+    analysis = analysis[0] if analysis else {}
+  analysis = analysis or {}
+  loops = compiled.as_text().count(" while(")
+  return {"flops": float(analysis.get("flops", 0.0)),
+          "bytes": float(analysis.get("bytes accessed", 0.0)),
+          "loops": loops}
+
+
+def compile_one(fn, args, device=None, platform: str | None = None, *,
+                with_cost: bool = False) -> dict:
   """Compiles ``fn`` (jitted, or jitted here) on abstract ``args`` (placed on ``device`` when
-  given, else already placed); returns the status and per-device memory in MiB."""
+  given, else already placed); returns the status and per-device memory in MiB (and XLA's
+  flops and bytes accessed with ``with_cost``)."""
   if device is not None:
     args = placed(list(args), jax.sharding.SingleDeviceSharding(device))
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
@@ -100,9 +122,12 @@ def compile_one(fn, args, device=None, platform: str | None = None) -> dict:
     first = next((line for line in str(error).splitlines() if line.strip()), repr(error))
     return {"status": "failed", "error": first[:300]}
   memory = compiled.memory_analysis()
-  return {"status": "ok", "argument_mib": _mib(memory.argument_size_in_bytes),
-          "output_mib": _mib(memory.output_size_in_bytes),
-          "temp_mib": _mib(memory.temp_size_in_bytes)}
+  result = {"status": "ok", "argument_mib": _mib(memory.argument_size_in_bytes),
+            "output_mib": _mib(memory.output_size_in_bytes),
+            "temp_mib": _mib(memory.temp_size_in_bytes)}
+  if with_cost:
+    result.update(cost(compiled))
+  return result
 
 
 def model_arch(config: RunConfig):
