@@ -57,7 +57,7 @@ from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa:
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
 from rlx.mesh import MESH_AXES  # noqa: E402
 from rlx.models import Transformer  # noqa: E402
-from rlx.models.transformer import unrolled_layers  # noqa: E402
+from rlx.unroll import unrolled  # noqa: E402
 from rlx.rollout.engine import Engine, _generate_chunk, _generate_one  # noqa: E402
 
 # (name, model width D, vocabulary V) of real models
@@ -175,7 +175,7 @@ def cost_table(target: str) -> list[dict]:
                    ideal_decode(arch, 64, attend)))
   mesh = jax.sharding.Mesh(np.array(devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
   config = RunConfig(model=ModelConfig(arch=QWEN_05B, dtype="bfloat16", remat="full",
-                                       logprob_impl="xla"),
+                                       logprob_impl="xla", logprob_chunk=1024),
                      rollout=RolloutConfig(max_prompt_len=512, max_new_tokens=512, group_size=8),
                      data=DataConfig(prompts_per_step=2), algorithm=AlgorithmConfig(name="grpo"),
                      optimizer=OptimizerConfig(learning_rate=1e-6),
@@ -184,7 +184,7 @@ def cost_table(target: str) -> list[dict]:
                ideal_learner(QWEN_05B, 16, 1024, updates=2, epochs=1, remat=True)))
   rows = []
   for name, fn, args, ideal in runs:
-    with unrolled_layers():  # XLA's cost analysis counts a loop's body once
+    with unrolled():  # XLA's cost analysis counts a loop's body once
       result = compile_one(fn, args, None, platform, with_cost=True)
     row = {"program": name, "status": result["status"]}
     if result["status"] == "ok" and result["bytes"] > 0:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rlx import unroll
 from rlx.kernels.pallas_logprobs import pallas_logprobs
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def _chunked_forward(hidden, unembed, targets, chunk, temperature):
     return None, (logprobs, entropy, lse)
 
   _, (logprobs, entropy, lse) = jax.lax.scan(
-      body, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk)))
+      body, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk)),
+      unroll=unroll.factor())
   logprobs, entropy, lse = (x.reshape(-1) for x in (logprobs, entropy, lse))
   return (logprobs, entropy), (hidden, unembed, targets, lse, entropy)
 
@@ -121,7 +123,7 @@ def _chunked_backward(chunk, temperature, residuals, cotangents):
     return slice_grads(*carry, j * width, width), None
 
   carry = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(unembed.shape, unembed.dtype))
-  carry, _ = jax.lax.scan(body, carry, jnp.arange(V // width))
+  carry, _ = jax.lax.scan(body, carry, jnp.arange(V // width), unroll=unroll.factor())
   if V % width:  # the last, narrower slice
     carry = slice_grads(*carry, V - V % width, V % width)
   d_hidden, d_unembed = carry

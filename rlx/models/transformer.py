@@ -33,8 +33,6 @@ decode are the same call. The caller keeps ``index + T <= S``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -44,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlx import unroll
 from rlx.config import ArchConfig
 
 Params = dict[str, Any]
@@ -97,21 +96,6 @@ def param_specs(arch: ArchConfig) -> dict[str, Any]:
   if not arch.tie_word_embeddings:
     specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
   return specs
-
-
-_UNROLL = contextvars.ContextVar("rlx_unroll_layers", default=1)
-
-
-@contextlib.contextmanager
-def unrolled_layers():
-  """Within it, the scans over stacked layers are traced fully unrolled: the same arithmetic,
-  laid out so that XLA's cost analysis (which counts a loop's body once) counts every layer
-  (``benchmarks/aot_compile.py --cost``). Never used for running."""
-  token = _UNROLL.set(True)
-  try:
-    yield
-  finally:
-    _UNROLL.reset(token)
 
 
 def layer_list(params: Params) -> list[dict[str, jax.Array]]:
@@ -361,7 +345,7 @@ class Transformer:
 
       if self.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])
-      x, _ = jax.lax.scan(layer, x, params["layers"], unroll=_UNROLL.get())
+      x, _ = jax.lax.scan(layer, x, params["layers"], unroll=unroll.factor())
       return rms_norm(x, params["final_norm"], a.rms_norm_eps), None
 
     rows = jnp.arange(B)[:, None, None]
@@ -387,7 +371,7 @@ class Transformer:
 
       (x, new_k, new_v), _ = jax.lax.scan(
           cached_layer, (x, cache["k"], cache["v"]),
-          (params["layers"], jnp.arange(a.num_layers)), unroll=_UNROLL.get())
+          (params["layers"], jnp.arange(a.num_layers)), unroll=unroll.factor())
       x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
       return x, {"k": new_k, "v": new_v, "valid": valid, "index": cache["index"] + T}
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rlx import unroll
 from rlx.models.transformer import Params
 from rlx.types import RolloutBatch, TrainState
 
@@ -45,7 +46,7 @@ def accumulate(grad_fn: GradFn, params: Params, batch: RolloutBatch, micro_batch
     return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sums), None
 
   init = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params), zero_sums)
-  (loss, grads, sums), _ = jax.lax.scan(add, init, micro)
+  (loss, grads, sums), _ = jax.lax.scan(add, init, micro, unroll=unroll.factor())
   return loss, grads, sums
 
 
@@ -117,4 +118,4 @@ def over_schedule(minibatch_step, state: TrainState, batch: RolloutBatch, *, epo
   leading [updates] axis."""
   order = minibatch_order(batch.batch_size, jax.random.fold_in(state.key, state.step),
                           epochs=epochs, mini_batches=mini_batches)
-  return jax.lax.scan(minibatch_step, state, schedule_batches(batch, order))
+  return jax.lax.scan(minibatch_step, state, schedule_batches(batch, order), unroll=unroll.factor())
