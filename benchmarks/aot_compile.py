@@ -23,9 +23,9 @@ compiled programs (flops and bytes accessed per device) against the ideal for th
   once and the filled part of the KV cache once; its flops are 2 per weight per token plus
   attention's 4 per cached key per head;
 - the learner's GRPO update step (2 mini-batches, 16 rows of 1024 tokens, full remat) for a
-  Qwen2.5-0.5B shape on one device: the ideal does 8 flops per matmul weight per token (6
-  without remat) plus attention's, and reads and writes the weights and optimizer state once
-  per optimizer update.
+  Qwen2.5-0.5B shape on one device (compiled at 2 and 4 layers and scaled to 24: every layer
+  costs the same): the ideal does 8 flops per matmul weight per token (6 without remat) plus
+  attention's, and reads and writes the weights and optimizer state once per optimizer update.
 
 Each row has ideal/XLA for bytes and flops (1.0: no excess; 0.5: XLA's program moves twice
 what it must) and the roofline time at the target's published peaks (``rlx/targets/peaks.json``):
@@ -35,6 +35,7 @@ a custom call that XLA does not cost).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -164,6 +165,33 @@ def ideal_learner(arch: ArchConfig, rows: int, length: int, updates: int, epochs
   return {"bytes": updates * 2 * 3 * 4 * _param_count(arch), "flops": flops}
 
 
+def _learner_by_layers(target: str) -> dict:
+  """The learner step's cost at Qwen2.5-0.5B's 24 layers, from compiles at 2 and 4 (unrolled,
+  every layer costs the same; compiling 24 unrolled layers with full remat takes most of an
+  hour on 2 cores): cost(24) = cost(2) + 11 * (cost(4) - cost(2))."""
+  mesh = jax.sharding.Mesh(np.array(devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
+  results = {}
+  for layers in (2, 4):
+    arch = dataclasses.replace(QWEN_05B, num_layers=layers)
+    config = RunConfig(model=ModelConfig(arch=arch, dtype="bfloat16", remat="full",
+                                         logprob_impl="xla", logprob_chunk=1024),
+                       rollout=RolloutConfig(max_prompt_len=512, max_new_tokens=512,
+                                             group_size=8),
+                       data=DataConfig(prompts_per_step=2),
+                       algorithm=AlgorithmConfig(name="grpo"),
+                       optimizer=OptimizerConfig(learning_rate=1e-6),
+                       trainer=TrainerConfig(mini_batches=2))
+    with unrolled():
+      results[layers] = compile_one(*learner_program(config, mesh), None, PLATFORM[target],
+                                    with_cost=True)
+    if results[layers]["status"] != "ok":
+      return results[layers]
+  two, four = results[2], results[4]
+  per_layer = {key: (four[key] - two[key]) / 2 for key in ("flops", "bytes")}
+  scaled = {key: two[key] + (QWEN_05B.num_layers - 2) * per_layer[key] for key in per_layer}
+  return dict(four, **scaled, temp_mib=None, loops=max(two["loops"], four["loops"]))
+
+
 def cost_table(target: str) -> list[dict]:
   """The efficiency rows of ``--cost`` (see the module docstring)."""
   peak, platform = peaks(target), PLATFORM[target]
@@ -173,19 +201,15 @@ def cost_table(target: str) -> list[dict]:
       fn, args = decode_step(target, arch=arch, attend_len=attend)
       runs.append((f"{model}/decode 64 slots, cache {attend}/2048", fn, args,
                    ideal_decode(arch, 64, attend)))
-  mesh = jax.sharding.Mesh(np.array(devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
-  config = RunConfig(model=ModelConfig(arch=QWEN_05B, dtype="bfloat16", remat="full",
-                                       logprob_impl="xla", logprob_chunk=1024),
-                     rollout=RolloutConfig(max_prompt_len=512, max_new_tokens=512, group_size=8),
-                     data=DataConfig(prompts_per_step=2), algorithm=AlgorithmConfig(name="grpo"),
-                     optimizer=OptimizerConfig(learning_rate=1e-6),
-                     trainer=TrainerConfig(mini_batches=2))
-  runs.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", *learner_program(config, mesh),
+  runs.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", _learner_by_layers(target),
                ideal_learner(QWEN_05B, 16, 1024, updates=2, epochs=1, remat=True)))
   rows = []
-  for name, fn, args, ideal in runs:
-    with unrolled():  # XLA's cost analysis counts a loop's body once
-      result = compile_one(fn, args, None, platform, with_cost=True)
+  for name, *program, ideal in runs:
+    if len(program) == 1:  # already measured
+      result = program[0]
+    else:
+      with unrolled():  # XLA's cost analysis counts a loop's body once
+        result = compile_one(*program, None, platform, with_cost=True)
     row = {"program": name, "status": result["status"]}
     if result["status"] == "ok" and result["bytes"] > 0:
       seconds = max(result["flops"] / peak["bf16_flops"], result["bytes"] / peak["hbm_bytes_per_s"])
