@@ -17,14 +17,16 @@ ALLOWED = {
     "config": set(),
     "cli": {"config"},
     "types": set(),
-    "kernels": {"types"},
+    # loops traced unrolled for XLA's cost analysis: a context variable, below every program
+    "unroll": set(),
+    "kernels": {"types", "unroll"},
     "mesh": {"config"},
     # the multi-process helpers: jax and numpy only, below everything that runs on several hosts
     "distributed": set(),
     # models place each parameter into its sharding on load, so they use the mesh rules.
-    "models": {"kernels", "config", "types", "mesh"},
+    "models": {"kernels", "config", "types", "mesh", "unroll"},
     "algorithms": {"types", "config", "kernels"},
-    "update": {"models", "algorithms", "kernels", "types", "config", "mesh"},
+    "update": {"models", "algorithms", "kernels", "types", "config", "mesh", "unroll"},
     "rollout": {"models", "mesh", "types", "config", "kernels"},
     "sync": {"mesh", "types", "config", "distributed"},
     "rewards": {"config"},
