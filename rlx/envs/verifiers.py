@@ -137,15 +137,25 @@ class _Serving:
     self.users += 1
     if self.task is None:
       self.task = asyncio.get_running_loop().create_task(self._hold())
-    await self.ready.wait()
-    if self.error is not None:
-      raise RuntimeError(f"verifiers could not start serving: {self.error}") from self.error
+    try:
+      await self.ready.wait()
+      if self.error is not None:
+        raise RuntimeError(f"verifiers could not start serving: {self.error}") from self.error
+    except BaseException:  # cancelled (the episode's timeout) or failed: not a user any more
+      self._leave()
+      raise
 
   async def __aexit__(self, *exc):
+    if self._leave():
+      await asyncio.shield(self.task)
+
+  def _leave(self) -> bool:
+    """One user fewer; True when it was the last (the serving context then closes)."""
     self.users -= 1
     if self.users == 0:
       self.done.set()
-      await asyncio.shield(self.task)
+      return True
+    return False
 
 
 _serving: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
