@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import weakref
 
@@ -76,11 +77,11 @@ def environment(taskset: str, options: str = "") -> tuple[object, list]:
   key = (taskset, options)
   with _lock:
     if key not in _loaded:
-      _config(taskset, options)  # the config's errors first, as ValueErrors
+      config = _config(taskset, options)  # its errors first, as ValueErrors
       from verifiers.v1.utils.loaders import load_environment  # noqa: PLC0415
 
       try:
-        env = load_environment(_config(taskset, options))
+        env = load_environment(config)
       except (ImportError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"verifiers taskset {taskset!r}: {error}") from None
       if not env.taskset.bounded:
@@ -163,8 +164,6 @@ _serving: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def program(taskset: str, options: str = "", model: str = "policy"):
   """The agent program that plays one task of a ``verifiers`` taskset per episode."""
-  import os  # noqa: PLC0415
-
   vf = _import()
   env, tasks = environment(taskset, options)
   os.environ.setdefault(_KEY_VARIABLE, "rlx")
