@@ -195,33 +195,30 @@ def _learner_by_layers(target: str) -> dict:
 def cost_table(target: str) -> list[dict]:
   """The efficiency rows of ``--cost`` (see the module docstring)."""
   peak, platform = peaks(target), PLATFORM[target]
-  runs = []
+  measured = []  # (name, compile_one's result with the cost, the ideal)
   for model, arch in (("qwen2.5-0.5b", QWEN_05B), ("qwen2.5-7b", QWEN_7B)):
     for attend in (1024, 2048):
-      fn, args = decode_step(target, arch=arch, attend_len=attend)
-      runs.append((f"{model}/decode 64 slots, cache {attend}/2048", fn, args,
-                   ideal_decode(arch, 64, attend)))
-  runs.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", _learner_by_layers(target),
-               ideal_learner(QWEN_05B, 16, 1024, updates=2, epochs=1, remat=True)))
-  rows = []
-  for name, *program, ideal in runs:
-    if len(program) == 1:  # already measured
-      result = program[0]
-    else:
       with unrolled():  # XLA's cost analysis counts a loop's body once
-        result = compile_one(*program, None, platform, with_cost=True)
+        result = compile_one(*decode_step(target, arch=arch, attend_len=attend), None,
+                             platform, with_cost=True)
+      measured.append((f"{model}/decode 64 slots, cache {attend}/2048", result,
+                       ideal_decode(arch, 64, attend)))
+  measured.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", _learner_by_layers(target),
+                   ideal_learner(QWEN_05B, 16, 1024, updates=2, epochs=1, remat=True)))
+  rows = []
+  for name, result, ideal in measured:
     row = {"program": name, "status": result["status"]}
     if result["status"] == "ok" and result["bytes"] > 0:
-      seconds = max(result["flops"] / peak["bf16_flops"], result["bytes"] / peak["hbm_bytes_per_s"])
+      flop_s = result["flops"] / peak["bf16_flops"]
+      byte_s = result["bytes"] / peak["hbm_bytes_per_s"]
       row.update({
           "xla_gb": round(result["bytes"] / 1e9, 3), "ideal_gb": round(ideal["bytes"] / 1e9, 3),
           "ideal_over_xla_bytes": round(ideal["bytes"] / result["bytes"], 3),
           "xla_gflop": round(result["flops"] / 1e9, 1),
           "ideal_gflop": round(ideal["flops"] / 1e9, 1),
           "ideal_over_xla_flops": round(ideal["flops"] / max(result["flops"], 1.0), 3),
-          "roofline_ms": round(seconds * 1e3, 3),
-          "bound": "memory" if result["bytes"] / peak["hbm_bytes_per_s"]
-                   > result["flops"] / peak["bf16_flops"] else "compute",
+          "roofline_ms": round(max(flop_s, byte_s) * 1e3, 3),
+          "bound": "memory" if byte_s > flop_s else "compute",
           "temp_mib": result["temp_mib"],
           # loops left in the program: XLA counts their bodies once, so the figures are
           # lower bounds where this is not 0
@@ -244,9 +241,8 @@ def main():
   if PLATFORM[args.target] == "cuda":
     jax.config.update("jax_pallas_use_mosaic_gpu", False)  # the kernels are written for Triton
   if args.cost:
-    peak = peaks(args.target)
-    print(json.dumps({"target": args.target, "peaks": peak, "programs": cost_table(args.target)},
-                     indent=2))
+    print(json.dumps({"target": args.target, "peaks": peaks(args.target),
+                      "programs": cost_table(args.target)}, indent=2))
     return
   device, platform = devices(args.target)[0], PLATFORM[args.target]
   results = {}

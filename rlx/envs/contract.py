@@ -105,10 +105,11 @@ def load_agent(name: str, verifiers_config: str = "") -> Callable:
   ``verifiers_config``); ValueError naming the problem."""
   import inspect  # noqa: PLC0415
 
-  if name.startswith("verifiers:"):
-    from rlx.envs import verifiers  # noqa: PLC0415 - needs the verifiers package
+  from rlx.envs import verifiers  # noqa: PLC0415 - imports the verifiers package only when used
 
-    return verifiers.program(name.removeprefix("verifiers:").strip(), verifiers_config)
+  taskset = verifiers.taskset_id(name)
+  if taskset is not None:
+    return verifiers.program(taskset, verifiers_config)
   if ":" not in name:
     raise ValueError(f"agent program {name!r}: name it as 'path/to/file.py:function' or "
                      "'package.module:function'")

@@ -14,9 +14,9 @@ that exports a ``Taskset`` subclass, and optionally its own ``Harness``). Needs
   interception proxy ``verifiers`` puts in front of every harness), and the endpoint records
   every sampled token under the episode's key (the ``X-Episode-Id`` header).
 - The episode's reward is the mean over its traces of each trace's weighted reward (a
-  single-agent environment has one trace), correct when it is at least 1. An episode that ``verifiers`` reports as failed
-  (an error in setup, the harness, scoring, or its own timeout) is a failed program: counted,
-  and its group is dropped.
+  single-agent environment has one trace), correct when it is at least 1. An episode that
+  ``verifiers`` reports as failed (an error in setup, the harness, scoring, or its own
+  timeout) is a failed program: counted, and its group is dropped.
 - ``env.verifiers_config`` is JSON for the rest of the environment's config
   (``SingleAgentEnvConfig``: ``agent.harness``, ``agent.runtime``, ``timeout``, ``taskset``
   options); the runtime defaults to a local subprocess, where the run itself is.
@@ -36,6 +36,11 @@ _KEY_VARIABLE = "RLX_VERIFIERS_API_KEY"  # verifiers reads API keys from the env
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], tuple[object, list]] = {}
+
+
+def taskset_id(agent: str) -> str | None:
+  """The taskset an ``env.agent`` value names (``'verifiers:TASKSET_ID'``), else None."""
+  return agent.removeprefix(PREFIX).strip() if agent.startswith(PREFIX) else None
 
 
 def _import():

@@ -19,7 +19,7 @@ import jax
 
 from rlx import distributed, rollout
 from rlx.config import ConfigError, RunConfig
-from rlx.envs import ToolRunner, load_agent, load_factory
+from rlx.envs import ToolRunner, load_agent, load_factory, verifiers
 from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import (
@@ -188,11 +188,9 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
                  answer_format=data.answer_format, on_bad_row=data.on_bad_row,
                  seed=data.shuffle_seed,
                  eval_fraction=data.eval_fraction)
-  if config.env.agent.startswith("verifiers:"):  # the environment's tasks are the prompts
-    from rlx.envs.verifiers import TaskRows  # noqa: PLC0415 - needs the verifiers package
-
-    source = TaskRows(config.env.agent.removeprefix("verifiers:").strip(),
-                      config.env.verifiers_config)
+  taskset = verifiers.taskset_id(config.env.agent)
+  if taskset is not None:  # a verifiers environment: its tasks are the prompts
+    source = verifiers.TaskRows(taskset, config.env.verifiers_config)
     say(f"rlx: data: the {len(source)} tasks of the verifiers taskset {source.taskset} are the "
         f"prompts (config.data.source={data.source!r} is not read)")
     data = dataclasses.replace(data, eval_source="")

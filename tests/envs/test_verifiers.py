@@ -5,9 +5,7 @@ the reward, and an episode it reports as failed drops its group."""
 
 import pathlib
 import sys
-import types
 
-import jax
 import numpy as np
 import pytest
 
@@ -16,9 +14,7 @@ pytest.importorskip("verifiers.v1")
 from rlx.config import ConfigError  # noqa: E402
 from rlx.envs import load_agent  # noqa: E402
 from rlx.envs.verifiers import TaskRows  # noqa: E402
-from rlx.models import builtin_tokenizer, init_model  # noqa: E402
 from rlx.rewards import Scored  # noqa: E402
-from rlx.rollout import Engine  # noqa: E402
 from rlx.trainer.agent_programs import run_agent_programs  # noqa: E402
 from rlx.trainer.run import prepare  # noqa: E402
 from tests.trainer import tiny  # noqa: E402
@@ -38,13 +34,7 @@ class _Pool:
 def run(tmp_path_factory):
   config = tiny.config("agent_calc_openai", f"--config.env.agent=verifiers:{TASKSET}",
                        "--config.env.agent_timeout_s=120")
-  tokenizer = builtin_tokenizer()
-  model = init_model(config.model.arch, jax.random.key(0))
-  engine = Engine(model.transformer, max_slots=4, max_len=160, max_prompt_len=159,
-                  decode_steps=4)
-  run = types.SimpleNamespace(config=config, engine=engine, tokenizer=tokenizer, pool=_Pool(),
-                              endpoint=None, agent_error=None, samples_written=0.0,
-                              workdir=tmp_path_factory.mktemp("verifiers"), model=model)
+  run = tiny.agent_run(config, _Pool(), tmp_path_factory.mktemp("verifiers"))
   yield run
   run.endpoint.stop()
 

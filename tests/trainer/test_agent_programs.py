@@ -8,15 +8,11 @@ run's reward function."""
 import dataclasses
 import pathlib
 import time
-import types
 
-import jax
 import numpy as np
 import pytest
 
-from rlx.models import builtin_tokenizer, init_model
 from rlx.rewards import Scored
-from rlx.rollout import Engine
 from rlx.trainer.agent_programs import run_agent_programs
 from rlx.trainer.experience import layout
 from rlx.update import sequence_logprobs
@@ -41,13 +37,7 @@ class _Pool:
 def run(tmp_path_factory):
   config = tiny.config("agent_calc_openai", f"--config.env.agent={AGENT}:run",
                        "--config.env.agent_timeout_s=120")
-  tokenizer = builtin_tokenizer()
-  model = init_model(config.model.arch, jax.random.key(0))
-  engine = Engine(model.transformer, max_slots=4, max_len=160, max_prompt_len=159,
-                  decode_steps=4)
-  run = types.SimpleNamespace(config=config, engine=engine, tokenizer=tokenizer, pool=_Pool(),
-                              endpoint=None, agent_error=None, samples_written=0.0,
-                              workdir=tmp_path_factory.mktemp("agents"), model=model)
+  run = tiny.agent_run(config, _Pool(), tmp_path_factory.mktemp("agents"))
   yield run
   run.endpoint.stop()
 

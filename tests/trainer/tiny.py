@@ -3,8 +3,13 @@
 import json
 import os
 import pathlib
+import types
+
+import jax
 
 from rlx import cli
+from rlx.models import builtin_tokenizer, init_model
+from rlx.rollout import Engine
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 
@@ -36,3 +41,15 @@ def config(name: str, *overrides: str):
 def metrics(workdir) -> list[dict]:
   return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text()
           .splitlines()]
+
+
+def agent_run(config, pool, workdir):
+  """What ``run_agent_programs`` reads of a run, at a tiny size: the config's random model, an
+  engine of 4 slots, the built-in tokenizer and ``pool`` as the reward; its endpoint starts on
+  first use (stop it with ``run.endpoint.stop()``)."""
+  model = init_model(config.model.arch, jax.random.key(0))
+  engine = Engine(model.transformer, max_slots=4, max_len=160, max_prompt_len=159,
+                  decode_steps=4)
+  return types.SimpleNamespace(config=config, engine=engine, tokenizer=builtin_tokenizer(),
+                               pool=pool, endpoint=None, agent_error=None, samples_written=0.0,
+                               workdir=workdir, model=model)
