@@ -16,20 +16,25 @@ A resumed learner first discards the versions it is about to write again
 in place of the restored one.
 
 Both return the generator's params in ``generation_shardings``, and share the
-``WeightSync`` protocol: callers never know which one they hold.
+``WeightSync`` protocol: callers never know which one they hold. With LoRA, ``LoraSync`` wraps
+either: only the adapters cross (a version is the adapters), and the generator's side merges
+them into its own copy of the frozen base.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import pathlib
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import orbax.checkpoint as ocp
 
 from rlx import distributed
+from rlx.models import lora
 
 Params = Any
 
@@ -39,6 +44,8 @@ class WeightSync(Protocol):
 
   last_seconds: float
   """The seconds the last ``publish`` or ``latest`` took."""
+  last_bytes: int
+  """The bytes the last ``publish`` shipped (the params, or with LoRA the adapters only)."""
 
   def publish(self, params: Params, version: int) -> float:
     """Makes ``params`` version ``version`` available to the generator; returns the seconds
@@ -64,10 +71,12 @@ class ReshardSync:
     self._lock = threading.Lock()
     self._latest: tuple[Params, int] | None = None
     self.last_seconds = 0.0
+    self.last_bytes = 0
 
   def publish(self, params: Params, version: int) -> float:
     """Reshards ``params`` for the generator; returns the seconds it took."""
     started = time.perf_counter()
+    self.last_bytes = lora.nbytes(params)
     # may_alias=False: the learner donates its params to the next step, so the generator's
     # copy must not share buffers with them even when the layouts agree (one device).
     if jax.process_count() > 1:  # the generator's mesh is this process's devices
@@ -117,10 +126,12 @@ class OrbaxSync:
     self._manager = _retried(lambda: ocp.CheckpointManager(self.directory, options=options))
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self.last_seconds = 0.0
+    self.last_bytes = 0
 
   def publish(self, params: Params, version: int) -> float:
     """Writes version ``version``; returns the seconds until it is on storage."""
     started = time.perf_counter()
+    self.last_bytes = lora.nbytes(params)
     with self._lock:
       self._manager.save(version, args=ocp.args.StandardSave(params))
       self._manager.wait_until_finished()
@@ -164,6 +175,92 @@ class OrbaxSync:
 
   def close(self) -> None:
     self._manager.close()
+
+
+class BaseMismatch(RuntimeError):
+  """The generator's base model is not the one the learner's adapters were trained on."""
+
+
+class LoraSync:
+  """Adapter-only weight sync over ``inner`` (a ``ReshardSync`` or ``OrbaxSync`` whose layout
+  is the adapters'): ``publish`` ships the adapters alone; ``latest`` merges the newest
+  adapters into the generator's copy of the frozen base (``lora.merge``, one jitted program
+  into the base's generation shardings), once per version.
+
+  ``base``: the base in the generation layout, or a function that loads it on the first
+  ``latest`` (a generator job whose learner warms the base up first). ``reference``: the
+  base's ``{"path", "fingerprint"}``; the publishing side writes it to ``reference_file`` and
+  the reading side refuses adapters made on another base (``BaseMismatch``)."""
+
+  def __init__(self, inner: WeightSync, base: Params | Callable[[], Params], scale: float, *,
+               reference: dict | None = None, reference_file: pathlib.Path | None = None):
+    self.inner, self.scale = inner, scale
+    self._base = base
+    self.reference, self.reference_file = reference, reference_file
+    self._merged: tuple[Params, int] | None = None
+    self._merge = None
+    self._lock = threading.Lock()
+    self._checked = False
+    self.last_seconds = 0.0
+    self.last_bytes = 0
+
+  def publish(self, adapters: Params, version: int) -> float:
+    if (self.reference_file is not None and self.reference is not None and distributed.lead()
+        and not self.reference_file.is_file()):
+      self.reference_file.write_text(json.dumps(self.reference, indent=1))
+    self.last_seconds = self.inner.publish(adapters, version)
+    self.last_bytes = self.inner.last_bytes
+    return self.last_seconds
+
+  def base(self) -> Params:
+    if callable(self._base):
+      self._base = self._base()
+    return self._base
+
+  def _check_reference(self) -> None:
+    if self._checked or self.reference_file is None or self.reference is None:
+      return
+    try:
+      theirs = json.loads(self.reference_file.read_text())
+    except (OSError, ValueError):
+      return  # written by the learner with its first version; one process's view is enough
+    if theirs.get("fingerprint") != self.reference.get("fingerprint"):
+      raise BaseMismatch(
+          f"the learner's adapters were trained on the base {theirs.get('path')} (fingerprint "
+          f"{theirs.get('fingerprint')}), this generator holds {self.reference.get('path')} "
+          f"(fingerprint {self.reference.get('fingerprint')}): give both jobs the same "
+          "model.path and warm-up settings")
+    self._checked = True
+
+  def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
+    got = self.inner.latest(newer_than)
+    if got is None:
+      return None
+    adapters, version = got
+    with self._lock:
+      if self._merged is not None and self._merged[1] == version:
+        return self._merged
+      started = time.perf_counter()
+      self._check_reference()
+      base = self.base()
+      if self._merge is None:
+        shardings = jax.tree.map(lambda x: x.sharding, base)
+        self._merge = jax.jit(functools.partial(lora.merge, scale=self.scale),
+                              out_shardings=shardings)
+      self._merged = (jax.block_until_ready(self._merge(base, adapters)), version)
+      self.last_seconds = self.inner.last_seconds + time.perf_counter() - started
+      return self._merged
+
+  def discard_from(self, version: int) -> int:
+    with self._lock:
+      self._merged = None
+    return self.inner.discard_from(version)
+
+  def versions(self) -> list[int]:
+    return self.inner.versions()
+
+  def close(self) -> None:
+    self.inner.close()
 
 
 def _retried(read, attempts: int = 50, pause_s: float = 0.1):

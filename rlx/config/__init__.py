@@ -22,12 +22,12 @@ import math
 
 from rlx.config._checks import ConfigError, _check
 from rlx.config.algorithm import GROUP_RELATIVE, PRESETS, AlgorithmConfig, OptimizerConfig
-from rlx.config.model import ArchConfig, DType, ModelConfig, RolloutConfig
+from rlx.config.model import LORA_TARGETS, ArchConfig, DType, LoraConfig, ModelConfig, RolloutConfig
 from rlx.config.run import (BufferConfig, CheckpointConfig, DataConfig, EnvConfig, LoggingConfig,
                             MeshConfig, RewardConfig, TrainerConfig)
 
 __all__ = ["AlgorithmConfig", "ArchConfig", "BufferConfig", "CheckpointConfig", "ConfigError",
-           "DType", "DataConfig", "EnvConfig", "GROUP_RELATIVE", "LoggingConfig", "MeshConfig", "ModelConfig",
+           "DType", "DataConfig", "EnvConfig", "GROUP_RELATIVE", "LoggingConfig", "LORA_TARGETS", "LoraConfig", "MeshConfig", "ModelConfig",
            "OptimizerConfig", "PRESETS", "RewardConfig", "RolloutConfig", "RunConfig",
            "TrainerConfig", "check"]
 

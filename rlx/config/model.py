@@ -72,6 +72,49 @@ class ArchConfig:
     _check(self.head_dim % 2 == 0, "model.arch.head_dim", "must be even for RoPE")
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections LoRA can adapt: attention's q, k, v, o and the MLP's gate, up, down."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+  """Low-rank adapters (LoRA): the base weights frozen, only the adapters trained, synced to
+  the generator and checkpointed. Off while ``rank`` is 0."""
+
+  rank: int = 0
+  """Rank r of every adapter; 0 trains every parameter instead (full fine-tuning)."""
+  alpha: float = 32.0
+  """Scale numerator: the adapters add (alpha / rank) * x A B to each adapted projection."""
+  targets: tuple[str, ...] = LORA_TARGETS
+  """The projections that get an adapter, from q, k, v, o, gate, up, down."""
+  dropout: float = 0.0
+  """Dropout on the adapters' input in the learner's loss forward (never in generation, nor in
+  the old policy's log-probs: with it, the first update's ratio is not exactly 1)."""
+  path: str | None = None
+  """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from
+  instead of fresh adapters; its rank and targets must be these."""
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank if self.rank else 0.0
+
+  def __post_init__(self):
+    _check(self.rank >= 0, "model.lora.rank", "must be >= 0 (0 turns LoRA off)")
+    _check(self.alpha > 0, "model.lora.alpha", "must be positive")
+    _check(0 <= self.dropout < 1, "model.lora.dropout", "must be in [0, 1)")
+    unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+    _check(not unknown and len(self.targets) > 0, "model.lora.targets",
+           f"{unknown or 'empty'}: choose from {', '.join(LORA_TARGETS)}")
+    _check(len(set(self.targets)) == len(self.targets), "model.lora.targets",
+           "names a projection twice")
+    _check(self.path is None or self.enabled, "model.lora.path",
+           "an adapter to start from needs model.lora.rank > 0 (its rank)")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Which policy model to train and how to run it."""
@@ -94,6 +137,8 @@ class ModelConfig:
   """Fused log-prob/entropy implementation (rlx.kernels.fused_logprobs); 'auto' picks by backend."""
   logprob_chunk: int = 128
   """Tokens per chunk of the 'xla' fused log-prob path."""
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+  """Low-rank adapters: train these instead of every parameter (off by default)."""
 
   def __post_init__(self):
     _positive(self, "model", "logprob_chunk")

@@ -254,6 +254,8 @@ class CheckpointConfig:
   """Write checkpoints in the background while training goes on."""
   export_hf_every: int = 0
   """Also write the policy as a Hugging Face directory (WORKDIR/hf/step_N) every N steps; 0 never."""
+  export_merged: bool = False
+  """With LoRA, exports (hf/final, hf/step_N) are PEFT adapters; this also writes each merged into a whole Hugging Face model beside it (hf/final_merged, ...)."""
   stop_grace_s: float = 25.0
   """After a stop signal, how long the run may take to finish its step and save; past it, it
   exits with status 75 from the newest checkpoint on disk (a scheduler's grace period before

@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
 import json
 import pathlib
 from typing import Any
@@ -134,9 +134,15 @@ def save_pretrained(model: Model, path: str | pathlib.Path, *, dtype: Any = None
 
 
 def build_model(config: ModelConfig, mesh: Mesh | None = None, rules=DEFAULT_RULES) -> Model:
-  """The policy model a ``ModelConfig`` asks for: loaded from ``path`` or built from ``arch``."""
+  """The policy model a ``ModelConfig`` asks for: loaded from ``path`` or built from ``arch``
+  (with LoRA: the base, its transformer set to run adapters at ``lora``'s scale)."""
   options = dict(dtype=config.dtype, param_dtype=config.param_dtype, mesh=mesh, rules=rules,
                  attention=config.attention, remat=config.remat)
   if config.path:
-    return from_pretrained(config.path, **options)
-  return init_model(config.arch, jax.random.key(config.seed), **options)
+    model = from_pretrained(config.path, **options)
+  else:
+    model = init_model(config.arch, jax.random.key(config.seed), **options)
+  if not config.lora.enabled:
+    return model
+  return model.replace(transformer=dataclasses.replace(
+      model.transformer, lora_scale=config.lora.scale, lora_dropout=config.lora.dropout))

@@ -46,24 +46,25 @@ def read_json(file: pathlib.Path):
 class SafetensorsReader:
   """Lazily maps tensor names to memory-mapped numpy arrays over one model directory."""
 
-  def __init__(self, directory: str | pathlib.Path):
+  def __init__(self, directory: str | pathlib.Path, weights: str = SINGLE_FILE):
+    """``weights``: the single file's name (a PEFT adapter's is adapter_model.safetensors)."""
     self.directory = pathlib.Path(directory)
     index = self.directory / INDEX_FILE
-    if index.is_file():
+    if weights == SINGLE_FILE and index.is_file():
       weight_map = read_json(index).get("weight_map")
       if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index} has no weight_map; {_DAMAGED}")
       self._file_of = {name: self.directory / file for name, file in weight_map.items()}
-    elif (self.directory / SINGLE_FILE).is_file():
+    elif (self.directory / weights).is_file():
       self._file_of = None
     else:
       raise CheckpointError(
-          f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
+          f"{self.directory} holds neither {weights} nor {INDEX_FILE}; "
           "point at a Hugging Face model directory saved with safetensors")
     self._headers: dict[pathlib.Path, tuple[dict, int]] = {}
     if self._file_of is None:
-      self._file_of = {name: self.directory / SINGLE_FILE
-                       for name in self._header(self.directory / SINGLE_FILE)[0]}
+      self._file_of = {name: self.directory / weights
+                       for name in self._header(self.directory / weights)[0]}
 
   def _header(self, file: pathlib.Path) -> tuple[dict, int]:
     if file not in self._headers:

@@ -156,6 +156,31 @@ def init_params(arch: ArchConfig, key: jax.Array, param_dtype: Any = jnp.float32
   return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
 
 
+# LoRA (rlx.models.lora), per target: the einsum subscripts of its input (after b, t), its weight and its output
+LORA_EQUATIONS = {"q": ("d", "dhe", "he"), "k": ("d", "dke", "ke"), "v": ("d", "dke", "ke"),
+                  "o": ("he", "hed", "d"), "gate": ("d", "df", "f"), "up": ("d", "df", "f"),
+                  "down": ("f", "fd", "d")}
+
+
+def lora_adapted(x: jax.Array, p: dict, target: str, y: jax.Array, scale: float,
+                 dropout: float = 0.0) -> jax.Array:
+  """``y`` (the base projection of ``x`` [B, T, in...]) plus the adapter's low-rank path,
+  when the layer ``p`` holds one for ``target``; with ``dropout`` and a ``lora_key`` in the
+  layer, the adapter's input is dropped out (inverted dropout)."""
+  a = p.get(f"{target}_lora_a")
+  if a is None:
+    return y
+  inputs, _, outputs = LORA_EQUATIONS[target]
+  if dropout and "lora_key" in p:
+    key = jax.random.fold_in(p["lora_key"], list(LORA_EQUATIONS).index(target))
+    keep = jax.random.bernoulli(key, 1.0 - dropout, x.shape)
+    x = jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
+  low = jnp.einsum(f"bt{inputs},{inputs}r->btr", x, a.astype(x.dtype))
+  up = jnp.einsum(f"btr,r{outputs}->bt{outputs}", low, p[f"{target}_lora_b"].astype(x.dtype))
+  return y + (scale * up).astype(y.dtype)
+
+
+
 def rope_inv_freq(arch: ArchConfig) -> np.ndarray:
   """Inverse RoPE frequencies [E/2] in float32, with 'llama3' or 'linear' scaling."""
   E = arch.head_dim
@@ -240,12 +265,16 @@ class Transformer:
     dtype: compute dtype of activations and matmuls.
     attention: 'fused' (jax.nn.dot_product_attention) or 'reference' (einsum).
     remat: activation checkpointing per layer: 'none', 'full', 'dots', 'dots_no_batch'.
+    lora_scale: alpha / rank of the LoRA adapters a layer may hold (``rlx.models.lora``).
+    lora_dropout: dropout on the adapters' input, where a layer holds a ``lora_key``.
   """
 
   arch: ArchConfig
   dtype: Any = jnp.float32
   attention: Literal["fused", "reference"] = "fused"
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+  lora_scale: float = 1.0
+  lora_dropout: float = 0.0
 
   def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> Params:
     return init_params(self.arch, key, param_dtype)
@@ -306,14 +335,19 @@ class Transformer:
     x = params["embed"].astype(self.dtype)[tokens]
     inv_freq = rope_inv_freq(a)
 
+    def project(h, p, name, equation):
+      """One projection, plus its LoRA adapter's low-rank path when the layer holds one."""
+      y = jnp.einsum(equation, h, p[name].astype(self.dtype))
+      return lora_adapted(h, p, name, y, self.lora_scale, self.lora_dropout)
+
     def attention_block(x, p, write_kv, attend):
       """Pre-norm attention. ``write_kv(k, v) -> (keys, values, written)`` stores the new keys
       and values and gives what ``attend(q, keys, values)`` attends to; ``written`` is returned
       alongside the output."""
       h = rms_norm(x, p["attn_norm"], a.rms_norm_eps)
-      q = jnp.einsum("btd,dhe->bthe", h, p["q"].astype(self.dtype))
-      k = jnp.einsum("btd,dke->btke", h, p["k"].astype(self.dtype))
-      v = jnp.einsum("btd,dke->btke", h, p["v"].astype(self.dtype))
+      q = project(h, p, "q", "btd,dhe->bthe")
+      k = project(h, p, "k", "btd,dke->btke")
+      v = project(h, p, "v", "btd,dke->btke")
       if a.qkv_bias:
         q, k, v = (q + p["q_bias"].astype(self.dtype), k + p["k_bias"].astype(self.dtype),
                    v + p["v_bias"].astype(self.dtype))
@@ -322,16 +356,16 @@ class Transformer:
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
       keys, values, written = write_kv(k, v)
       out = attend(q, keys, values)
-      attn = jnp.einsum("bthe,hed->btd", out, p["o"].astype(self.dtype))
+      attn = project(out, p, "o", "bthe,hed->btd")
       if a.o_bias:
         attn = attn + p["o_bias"].astype(self.dtype)
       return x + attn, written
 
     def mlp_block(x, p):
       h = rms_norm(x, p["mlp_norm"], a.rms_norm_eps)
-      gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(self.dtype))
-      up = jnp.einsum("btd,df->btf", h, p["up"].astype(self.dtype))
-      return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down"].astype(self.dtype))
+      gate = project(h, p, "gate", "btd,df->btf")
+      up = project(h, p, "up", "btd,df->btf")
+      return x + project(jax.nn.silu(gate) * up, p, "down", "btf,fd->btd")
 
     if cache is None:
       def attend(q, k, v):

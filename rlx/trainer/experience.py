@@ -194,14 +194,16 @@ def sequence_advantages(config: RunConfig, rewards: jax.Array, response_mask: ja
 
 
 def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings: Any = None,
-                 critic_shardings: Any = None, batch_sharding: NamedSharding | None = None):
+                 ref_shardings: Any = None, critic_shardings: Any = None,
+                 batch_sharding: NamedSharding | None = None):
   """The jitted ``prepare(params, ref_params, critic_params, sampled, kl_coef) -> RolloutBatch``:
   a complete batch for ``update_step`` (and the critic's step). ``ref_params`` is given exactly
   when the algorithm has a reference (``algorithm.uses_reference``), ``critic_params`` when it
   has a critic; ``kl_coef`` (only used by ``kl_in_reward``) is traced, so that an adaptive
   coefficient never retraces. With ``batch_sharding``, the program has explicit shardings: the
   params' (``param_shardings``, ``critic_shardings``) in, the batch's rows split as
-  ``batch_sharding`` says in and out."""
+  ``batch_sharding`` says in and out. ``ref_shardings``: the reference's, when they are not the
+  params' (with LoRA the reference is the base alone)."""
   algo = config.algorithm
   # chunks of the update's micro-batch size: B / (mini-batches x micro-batches) rows
   chunks = config.trainer.mini_batches * config.optimizer.micro_batches
@@ -237,7 +239,7 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
   else:
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     jitted = jax.jit(prepare, out_shardings=batch_sharding, in_shardings=(
-        param_shardings, param_shardings if algo.uses_reference else None,
+        param_shardings, (ref_shardings or param_shardings) if algo.uses_reference else None,
         critic_shardings if algo.uses_critic else None, batch_sharding, replicated))
 
   def run(params, ref_params, critic_params, sampled: Sampled, kl_coef=None) -> RolloutBatch:

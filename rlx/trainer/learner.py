@@ -13,6 +13,7 @@ data is beyond what each rollout's policy version says.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -24,12 +25,12 @@ import numpy as np
 from rlx import algorithms, cli, distributed, update
 from rlx.checkpoint import Checkpointer, CheckpointError
 from rlx.config import RunConfig
-from rlx.models import Model
+from rlx.models import Model, lora
 from rlx.sync import WeightSync
 from rlx.trainer.collect import Draw
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.trainer.evaluate import evaluate
-from rlx.trainer.run import Run, prepare, save_hf
+from rlx.trainer.run import Run, base_reference, prepare, save_adapter, save_hf
 from rlx.trainer.experience import make_prepare, sample_arrays
 
 
@@ -116,9 +117,9 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
     accuracy_after = None
   else:
     if run.model is not None:  # a run without a model (a test's stand-in) has none to export
-      exported = save_hf(dataclasses.replace(run.model, params=learner.state.params),
-                         run.tokenizer, run.workdir / "hf" / "final")
-      say(f"rlx: final policy (step {step}) in Hugging Face format: {exported}")
+      exported = learner.export(run.workdir / "hf" / "final", run.tokenizer)
+      kind = "a PEFT adapter" if learner.base is not None else "Hugging Face format"
+      say(f"rlx: final policy (step {step}) in {kind}: {', '.join(map(str, exported))}")
     final = evaluate(run, learner.generation_params())
     accuracy_after = final.get("eval/accuracy")
     if final and distributed.lead():  # every held-out figure of the final policy, kept
@@ -135,7 +136,8 @@ class Learner:
   steps and the checkpoints; ``learn`` turns a draw into one update."""
 
   def __init__(self, config: RunConfig, model: Model, learning_mesh, sync: WeightSync, *,
-               pad_id: int, directory: pathlib.Path, say: Say = print):
+               pad_id: int, directory: pathlib.Path, say: Say = print,
+               base_reference: dict | None = None):
     """``model``: the policy to start from (its params on ``learning_mesh``); ``sync``: where
     new versions are published; ``directory``: the checkpoints' home."""
     self.config = config
@@ -154,10 +156,24 @@ class Learner:
           f"sequences does not split over the learning mesh {dict(learning_mesh.shape)}: "
           "every learning device computes the whole batch; make data.prompts_per_step x "
           "rollout.group_size a multiple of mesh data x fsdp")
-    self.state = update.init_train_state(model.params, optimizer,
+    self.model = model
+    self.base = None
+    """With LoRA (``model.lora``): the frozen base the adapters (``state.params``) sit on."""
+    trainable = model.params
+    if config.model.lora.enabled:
+      self.base, trainable = model.params, initial_adapters(config, model, learning_mesh)
+    self.state = update.init_train_state(trainable, optimizer,
                                          jax.random.key(config.trainer.seed))
     self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-    self.ref_params = jax.tree.map(jnp.copy, model.params) if algo.uses_reference else None
+    base_shardings = (None if self.base is None
+                      else jax.tree.map(lambda x: x.sharding, self.base))
+    # the reference is the starting policy: with fresh LoRA adapters (adding 0) the base itself
+    self.ref_params = None
+    if algo.uses_reference and self.base is None:
+      self.ref_params = jax.tree.map(jnp.copy, model.params)
+    elif algo.uses_reference:
+      self.ref_params = self.base if config.model.lora.path is None else lora.combine(
+          self.base, jax.tree.map(jnp.copy, self.state.params))
     self.critic = self.critic_step = None
     critic_shardings = None
     if algo.uses_critic:
@@ -175,9 +191,14 @@ class Learner:
                                                  batch_shardings=self.batch_sharding)
     self.step_fn = update.make_update_step(config, transformer, optimizer, schedule,
                                            state_shardings=self.state_shardings,
-                                           batch_shardings=self.batch_sharding)
-    self.prepare_fn = make_prepare(config, transformer,
-                                   param_shardings=self.state_shardings.params,
+                                           batch_shardings=self.batch_sharding,
+                                           frozen_shardings=base_shardings)
+    policy_shardings = lora.combine(base_shardings, self.state_shardings.params) \
+        if self.base is not None else self.state_shardings.params
+    self.prepare_fn = make_prepare(config, transformer, param_shardings=policy_shardings,
+                                   ref_shardings=(None if self.ref_params is None else
+                                                  jax.tree.map(lambda x: x.sharding,
+                                                               self.ref_params)),
                                    critic_shardings=critic_shardings,
                                    batch_sharding=self.batch_sharding)
     self.kl_coef = algo.kl_coef
@@ -194,16 +215,45 @@ class Learner:
     self.restored_meta: dict = {}
     """The metadata of the checkpoint the learner resumed from (empty on a fresh run)."""
     self.checkpointer = Checkpointer(directory, config.checkpoint)
+    self.base_reference = base_reference
+    """With LoRA: the base's ``{"path", "fingerprint"}``, saved with each checkpoint; a resume
+    onto another base is refused."""
 
   @classmethod
   def for_run(cls, run: Run, say: Say = print) -> Learner:
     """The learner of ``run``: its model, learning mesh, weight sync and checkpoints."""
+    reference = (base_reference(run.config, run.workdir) if run.config.model.lora.enabled
+                 else None)
     return cls(run.config, run.model, run.meshes.learning, run.sync,
-               pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say)
+               pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say,
+               base_reference=reference)
 
   @property
   def version(self) -> int:
     return int(self.state.policy_version)
+
+  def policy_params(self):
+    """The policy's whole params: the trained params, or with LoRA the base with the adapters
+    beside it (run unmerged)."""
+    return lora.combine(self.base, self.state.params) if self.base is not None \
+        else self.state.params
+
+  def export(self, directory: pathlib.Path, tokenizer, merged: bool | None = None) -> list:
+    """Writes the policy under ``directory`` in Hugging Face format: the params, or with LoRA
+    the adapters in the PEFT format (``directory``) and, when ``merged`` (default
+    ``checkpoint.export_merged``), the merged model too (``directory`` + ``_merged``)."""
+    lora_config = self.config.model.lora
+    if self.base is None:
+      return [save_hf(dataclasses.replace(self.model, params=self.state.params), tokenizer,
+                      directory)]
+    written = [save_adapter(self.state.params, self.model.arch, lora_config, tokenizer,
+                            directory, base_path=self.config.model.path)]
+    if self.config.checkpoint.export_merged if merged is None else merged:
+      params = jax.jit(functools.partial(lora.merge, scale=lora_config.scale))(
+          self.base, self.state.params)
+      written.append(save_hf(dataclasses.replace(self.model, params=params), tokenizer,
+                             directory.with_name(directory.name + "_merged")))
+    return written
 
   def restore(self, usable=None):
     """Resumes the train state from the newest usable checkpoint (``Checkpointer.restore``),
@@ -213,6 +263,14 @@ class Learner:
                                          usable=usable)
     if restored is None:
       return None
+    saved = restored.meta.get("lora_base")
+    if self.base_reference is not None and saved is not None and (
+        saved.get("fingerprint") != self.base_reference["fingerprint"]):
+      raise CheckpointError(
+          f"the checkpoint at step {restored.step} holds LoRA adapters trained on the base "
+          f"{saved.get('path')} (fingerprint {saved.get('fingerprint')}), but this run's base is "
+          f"{self.base_reference['path']} (fingerprint {self.base_reference['fingerprint']}): "
+          "resume with the model the adapters belong to, or start a new workdir")
     self.state, self.critic = restored.state, restored.critic
     self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
     self.entropy_coef = restored.meta.get("entropy_coef", self.entropy_coef)
@@ -222,8 +280,11 @@ class Learner:
 
   def save(self, step: int, data_state: dict, **meta) -> None:
     """Starts saving ``step`` (with ``meta`` beside the learner's own: version, KL
-    coefficient, data fingerprint)."""
+    coefficient, data fingerprint; with LoRA the base's path and fingerprint: the checkpoint
+    holds the adapters and their optimizer state only)."""
     self.saved_step = step
+    if self.base_reference is not None:
+      meta = dict(meta, lora_base=self.base_reference)
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef,
                                  "entropy_coef": self.entropy_coef, **meta})
@@ -260,7 +321,7 @@ class Learner:
                                    temperature=temperature)
     lag = self.version - sampled.policy_version
     sampled = distributed.global_tree(self.batch_sharding, sampled)
-    batch = self.prepare_fn(self.state.params, self.ref_params,
+    batch = self.prepare_fn(self.policy_params(), self.ref_params,
                             None if self.critic is None else self.critic.params, sampled,
                             self.kl_coef)
     metrics = {}
@@ -269,7 +330,7 @@ class Learner:
       metrics.update(critic_metrics)
     self.state, step_metrics = self.step_fn(
         self.state, batch, self.kl_coef, clip_eps_high,
-        self.entropy_coef if self.entropy_below_target else 0.0)
+        self.entropy_coef if self.entropy_below_target else 0.0, frozen=self.base)
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
     self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)
@@ -319,6 +380,18 @@ class Learner:
 
   def close(self) -> None:
     self.checkpointer.close()
+
+
+def initial_adapters(config: RunConfig, model: Model, mesh):
+  """The LoRA adapters a run starts from, on the learning ``mesh``: read from the PEFT
+  directory ``model.lora.path``, or fresh (A random, B zero: the policy starts as the base)."""
+  lora_config, rules = config.model.lora, config.mesh.logical_axis_rules
+  shardings = lora.adapter_shardings(model.arch, lora_config, mesh, rules)
+  if lora_config.path:
+    return lora.load_peft(lora_config.path, model.arch, lora_config, shardings)
+  init = functools.partial(lora.init_adapters, model.arch, lora_config)
+  return jax.jit(init, out_shardings=shardings)(
+      jax.random.fold_in(jax.random.key(config.trainer.seed), 0x10a))
 
 
 def _cause(metrics: dict, draw: Draw, config: RunConfig) -> str:

@@ -44,7 +44,7 @@ from rlx.trainer.collect import Draw
 from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.evaluate import evaluate, evaluation_due
 from rlx.trainer.health import Health, describe_sample, sample_rows
-from rlx.trainer.run import Run, save_hf
+from rlx.trainer.run import Run
 from rlx.trainer.learner import Learner, finish
 
 
@@ -193,7 +193,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
               "data/skipped_rows": run.source.skipped + run.stream.skipped,
               "time/step_s": elapsed, "time/wait_for_data_s": received - since,
               "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
-              "time/sync_s": sync_seconds, **throughput(draw, elapsed), **device_memory(),
+              "time/sync_s": sync_seconds, "sync/bytes": run.sync.last_bytes, **throughput(draw, elapsed), **device_memory(),
               **batch.metrics, **source.metrics(finished - received)})
           learned_tokens += metrics["throughput/tokens_per_s"] * elapsed  # every process's
           learning_seconds += finished - received
@@ -262,5 +262,4 @@ def _export(run: Run, learner: Learner, step: int) -> pathlib.Path | None:
   every = run.config.checkpoint.export_hf_every
   if not every or step % every:
     return None
-  model = dataclasses.replace(run.model, params=learner.state.params)
-  return save_hf(model, run.tokenizer, run.workdir / "hf" / f"step_{step}")
+  return learner.export(run.workdir / "hf" / f"step_{step}", run.tokenizer)[0]

@@ -33,7 +33,8 @@ from rlx.models import (
 )
 from rlx.rewards import RewardPool, check, from_config
 from rlx.rewards.sandbox import capabilities, check_rows
-from rlx.sync import OrbaxSync, ReshardSync, WeightSync
+from rlx.models import lora
+from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.trainer import control
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.update import all_finite
@@ -154,11 +155,6 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                                           else r.max_prompt_len),
                           mesh=meshes.generation,
                           decode_steps=r.decode_steps)
-  shardings = param_shardings(model.arch, meshes.generation, config.mesh.logical_axis_rules)
-  # versions a reader may still be restoring stay on storage: k + 2 of them
-  sync = (OrbaxSync(workdir / "policy_versions", shardings, like=model.params,
-                    keep=control.bound(config) + 3)
-          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
                     batch_size=config.reward.batch_size, log_path=workdir / "reward.log")
@@ -169,6 +165,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           f"{config.trainer.warmup_sft_steps} steps at lr {config.trainer.warmup_sft_learning_rate} "
           "before RL (config.trainer.warmup_sft=always)")
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
+  sync = make_sync(config, model, meshes, workdir)
   tools = None
   if config.env.name:
     e = config.env
@@ -178,6 +175,54 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
             workdir, tools=tools)
   run.seconds["warm-up"] = time.perf_counter() - warmup_started
   return run
+
+
+def make_sync(config: RunConfig, model: Model, meshes: Meshes,
+              workdir: pathlib.Path) -> WeightSync:
+  """How the learner's versions reach the generator (``mesh.weight_sync``). With LoRA only the
+  adapters cross: ``LoraSync`` over a sync in the adapters' layout, merging them into the
+  generator's copy of ``model`` (the base, after any warm-up; a generator job of a warmed-up
+  run loads the learner's warm-up when the first version has landed)."""
+  rules = config.mesh.logical_axis_rules
+  lora_config = config.model.lora
+  if lora_config.enabled:
+    shardings = lora.adapter_shardings(model.arch, lora_config, meshes.generation, rules)
+    like = jax.eval_shape(lambda: lora.init_adapters(model.arch, lora_config, jax.random.key(0)))
+  else:
+    shardings = param_shardings(model.arch, meshes.generation, rules)
+    like = model.params
+  # versions a reader may still be restoring stay on storage: k + 2 of them
+  sync = (OrbaxSync(workdir / "policy_versions", shardings, like=like,
+                    keep=control.bound(config) + 3)
+          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
+  if not lora_config.enabled:
+    return sync
+  generation = param_shardings(model.arch, meshes.generation, rules)
+  if config.mesh.role == "generator" and warms_up(config):
+    # the learner's warmed-up base, loaded once its first version is out
+    warmed = dataclasses.replace(config.model, path=str(workdir / "warmup"))
+    base = lambda: build_model(warmed, meshes.generation, rules).params  # noqa: E731
+  else:
+    base = functools.partial(_generation_copy, model.params, generation)
+  return LoraSync(sync, base, lora_config.scale, reference=base_reference(config, workdir),
+                  reference_file=workdir / "lora_base.json")
+
+
+def _generation_copy(params, shardings):
+  """``params`` in the generation layout (this process's devices with several processes)."""
+  if jax.process_count() > 1:
+    params = distributed.local_replica(params)
+  return jax.device_put(params, shardings)
+
+
+def base_reference(config: RunConfig, workdir: pathlib.Path) -> dict:
+  """Which base a LoRA run's adapters belong to: its path and fingerprint (the model
+  directory's files, or the built-in model's arch and seed, plus the warm-up's settings)."""
+  warmed = warms_up(config)
+  path = config.model.path
+  return {"path": str(workdir / "warmup") if warmed else (path or "the built-in model"),
+          "fingerprint": lora.model_fingerprint(path, config.model.arch, config.model.seed,
+                                                warmup_fingerprint(config) if warmed else None)}
 
 
 def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object, list[dict]]:
@@ -335,10 +380,23 @@ def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> path
   """Writes ``model`` and ``tokenizer`` in Hugging Face format under a temporary name and
   renames it to ``directory`` when complete, so that a kill mid-write never leaves a
   half-written model where a later start would load it."""
+  return _written_whole(directory, tokenizer, functools.partial(save_pretrained, model))
+
+
+def save_adapter(adapters, arch, lora_config, tokenizer: Tokenizer, directory: pathlib.Path,
+                 base_path: str | None = None) -> pathlib.Path:
+  """Writes LoRA ``adapters`` in the PEFT format, with the tokenizer, as ``save_hf`` writes a
+  model (whole or not at all)."""
+  return _written_whole(directory, tokenizer, functools.partial(
+      lora.save_peft, adapters, arch, lora_config, base_path=base_path))
+
+
+def _written_whole(directory: pathlib.Path, tokenizer: Tokenizer, write) -> pathlib.Path:
+  """``write(path)`` and the tokenizer into a temporary directory, renamed to ``directory``."""
   partial = directory.with_name(directory.name + ".partial")
   if jax.process_index() == 0 and partial.exists():
     shutil.rmtree(partial)
-  save_pretrained(model, partial)
+  write(partial)
   if jax.process_index() == 0:
     tokenizer.save_pretrained(partial)
     if directory.exists():

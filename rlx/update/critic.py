@@ -58,7 +58,7 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
 
   def minibatch_step(state: TrainState, batch: RolloutBatch):
     denominator = jnp.maximum(batch.response_mask.sum().astype(jnp.float32), 1.0)
-    loss, grads, sums = accumulate(lambda p, micro: grad_fn(p, micro, denominator),
+    loss, grads, sums = accumulate(lambda p, micro, _: grad_fn(p, micro, denominator),
                                    state.params, batch, config.optimizer.micro_batches)
     state, applied = apply_if_finite(optimizer, state, loss, grads)
     return state, {"critic/loss": loss, "critic/value_mse": sums["error"] / denominator,

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from rlx import algorithms
 from rlx.config import RunConfig
+from rlx.models import lora
 from rlx.models.transformer import Params, Transformer
 from rlx.types import RolloutBatch, TrainState
 from rlx.update.logprobs import config_temperature, sequence_logprobs
@@ -93,12 +94,17 @@ def loss_denominator(config: RunConfig, response_mask: jax.Array) -> jax.Array:
 
 def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array, kl_coef: jax.Array,
                     clip_eps_high: jax.Array | None = None, entropy_coef: jax.Array | None = None,
-                    version: jax.Array | None = None, *, config: RunConfig,
+                    version: jax.Array | None = None, frozen: Params | None = None,
+                    dropout_key: jax.Array | None = None, *, config: RunConfig,
                     transformer: Transformer, rows: NamedSharding | None = None):
   """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch. An
   all-masked batch (denominator 0) has loss 0, not NaN. ``version``: the params' policy
-  version (the rows sampled by it measure the engine/learner mismatch)."""
+  version (the rows sampled by it measure the engine/learner mismatch). ``frozen``: with LoRA,
+  the base the adapters ``params`` sit on (never differentiated); ``dropout_key``: the
+  adapters' dropout key."""
   temperature = config_temperature(config) if batch.temperature is None else batch.temperature
+  if frozen is not None:
+    params = lora.with_dropout_key(lora.combine(frozen, params), dropout_key)
   logprobs, entropy = sequence_logprobs(
       transformer, params, batch.tokens, batch.attention_mask, batch.response_mask,
       impl=config.model.logprob_impl, temperature=temperature,
@@ -120,17 +126,22 @@ def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array,
 
 def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
                    clip_eps_high: jax.Array | None = None, entropy_coef: jax.Array | None = None,
-                   version: jax.Array | None = None, *, config: RunConfig,
+                   version: jax.Array | None = None, frozen: Params | None = None,
+                   dropout_key: jax.Array | None = None, *, config: RunConfig,
                    transformer: Transformer, rows: NamedSharding | None = None
                    ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
-  """Full-batch loss and gradient, accumulated over ``config.optimizer.micro_batches``."""
+  """Full-batch loss and gradient (of ``params`` only: with LoRA, the adapters on the
+  ``frozen`` base), accumulated over ``config.optimizer.micro_batches``."""
   denominator = loss_denominator(config, batch.response_mask)
   grad_fn = jax.value_and_grad(
       functools.partial(microbatch_loss, config=config, transformer=transformer, rows=rows),
       has_aux=True)
+  def micro_key(index):
+    return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+
   return accumulate(
-      lambda p, micro: grad_fn(p, micro, denominator, kl_coef, clip_eps_high, entropy_coef,
-                               version),
+      lambda p, micro, index: grad_fn(p, micro, denominator, kl_coef, clip_eps_high,
+                                      entropy_coef, version, frozen, micro_key(index)),
       params, batch, config.optimizer.micro_batches, maxima=("ratio_max",))
 
 
@@ -153,7 +164,8 @@ def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str
 
 def make_update_step(config: RunConfig, transformer: Transformer,
                      optimizer: optax.GradientTransformation, schedule=None, *,
-                     state_shardings: Any = None, batch_shardings: Any = None):
+                     state_shardings: Any = None, batch_shardings: Any = None,
+                     frozen_shardings: Any = None):
   """The jitted ``update_step(state, batch, kl_coef=None, clip_eps_high=None,
   entropy_coef=None) -> (state, metrics)``: the whole ``trainer.ppo_epochs x trainer.mini_batches`` schedule on one rollout
   batch.
@@ -169,6 +181,9 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   the batch) are given. ``kl_coef``, ``clip_eps_high`` and ``entropy_coef`` (None: the
   config's) are traced scalars, like the batch's sampling temperatures: a controller that moves them never
   recompiles the step.
+  With LoRA (``model.lora``) the state's params are the adapters and ``update_step`` takes the
+  frozen base as its last argument (``frozen=``, in ``frozen_shardings``): the gradient, the
+  optimizer and the state hold the adapters only.
   ``step.minibatch`` is one optimizer step on one mini-batch (the reference the schedule is
   tested against).
   """
@@ -176,11 +191,16 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   # the Pallas kernels run per device on its rows when the batch is split over the mesh
   rows = batch_shardings if isinstance(batch_shardings, NamedSharding) else None
 
+  dropout = config.model.lora.enabled and config.model.lora.dropout > 0
+
   def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
-                       clip_eps_high: jax.Array, entropy_coef: jax.Array):
+                       clip_eps_high: jax.Array, entropy_coef: jax.Array,
+                       frozen: Params | None = None):
+    dropout_key = (jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0x10a)
+                   if dropout and frozen is not None else None)
     loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, clip_eps_high,
-                                       entropy_coef, state.policy_version, config=config,
-                                       transformer=transformer, rows=rows)
+                                       entropy_coef, state.policy_version, frozen, dropout_key,
+                                       config=config, transformer=transformer, rows=rows)
     empty = sums["tokens"] == 0
     new_state, applied = apply_if_finite(optimizer, state, loss, grads, empty)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
@@ -216,10 +236,10 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     return new_state, metrics
 
   def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
-                  clip_eps_high: jax.Array, entropy_coef: jax.Array):
+                  clip_eps_high: jax.Array, entropy_coef: jax.Array, frozen: Params | None):
     version = state.policy_version
     state, metrics = over_schedule(
-        lambda s, b: minibatch_update(s, b, kl_coef, clip_eps_high, entropy_coef),
+        lambda s, b: minibatch_update(s, b, kl_coef, clip_eps_high, entropy_coef, frozen),
         state, batch, epochs=epochs, mini_batches=mini_batches)
     metrics = _reduce_over_updates(metrics, epochs)
     mask = batch.response_mask.astype(bool)
@@ -240,7 +260,7 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     replicated = state_shardings.step
     jitted = jax.jit(update_step, donate_argnums=0,
                      in_shardings=(state_shardings, batch_shardings, replicated, replicated,
-                                   replicated),
+                                   replicated, frozen_shardings),
                      out_shardings=(state_shardings, replicated))
   algo = config.algorithm
   scalar = lambda value, default: jnp.asarray(default if value is None else value, jnp.float32)
@@ -251,11 +271,11 @@ def make_update_step(config: RunConfig, transformer: Transformer,
 
   def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None,
            clip_eps_high: float | jax.Array | None = None,
-           entropy_coef: float | jax.Array | None = None):
-    return jitted(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef))
+           entropy_coef: float | jax.Array | None = None, frozen: Params | None = None):
+    return jitted(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef), frozen)
 
   step.jitted = jitted
   step.minibatch = jax.jit(
-      lambda state, batch, kl_coef=None, clip_eps_high=None, entropy_coef=None: minibatch_update(
-          state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef)))
+      lambda state, batch, kl_coef=None, clip_eps_high=None, entropy_coef=None, frozen=None:
+      minibatch_update(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef), frozen))
   return step

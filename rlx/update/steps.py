@@ -15,9 +15,9 @@ from rlx.models.transformer import Params
 from rlx.types import RolloutBatch, TrainState
 
 Sums = dict[str, jax.Array]
-# (params, micro-batch) -> ((loss, sums), grads): the loss already divided by the whole
-# mini-batch's denominator, so that the accumulated gradient is the mini-batch's exactly
-GradFn = Callable[[Params, RolloutBatch], tuple[tuple[jax.Array, Sums], Params]]
+# (params, micro-batch, its index) -> ((loss, sums), grads): the loss already divided by the
+# whole mini-batch's denominator, so that the accumulated gradient is the mini-batch's exactly
+GradFn = Callable[[Params, RolloutBatch, jax.Array], tuple[tuple[jax.Array, Sums], Params]]
 
 
 def split_micro(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
@@ -34,19 +34,21 @@ def accumulate(grad_fn: GradFn, params: Params, batch: RolloutBatch, micro_batch
   gradients and sums add up, except the sums named in ``maxima``, which take the maximum."""
   micro = split_micro(batch, micro_batches)
   first = jax.tree.map(lambda x: x[0], micro)
-  sums_shape = jax.eval_shape(lambda: grad_fn(params, first)[0][1])
+  sums_shape = jax.eval_shape(lambda: grad_fn(params, first, jnp.zeros((), jnp.int32))[0][1])
   zero_sums = {k: jnp.full(v.shape, -jnp.inf if k in maxima else 0.0, v.dtype)
                for k, v in sums_shape.items()}
 
-  def add(carry, one):
+  def add(carry, xs):
     loss_sum, grad_sum, sums = carry
-    (loss, one_sums), grads = grad_fn(params, one)
+    one, index = xs
+    (loss, one_sums), grads = grad_fn(params, one, index)
     sums = {k: jnp.maximum(sums[k], v) if k in maxima else sums[k] + v
             for k, v in one_sums.items()}
     return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sums), None
 
   init = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params), zero_sums)
-  (loss, grads, sums), _ = jax.lax.scan(add, init, micro, unroll=unroll.factor())
+  (loss, grads, sums), _ = jax.lax.scan(add, init, (micro, jnp.arange(micro_batches)),
+                                        unroll=unroll.factor())
   return loss, grads, sums
 
 
