@@ -281,3 +281,24 @@ def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
   with JobStatus(tmp_path, "learner") as status:
     status.stopped = True
   assert read_status(tmp_path, "learner", 0)["state"] == "stopped"
+
+
+def test_lora_jobs_ship_adapter_versions_onto_the_learner_s_warmed_up_base(tmp_path):
+  """A generator job of a warmed-up LoRA run merges the adapters into the learner's warm-up
+  (it loads it once the first version is out): the engine and the learner agree at step 1."""
+  overrides = ("--config.trainer.steps=3", "--config.model.lora.rank=4",
+               "--config.trainer.warmup_sft_steps=3", "--config.algorithm.entropy_coef=0.05")
+  processes = [_start("learner", tmp_path, *overrides), _start("generator", tmp_path, *overrides)]
+  try:
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert [p.returncode for p in processes] == [0, 0], outputs
+  rows = tiny.metrics(tmp_path)
+  assert rows[0]["rollout/mismatch_kl"] < 1e-6  # sampled with the learner's very weights
+  versions = [p for p in (tmp_path / "policy_versions").iterdir() if p.name.isdigit()]
+  size = sum(f.stat().st_size for f in versions[0].rglob("*") if f.is_file())
+  assert size < 200_000 and rows[0]["sync/bytes"] < size  # adapters, not the model
+  assert json.loads((tmp_path / "lora_base.json").read_text())["path"] == str(tmp_path / "warmup")
