@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from rlx.models import lora
 from rlx.rollout import Completion
 from rlx.trainer.collect import Draw
 from rlx.trainer.exchange import RolloutFiles, decode, encode
@@ -298,7 +300,12 @@ def test_lora_jobs_ship_adapter_versions_onto_the_learner_s_warmed_up_base(tmp_p
   assert [p.returncode for p in processes] == [0, 0], outputs
   rows = tiny.metrics(tmp_path)
   assert rows[0]["rollout/mismatch_kl"] < 1e-6  # sampled with the learner's very weights
-  versions = [p for p in (tmp_path / "policy_versions").iterdir() if p.name.isdigit()]
-  size = sum(f.stat().st_size for f in versions[0].rglob("*") if f.is_file())
-  assert size < 200_000 and rows[0]["sync/bytes"] < size  # adapters, not the model
+  # a version is the adapters: their tree alone, and the bytes they hold
+  version = next(p for p in (tmp_path / "policy_versions").iterdir() if p.name.isdigit())
+  stored = json.loads((version / "default" / "_METADATA").read_text())["tree_metadata"]
+  assert stored and all("_lora_" in name for name in stored), sorted(stored)
+  config = tiny.config("dapo_split", *overrides)
+  adapters = jax.eval_shape(lambda: lora.init_adapters(config.model.arch, config.model.lora,
+                                                       jax.random.key(0)))
+  assert rows[0]["sync/bytes"] == lora.nbytes(adapters)
   assert json.loads((tmp_path / "lora_base.json").read_text())["path"] == str(tmp_path / "warmup")
