@@ -191,3 +191,29 @@ def test_lora_config_errors():
   with pytest.raises(ConfigError, match="model.lora.dropout"):
     LoraConfig(rank=4, dropout=1.0)
   assert not ModelConfig().lora.enabled and LoraConfig(rank=16, alpha=32).scale == 2.0
+
+
+def test_peft_loads_the_exported_adapter_with_rlx_s_logits(hf_dir, tmp_path):
+  """Runs where torch, transformers and peft are installed (the bench extra; not in CI)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  from rlx import models
+  from tests.conftest import HF_FAMILIES
+
+  config = LoraConfig(rank=4, alpha=16.0)
+  tokens = np.array([[3, 17, 42, 8, 99, 5, 23], [64, 2, 11, 7, 30, 1, 50]])
+  for family in HF_FAMILIES:
+    model = models.from_pretrained(hf_dir(family))
+    adapters = lora.init_adapters(model.arch, config, jax.random.key(4))
+    keys = iter(jax.random.split(jax.random.key(5), 64))
+    adapters = jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), adapters)
+    lora.save_peft(adapters, model.arch, config, tmp_path / family, base_path=str(hf_dir(family)))
+    ours = Transformer(model.arch, lora_scale=config.scale)(
+        lora.combine(model.params, adapters), jnp.asarray(tokens))[0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(family))
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / family).eval()
+    with torch.no_grad():
+      logits = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
+    assert np.abs(np.asarray(ours) - np.asarray(model(tokens))).max() > 1e-3, family  # adapted
+    np.testing.assert_allclose(logits, ours, atol=1e-4, err_msg=family)
