@@ -1,6 +1,7 @@
 """Milliseconds per decode step (every slot one token) by slots, cache length and filled length.
 
     python benchmarks/decode_step.py [--grid 32x144,32x1040] [--filled 128] [--repeats 20]
+    python benchmarks/decode_step.py --lora-rank 16   # LoRA: merged vs unmerged generation
 
 Prints JSON. For each ``slots x max_len`` on the benchmark architecture of
 ``rollout_throughput.py``, with every slot holding ``--filled`` tokens:
@@ -12,6 +13,11 @@ Prints JSON. For each ``slots x max_len`` on the benchmark architecture of
 
 The cost should follow the filled length, not the cache length, and no step should copy
 the cache.
+
+With ``--lora-rank R`` (adapters on every projection), also per token in chunks:
+``chunk_lora_unmerged`` (the engine running base + adapters, the low-rank path in every
+projection) against ``chunk_lora_merged`` (the adapters folded into the weights once per
+version, what rlx's generator does), and ``merge_ms``, what that fold costs per version.
 """
 
 import argparse
@@ -22,7 +28,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from rlx.models import init_model
+import dataclasses
+import functools
+
+from rlx.config import LoraConfig
+from rlx.models import init_model, lora
 from rlx.rollout.engine import Engine
 
 from rollout_throughput import BENCH_ARCH
@@ -56,6 +66,8 @@ def main():
   parser.add_argument("--grid", default="32x144,32x1040")
   parser.add_argument("--filled", type=int, default=100)
   parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--lora-rank", type=int, default=0,
+                      help="also time LoRA generation, merged against unmerged, at this rank")
   args = parser.parse_args()
   model = init_model(BENCH_ARCH, jax.random.key(0))
   results = {}
@@ -71,8 +83,33 @@ def main():
         "chunk": per_token_ms(chunked, model.params, args.filled,
                               chunked.attend_bucket(args.filled), args.repeats),
         "decode_steps": chunked.decode_steps}
+    if args.lora_rank:
+      results[cell].update(lora_arms(model, slots, max_len, args))
   print(json.dumps({"device": jax.devices()[0].device_kind, "filled": args.filled,
                     "ms_per_decode_step": results}, indent=2))
+
+
+def lora_arms(model, slots, max_len, args) -> dict:
+  """Per-token decode time with the adapters unmerged and merged, and the merge's time."""
+  config = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+  adapters = lora.init_adapters(model.arch, config, jax.random.key(1))
+  adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # B != 0: a trained adapter's cost
+  adapted = dataclasses.replace(model.transformer, lora_scale=config.scale)
+  unmerged = Engine(adapted, max_slots=slots, max_len=max_len, max_prompt_len=16)
+  merged = Engine(model.transformer, max_slots=slots, max_len=max_len, max_prompt_len=16)
+  merge = jax.jit(functools.partial(lora.merge, scale=config.scale))
+  jax.block_until_ready(merge(model.params, adapters))
+  times = []
+  for _ in range(args.repeats):
+    started = time.perf_counter()
+    merged_params = jax.block_until_ready(merge(model.params, adapters))
+    times.append(time.perf_counter() - started)
+  attend = merged.attend_bucket(args.filled)
+  return {"chunk_lora_unmerged": per_token_ms(unmerged, lora.combine(model.params, adapters),
+                                              args.filled, attend, args.repeats),
+          "chunk_lora_merged": per_token_ms(merged, merged_params, args.filled, attend,
+                                            args.repeats),
+          "merge_ms": round(1000 * statistics.median(times), 3), "lora_rank": args.lora_rank}
 
 
 if __name__ == "__main__":
