@@ -3,6 +3,7 @@ Mosaic, or XLA:GPU + Triton compilers, run on this machine), at the shapes of re
 
     python benchmarks/aot_compile.py --target v5e|v6e|h100|a100 [--tokens 4096,16384]
     python benchmarks/aot_compile.py --target v5e|v6e|h100|a100 --cost
+    python benchmarks/aot_compile.py --target v5e|v6e|h100|a100 --lora [--devices 1,8]
 
 Needs the target's jaxlib plugin at the same version as jax (``pip install -e ".[aot-tpu]"``
 or ``".[aot-cuda]"``, in a venv of its own) and JAX_PLATFORMS=cpu. It proves that a program
@@ -27,6 +28,13 @@ compiled programs (flops and bytes accessed per device) against the ideal for th
   costs the same): the ideal does 8 flops per matmul weight per token (6 without remat) plus
   attention's, and reads and writes the weights and optimizer state once per optimizer update.
 
+``--lora``: the memory LoRA saves. The GRPO learner step (bf16 activations, full remat, the
+Pallas loss, 16 rows of 1024 tokens in 2 mini-batches) for Qwen2.5-7B and Llama-3-8B shapes,
+FSDP over ``--devices`` (default: 1 for a GPU, 1 and 8 for v5e, 8 for v6e), compiled three
+ways: full fine-tuning (float32 params and Adam state), and LoRA at rank 16 on every projection
+(float32 adapters and their Adam state) on a bfloat16 base and on a float32 one. Per device:
+argument, output and temp memory in GiB, their sum, and whether it fits the target's memory.
+
 Each row has ideal/XLA for bytes and flops (1.0: no excess; 0.5: XLA's program moves twice
 what it must) and the roofline time at the target's published peaks (``rlx/targets/peaks.json``):
 the larger of XLA's flops at peak FLOP/s and XLA's bytes at peak bandwidth. The learner step
@@ -50,10 +58,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from rlx.aot import (PLATFORM, compile_one, devices, learner_program,  # noqa: E402
-                     peaks, placed as _placed)
-from rlx.config import (AlgorithmConfig, ArchConfig, DataConfig, ModelConfig,  # noqa: E402
-                        OptimizerConfig, RolloutConfig, RunConfig, TrainerConfig)
+from rlx.aot import (MEMORY_GIB, PLATFORM, compile_one, devices,  # noqa: E402
+                     learner_program, peaks, placed as _placed)
+from rlx.config import (AlgorithmConfig, ArchConfig, DataConfig, LoraConfig,  # noqa: E402
+                        ModelConfig, OptimizerConfig, RolloutConfig, RunConfig, TrainerConfig)
 from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa: E402
 from rlx.kernels.pallas_logprobs import pallas_logprobs  # noqa: E402
 from rlx.mesh import MESH_AXES  # noqa: E402
@@ -67,6 +75,10 @@ MODELS = [("qwen2.5-0.5b", 896, 151936), ("qwen2.5-1.5b", 1536, 151936),
 QWEN_05B = ArchConfig(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                       num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, qkv_bias=True,
                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=32768)
+LLAMA_3_8B = ArchConfig(family="llama", vocab_size=128256, hidden_size=4096,
+                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                        head_dim=128, rope_theta=5e5, tie_word_embeddings=False,
+                        max_position_embeddings=8192)
 QWEN_7B = ArchConfig(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                      num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, qkv_bias=True,
                      rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768)
@@ -108,6 +120,38 @@ def learner_step(target: str, count: int, tokens_per_row: int = 1024, rows: int 
                      optimizer=OptimizerConfig(learning_rate=1e-6),
                      trainer=TrainerConfig(mini_batches=2))
   return learner_program(config, mesh)
+
+
+LORA_ARMS = {"full, fp32 params": ("float32", 0), "LoRA r=16, bf16 base": ("bfloat16", 16),
+             "LoRA r=16, fp32 base": ("float32", 16)}
+
+
+def lora_table(target: str, counts: list[int]) -> list[dict]:
+  """Per-device memory of the 7B/8B GRPO learner step, full fine-tuning against LoRA."""
+  budget = MEMORY_GIB[target]
+  rows = []
+  for model, arch in (("qwen2.5-7b", QWEN_7B), ("llama-3-8b", LLAMA_3_8B)):
+    for count in counts:
+      mesh = jax.sharding.Mesh(np.array(devices(target, count)).reshape(1, count, 1), MESH_AXES)
+      for arm, (param_dtype, rank) in LORA_ARMS.items():
+        config = RunConfig(
+            model=ModelConfig(arch=arch, dtype="bfloat16", param_dtype=param_dtype, remat="full",
+                              logprob_impl="pallas", lora=LoraConfig(rank=rank, alpha=2.0 * max(rank, 1))),
+            rollout=RolloutConfig(max_prompt_len=512, max_new_tokens=512, group_size=8),
+            data=DataConfig(prompts_per_step=2), algorithm=AlgorithmConfig(name="grpo"),
+            optimizer=OptimizerConfig(learning_rate=1e-6), trainer=TrainerConfig(mini_batches=2))
+        result = compile_one(*learner_program(config, mesh), None, PLATFORM[target])
+        row = {"model": model, "target": f"{target}-{count}", "arm": arm, "status": result["status"]}
+        if result["status"] == "ok":
+          gib = {k: round(result[f"{k}_mib"] / 1024, 2) for k in ("argument", "output", "temp")}
+          # outputs alias the donated state: the peak is the arguments plus the temporaries
+          total = round(gib["argument"] + gib["temp"], 2)
+          row.update(gib, total_gib=total, fits=total <= budget)
+        else:
+          row.update(error=result["error"], fits=False)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+  return rows
 
 
 def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 1,
@@ -237,12 +281,22 @@ def main():
   parser.add_argument("--only", default="", help="run the programs whose name contains this")
   parser.add_argument("--cost", action="store_true",
                       help="the efficiency table: XLA's flops and bytes against the ideal")
+  parser.add_argument("--lora", action="store_true",
+                      help="the 7B/8B learner step's memory, full fine-tuning against LoRA")
+  parser.add_argument("--devices", default="",
+                      help="--lora: device counts (default 1 for GPUs, 1,8 for v5e, 8 for v6e)")
   args = parser.parse_args()
   if PLATFORM[args.target] == "cuda":
     jax.config.update("jax_pallas_use_mosaic_gpu", False)  # the kernels are written for Triton
   if args.cost:
     print(json.dumps({"target": args.target, "peaks": peaks(args.target),
                       "programs": cost_table(args.target)}, indent=2))
+    return
+  if args.lora:
+    counts = ([int(c) for c in args.devices.split(",")] if args.devices else
+              {"v5e": [1, 8], "v6e": [8]}.get(args.target, [1]))
+    print(json.dumps({"target": args.target, "memory_gib": MEMORY_GIB[args.target],
+                      "rows": lora_table(args.target, counts)}, indent=2))
     return
   device, platform = devices(args.target)[0], PLATFORM[args.target]
   results = {}

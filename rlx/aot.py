@@ -26,7 +26,7 @@ from rlx import update
 from rlx.config import RunConfig
 from rlx.kernels import compiling_for
 from rlx.mesh import make_meshes
-from rlx.models import Transformer, param_shardings
+from rlx.models import Transformer, lora, param_shardings
 from rlx.rollout.engine import Engine, _generate_chunk, _generate_one
 from rlx.types import RolloutBatch
 
@@ -143,17 +143,26 @@ def model_arch(config: RunConfig):
 def _transformer(config: RunConfig, remat: str) -> Transformer:
   model = config.model
   return Transformer(model_arch(config), jnp.dtype(model.dtype),
-                     "reference" if model.attention == "reference" else "fused", remat)
+                     "reference" if model.attention == "reference" else "fused", remat,
+                     lora_scale=model.lora.scale, lora_dropout=model.lora.dropout)
 
 
 def learner_program(config: RunConfig, mesh):
   """The learner's update step for ``config`` on ``mesh``, at the config's batch and lengths:
-  (jitted step, abstract args). The critic's step (PPO) is not included."""
+  (jitted step, abstract args). The critic's step (PPO) is not included. With LoRA the state
+  holds the float32 adapters and the frozen base (``model.param_dtype``) is the last argument."""
   transformer = _transformer(config, config.model.remat)
   arch, rules = transformer.arch, config.mesh.logical_axis_rules
   params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
                                                           jnp.dtype(config.model.param_dtype))),
                   param_shardings(arch, mesh, rules))
+  frozen, frozen_shardings = None, None
+  lora_config = config.model.lora
+  if lora_config.enabled:
+    frozen, frozen_shardings = params, jax.tree.map(lambda x: x.sharding, params)
+    params = placed(jax.eval_shape(lambda: lora.init_adapters(arch, lora_config,
+                                                              jax.random.key(0))),
+                    lora.adapter_shardings(arch, lora_config, mesh, rules))
   updates = config.trainer.steps * config.trainer.ppo_epochs * config.trainer.mini_batches
   optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=updates)
   shardings = update.train_state_shardings(params, optimizer)
@@ -176,10 +185,11 @@ def learner_program(config: RunConfig, mesh):
       ref_logprobs=floats if config.algorithm.uses_reference else None,
       temperature=jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=rows_sharding))
   step = update.make_update_step(config, transformer, optimizer, schedule,
-                                 state_shardings=shardings, batch_shardings=rows_sharding)
+                                 state_shardings=shardings, batch_shardings=rows_sharding,
+                                 frozen_shardings=frozen_shardings)
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  # the KL coefficient, the upper clip range, the entropy coefficient
-  return step.jitted, (state, batch, scalar, scalar, scalar)
+  # the KL coefficient, the upper clip range, the entropy coefficient, the LoRA base
+  return step.jitted, (state, batch, scalar, scalar, scalar, frozen)
 
 
 def decode_program(config: RunConfig, mesh):

@@ -28,7 +28,8 @@ ALLOWED = {
     "algorithms": {"types", "config", "kernels"},
     "update": {"models", "algorithms", "kernels", "types", "config", "mesh", "unroll"},
     "rollout": {"models", "mesh", "types", "config", "kernels"},
-    "sync": {"mesh", "types", "config", "distributed"},
+    # with LoRA, the generator's side merges the shipped adapters into its base (models.lora)
+    "sync": {"mesh", "types", "config", "distributed", "models"},
     "rewards": {"config"},
     "data": {"config", "types"},
     # environments and tools of multi-turn episodes: plain Python (tools run in reward-like
