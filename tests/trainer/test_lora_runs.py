@@ -2,6 +2,7 @@
 adapters alone, PEFT and merged exports that give the policy's logits, a resume onto another
 base refused naming both, and a generator that holds another base refused."""
 
+import dataclasses
 import json
 
 import jax
@@ -12,7 +13,9 @@ from rlx import cli, export, models
 from rlx.checkpoint import CheckpointError
 from rlx.models import lora
 from rlx.sync import BaseMismatch, LoraSync, ReshardSync
+from rlx.mesh import single_device_mesh
 from rlx.trainer import train
+from rlx.trainer.learner import initial_adapters
 from tests.trainer import tiny
 
 LORA = ("--config.model.lora.rank=4", "--config.trainer.warmup_sft=never",
@@ -41,6 +44,12 @@ def test_a_lora_run_trains_the_adapters_exports_them_and_refuses_another_base(tm
   np.testing.assert_allclose(models.from_pretrained(merged)(tokens), ours, atol=1e-5)
   np.testing.assert_array_equal(lora.load_peft(final, base.arch, config.model.lora)["layers"]["v_lora_b"],
                                 adapters["layers"]["v_lora_b"])
+  # a new run starts from the exported adapter (model.lora.path)
+  from_adapter = dataclasses.replace(config, model=dataclasses.replace(
+      config.model, lora=dataclasses.replace(config.model.lora, path=str(final))))
+  started = initial_adapters(from_adapter, base, single_device_mesh())
+  jax.tree.map(np.testing.assert_array_equal, started, lora.load_peft(final, base.arch,
+                                                                      config.model.lora))
   # resumed with another base (another seed of the built-in model): refused, naming both
   other = tiny.config("grpo_colocated", "--config.trainer.steps=3", "--config.model.seed=7", *LORA)
   with pytest.raises(CheckpointError, match=r"trained on the base the built-in model "
