@@ -217,3 +217,18 @@ def test_peft_loads_the_exported_adapter_with_rlx_s_logits(hf_dir, tmp_path):
       logits = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
     assert np.abs(np.asarray(ours) - np.asarray(model(tokens))).max() > 1e-3, family  # adapted
     np.testing.assert_allclose(logits, ours, atol=1e-4, err_msg=family)
+
+
+def test_dropout_acts_on_the_adapters_input_in_the_loss_forward_only(base):
+  config = _config(LoraConfig(rank=4, alpha=8.0, dropout=0.5))
+  transformer = Transformer(ARCH, lora_scale=config.model.lora.scale, lora_dropout=0.5)
+  adapters = _random_adapters()
+  loss = jax.jit(lambda key: update.microbatch_loss(
+      adapters, _batch(), 1.0, 0.0, frozen=base, dropout_key=key, config=config,
+      transformer=transformer)[0])
+  plain = jax.jit(lambda: update.microbatch_loss(
+      adapters, _batch(), 1.0, 0.0, frozen=base, config=config,
+      transformer=Transformer(ARCH, lora_scale=config.model.lora.scale))[0])()
+  dropped = [float(loss(jax.random.key(k))) for k in range(2)]
+  assert dropped[0] != dropped[1] and float(plain) not in dropped  # a fresh mask per key
+  assert float(loss(None)) == pytest.approx(float(plain), rel=1e-6)  # no key: no dropout
