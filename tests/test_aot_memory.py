@@ -29,3 +29,24 @@ def test_each_deployment_of_the_default_config_compiles_and_reports_memory():
   assert all(m["status"] == "ok" and m["fits"] for m in memory.values()), memory
   split = memory["split 1+1"]
   assert split["peak_gib"] == max(split["learning_gib"], split["generation_gib"]) > 0
+
+
+@pytest.mark.skipif(not (HAS_CUDA or HAS_TPU), reason="needs jax's cuda12 plugin or libtpu")
+def test_the_lora_learner_step_compiles_without_the_base_s_state():
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from rlx.mesh import MESH_AXES
+  target = "h100" if HAS_CUDA else "v5e"
+  mesh = jax.sharding.Mesh(np.array(aot.devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
+  config = tiny.config("dapo_split", *[o for o in tiny.OVERRIDES
+                                       if not o.startswith("--config.model.arch")])
+  low = dataclasses.replace(config, model=dataclasses.replace(
+      config.model, lora=dataclasses.replace(config.model.lora, rank=8)))
+  full, adapted = (aot.compile_one(*aot.learner_program(c, mesh), None, aot.PLATFORM[target])
+                   for c in (config, low))
+  assert full["status"] == adapted["status"] == "ok", (full, adapted)
+  # the state (params and Adam's moments) is the step's output: the adapters' is a fraction
+  assert adapted["output_mib"] < full["output_mib"] / 3, (full, adapted)
