@@ -297,6 +297,11 @@ class Learner:
     """Hands the current params to the generator; returns the sync's seconds."""
     return self.sync.publish(self.state.params, self.version)
 
+  @property
+  def sync_bytes(self) -> int:
+    """The bytes the last ``publish`` shipped (with LoRA, the adapters only)."""
+    return self.sync.last_bytes
+
   def generation_params(self):
     """The newest published params, in the generation layout."""
     return self.sync.latest()[0]

@@ -92,8 +92,9 @@ def test_a_reward_that_cannot_be_used_is_named_before_any_work(module_file, name
 
 def test_misbehaving_functions_score_zero_are_counted_and_scoring_goes_on(module_file, capfd):
   responses = ["ok", "raise", "exit", "hard_exit", "print", "memory", "nan", "ok", "hang", "ok"]
-  # 4 s: on a loaded machine a fresh worker's import, or a leak's growth, may take seconds
-  with rewards.RewardPool(f"{module_file}:misbehaves", num_workers=2, timeout_s=4,
+  # 8 s: on a loaded machine (two CI workers and their runs) a fresh worker's import, or a
+  # leak's growth, may take seconds
+  with rewards.RewardPool(f"{module_file}:misbehaves", num_workers=2, timeout_s=8,
                           memory_mb=1024) as pool:
     scored = pool.score(responses, [{"answer": ""}] * len(responses))
     np.testing.assert_array_equal(scored.rewards, [1, 0, 0, 0, 1, 0, 0, 1, 0, 1])

@@ -77,6 +77,8 @@ class FakeLearner:
     return {"loss": 1.0 / self.version, "policy/entropy": self.entropy,
             "policy/is_clip_frac": 0.0}
 
+  sync_bytes = 1024
+
   def publish(self):
     return 0.001
 
