@@ -42,11 +42,13 @@ def test_the_lora_learner_step_compiles_without_the_base_s_state():
   from rlx.mesh import MESH_AXES
   target = "h100" if HAS_CUDA else "v5e"
   mesh = jax.sharding.Mesh(np.array(aot.devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
+  # a model whose state dwarfs the batch, with dots wide enough for XLA:GPU's tilings
+  arch = ArchConfig(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4,
+                    head_dim=64, vocab_size=1024, num_layers=2)
   config = tiny.config("dapo_split")
-  # the built-in model's default size (1M params): its state dwarfs the batch's
-  config = dataclasses.replace(config, model=dataclasses.replace(config.model, arch=ArchConfig()))
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, arch=arch))
   low = dataclasses.replace(config, model=dataclasses.replace(
-      config.model, lora=dataclasses.replace(config.model.lora, rank=8)))
+      config.model, lora=dataclasses.replace(config.model.lora, rank=16)))
   full, adapted = (aot.compile_one(*aot.learner_program(c, mesh), None, aot.PLATFORM[target])
                    for c in (config, low))
   assert full["status"] == adapted["status"] == "ok", (full, adapted)
