@@ -1,15 +1,25 @@
 """Per-device memory of a deployment compiled for an accelerator that is not here: where the
 target's compiler is installed (the aot-cuda / aot-tpu extras); elsewhere, the clear refusal."""
 
+import dataclasses
 import importlib.util
 
 import pytest
 
 from rlx import aot
+from rlx.config import ArchConfig
 from tests.trainer import tiny
 
 HAS_CUDA = importlib.util.find_spec("jax_cuda12_plugin") is not None
 HAS_TPU = importlib.util.find_spec("libtpu") is not None
+
+
+def _wide(config):
+  """``config`` on a model whose state dwarfs the tiny batch, with dots wide enough for
+  XLA:GPU's tilings (it finds none for the tiny test model's 32-wide dots)."""
+  arch = ArchConfig(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4,
+                    head_dim=64, vocab_size=1024, num_layers=2)
+  return dataclasses.replace(config, model=dataclasses.replace(config.model, arch=arch))
 
 
 @pytest.mark.skipif(HAS_CUDA and HAS_TPU, reason="both compilers are installed")
@@ -21,10 +31,8 @@ def test_a_missing_compiler_is_named_with_the_extra_that_installs_it():
 
 @pytest.mark.skipif(not (HAS_CUDA or HAS_TPU), reason="needs jax's cuda12 plugin or libtpu")
 def test_each_deployment_of_the_default_config_compiles_and_reports_memory():
-  # the built-in default, not the tiny test model: XLA:GPU finds no tiling for its 32-wide dots
   target = "h100" if HAS_CUDA else "v5e"
-  memory = aot.deployment_memory(tiny.config("dapo_split", *[
-      o for o in tiny.OVERRIDES if not o.startswith("--config.model.arch")]), target, 2, [1])
+  memory = aot.deployment_memory(_wide(tiny.config("dapo_split")), target, 2, [1])
   assert set(memory) == {"colocated", "split 1+1"}
   assert all(m["status"] == "ok" and m["fits"] for m in memory.values()), memory
   split = memory["split 1+1"]
@@ -33,20 +41,13 @@ def test_each_deployment_of_the_default_config_compiles_and_reports_memory():
 
 @pytest.mark.skipif(not (HAS_CUDA or HAS_TPU), reason="needs jax's cuda12 plugin or libtpu")
 def test_the_lora_learner_step_compiles_without_the_base_s_state():
-  import dataclasses
-
   import jax
   import numpy as np
 
-  from rlx.config import ArchConfig
   from rlx.mesh import MESH_AXES
   target = "h100" if HAS_CUDA else "v5e"
   mesh = jax.sharding.Mesh(np.array(aot.devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
-  # a model whose state dwarfs the batch, with dots wide enough for XLA:GPU's tilings
-  arch = ArchConfig(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4,
-                    head_dim=64, vocab_size=1024, num_layers=2)
-  config = tiny.config("dapo_split")
-  config = dataclasses.replace(config, model=dataclasses.replace(config.model, arch=arch))
+  config = _wide(tiny.config("dapo_split"))
   low = dataclasses.replace(config, model=dataclasses.replace(
       config.model, lora=dataclasses.replace(config.model.lora, rank=16)))
   full, adapted = (aot.compile_one(*aot.learner_program(c, mesh), None, aot.PLATFORM[target])
