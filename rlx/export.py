@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import pathlib
 import sys
@@ -50,9 +49,8 @@ def export(workdir: str | pathlib.Path, step: int | None = None,
   from rlx.models.tokenizer import builtin_tokenizer, load_tokenizer  # noqa: PLC0415
   from rlx.mesh import make_meshes  # noqa: PLC0415
   from rlx.models import build_model  # noqa: PLC0415
-  from rlx.models import lora  # noqa: PLC0415
-  from rlx.trainer.learner import initial_adapters  # noqa: PLC0415
-  from rlx.trainer.run import base_reference, save_adapter, save_hf, warms_up  # noqa: PLC0415
+  from rlx.trainer.learner import initial_adapters, write_policy  # noqa: PLC0415
+  from rlx.trainer.run import base_reference, warms_up  # noqa: PLC0415
 
   checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
   steps = checkpointer.all_steps()
@@ -77,23 +75,17 @@ def export(workdir: str | pathlib.Path, step: int | None = None,
   restored = checkpointer.restore(like, step=step if step is not None else steps[-1], say=say)
   checkpointer.close()
   target = pathlib.Path(out) if out else workdir / "hf" / f"step_{restored.step}"
-  if not lora_config.enabled:
-    written = [save_hf(dataclasses.replace(model, params=restored.state.params), tokenizer, target)]
-  else:
+  base = None
+  if lora_config.enabled:
+    base = model.params
     saved = restored.meta.get("lora_base") or {}
     reference = base_reference(config, workdir)
     if merged and saved.get("fingerprint") not in (None, reference["fingerprint"]):
       raise ConfigError(f"the checkpoint's adapters were trained on {saved.get('path')} "
                         f"(fingerprint {saved.get('fingerprint')}), but {reference['path']} is "
                         f"now {reference['fingerprint']}: the merged model would be wrong")
-    adapters = restored.state.params
-    written = [save_adapter(adapters, model.arch, lora_config, tokenizer, target,
-                            base_path=config.model.path)]
-    if merged:
-      params = jax.jit(functools.partial(lora.merge, scale=lora_config.scale))(model.params,
-                                                                               adapters)
-      written.append(save_hf(dataclasses.replace(model, params=params), tokenizer,
-                             target.with_name(target.name + "_merged")))
+  written = write_policy(config, model, restored.state.params, tokenizer, target, base=base,
+                         merged=merged)
   say(f"rlx: export: step {restored.step} (policy version "
       f"{restored.meta.get('policy_version', '?')}) of {workdir} -> "
       f"{', '.join(map(str, written))}")

@@ -239,21 +239,12 @@ class Learner:
         else self.state.params
 
   def export(self, directory: pathlib.Path, tokenizer, merged: bool | None = None) -> list:
-    """Writes the policy under ``directory`` in Hugging Face format: the params, or with LoRA
-    the adapters in the PEFT format (``directory``) and, when ``merged`` (default
-    ``checkpoint.export_merged``), the merged model too (``directory`` + ``_merged``)."""
-    lora_config = self.config.model.lora
-    if self.base is None:
-      return [save_hf(dataclasses.replace(self.model, params=self.state.params), tokenizer,
-                      directory)]
-    written = [save_adapter(self.state.params, self.model.arch, lora_config, tokenizer,
-                            directory, base_path=self.config.model.path)]
-    if self.config.checkpoint.export_merged if merged is None else merged:
-      params = jax.jit(functools.partial(lora.merge, scale=lora_config.scale))(
-          self.base, self.state.params)
-      written.append(save_hf(dataclasses.replace(self.model, params=params), tokenizer,
-                             directory.with_name(directory.name + "_merged")))
-    return written
+    """Writes the policy under ``directory`` (``write_policy``); ``merged`` defaults to
+    ``checkpoint.export_merged``."""
+    if merged is None:
+      merged = self.config.checkpoint.export_merged
+    return write_policy(self.config, self.model, self.state.params, tokenizer, directory,
+                        base=self.base, merged=merged)
 
   def restore(self, usable=None):
     """Resumes the train state from the newest usable checkpoint (``Checkpointer.restore``),
@@ -385,6 +376,23 @@ class Learner:
 
   def close(self) -> None:
     self.checkpointer.close()
+
+
+def write_policy(config: RunConfig, model: Model, trainable, tokenizer, directory: pathlib.Path,
+                 *, base=None, merged: bool = False) -> list[pathlib.Path]:
+  """Writes a policy in Hugging Face format: ``trainable`` as ``model``'s params, or with LoRA
+  (``base`` given) the adapters ``trainable`` as a PEFT adapter in ``directory`` and, when
+  ``merged``, merged into ``base`` as a whole model in ``directory`` + ``_merged``."""
+  if base is None:
+    return [save_hf(dataclasses.replace(model, params=trainable), tokenizer, directory)]
+  lora_config = config.model.lora
+  written = [save_adapter(trainable, model.arch, lora_config, tokenizer, directory,
+                          base_path=config.model.path)]
+  if merged:
+    params = jax.jit(functools.partial(lora.merge, scale=lora_config.scale))(base, trainable)
+    written.append(save_hf(dataclasses.replace(model, params=params), tokenizer,
+                           directory.with_name(directory.name + "_merged")))
+  return written
 
 
 def initial_adapters(config: RunConfig, model: Model, mesh):
