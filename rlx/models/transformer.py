@@ -293,8 +293,9 @@ class Transformer:
             "index": jnp.zeros((batch,), jnp.int32)}
 
   def hidden_states(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
-                    cache: Cache | None = None,
-                    attend_len: int | None = None) -> tuple[jax.Array, Cache | None]:
+                    cache: Cache | None = None, attend_len: int | None = None, *,
+                    segment_ids: jax.Array | None = None,
+                    positions: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
     """Final (normed) hidden states [B, T, D] and the updated cache.
 
     Args:
@@ -305,19 +306,31 @@ class Transformer:
       attend_len: with a cache, attend to its first ``attend_len`` slots only (static), so
         that a decode step costs what the filled part of the cache costs, not its length.
         Rows that matter must keep ``index + T <= attend_len``; other rows stay finite.
+      segment_ids: int [B, T], without a cache: packed rows (``rlx.update.packing``), where a
+        token attends only to earlier tokens of its own segment; negative ids are padding.
+      positions: int [B, T], with ``segment_ids``: each token's position in its own sequence
+        (the rotary positions restart at 0 with each segment).
     """
     a = self.arch
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+    if (segment_ids is None) != (positions is None) or (segment_ids is not None and
+                                                         cache is not None):
+      raise ValueError("segment_ids and positions go together, and only without a cache")
     B, T = tokens.shape
+    if segment_ids is not None:
+      mask = segment_ids >= 0
     real = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     count = jnp.cumsum(real, axis=1) - 1
     if cache is None:
-      positions = jnp.maximum(count, 0)
       slots = jnp.arange(T)
       # [B, T, S]: causal, never a padded key; a padded query sees itself so no row is empty.
       attn_mask = (slots[None, :, None] >= slots[None, None, :]) & (
           real[:, None, :] | (slots[:, None] == slots[None, :])[None])
+      if segment_ids is None:
+        positions = jnp.maximum(count, 0)
+      else:  # and never a key of another segment
+        attn_mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
       use_causal_only = mask is None
     else:
       positions = jnp.maximum(cache["valid"].sum(-1, keepdims=True) + count, 0)

@@ -152,17 +152,21 @@ def sample_arrays(completions: Sequence[Completion], rewards: np.ndarray, config
   return sampled, stats
 
 
-def _by_micro_batch(fn, micro_batches: int, *arrays: jax.Array) -> jax.Array:
+def _by_micro_batch(fn, micro_batches: int, *arrays: jax.Array,
+                    packing: update.Packing | None = None) -> jax.Array:
   """``fn(*arrays)`` [B, ...] computed in ``micro_batches`` equal chunks of rows (a ``lax.map``),
-  so that the peak memory is one micro-batch's, as in the update."""
+  so that the peak memory is one micro-batch's, as in the update. With ``packing`` (each
+  chunk's, a leading [micro_batches] axis), ``fn(*chunk, packing=its packing)``."""
+  call = fn if packing is None else lambda *xs: fn(*xs[:-1], packing=xs[-1])
   if micro_batches == 1:
-    return fn(*arrays)
+    return call(*arrays, *(() if packing is None else
+                           (jax.tree.map(lambda x: x[0], packing),)))
   if arrays[0].shape[0] % micro_batches:
     raise ValueError(f"batch of {arrays[0].shape[0]} sequences does not split into "
                      f"{micro_batches} chunks (config.trainer.mini_batches x "
                      "config.optimizer.micro_batches)")
   split = [x.reshape(micro_batches, -1, *x.shape[1:]) for x in arrays]
-  out = jax.lax.map(lambda xs: fn(*xs), split)
+  out = jax.lax.map(lambda xs: call(*xs), split + ([] if packing is None else [packing]))
   return out.reshape(-1, *out.shape[2:])
 
 
@@ -196,8 +200,10 @@ def sequence_advantages(config: RunConfig, rewards: jax.Array, response_mask: ja
 def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings: Any = None,
                  ref_shardings: Any = None, critic_shardings: Any = None,
                  batch_sharding: NamedSharding | None = None):
-  """The jitted ``prepare(params, ref_params, critic_params, sampled, kl_coef) -> RolloutBatch``:
-  a complete batch for ``update_step`` (and the critic's step). ``ref_params`` is given exactly
+  """The jitted ``prepare(params, ref_params, critic_params, sampled, kl_coef, packing=None)
+  -> RolloutBatch``: a complete batch for ``update_step`` (and the critic's step); ``packing``
+  (``rlx.update.packing``, one per chunk of rows) runs the policy's forward passes on packed
+  rows. ``ref_params`` is given exactly
   when the algorithm has a reference (``algorithm.uses_reference``), ``critic_params`` when it
   has a critic; ``kl_coef`` (only used by ``kl_in_reward``) is traced, so that an adaptive
   coefficient never retraces. With ``batch_sharding``, the program has explicit shardings: the
@@ -213,14 +219,16 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
   skip_old = config.trainer.ppo_epochs * config.trainer.mini_batches == 1 and not algo.uses_critic
 
   def prepare(params: Params, ref_params: Params | None, critic_params: Params | None,
-              sampled: Sampled, kl_coef: jax.Array) -> RolloutBatch:
+              sampled: Sampled, kl_coef: jax.Array,
+              packing: update.Packing | None = None) -> RolloutBatch:
     inputs = (sampled.tokens, sampled.attention_mask, sampled.response_mask)
     if sampled.temperature is not None:  # traced, one per row: chunked with the rows
       inputs += (sampled.temperature,)
-    old = (None if skip_old else
-           _by_micro_batch(functools.partial(logprobs, params), chunks, *inputs))
+    old = (None if skip_old else _by_micro_batch(functools.partial(logprobs, params), chunks,
+                                                 *inputs, packing=packing))
     ref = (None if ref_params is None else
-           _by_micro_batch(functools.partial(logprobs, ref_params), chunks, *inputs))
+           _by_micro_batch(functools.partial(logprobs, ref_params), chunks, *inputs,
+                           packing=packing))
     returns = values = None
     if algo.uses_critic:
       values = _by_micro_batch(functools.partial(update.critic_values, transformer, critic_params),
@@ -240,9 +248,10 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     jitted = jax.jit(prepare, out_shardings=batch_sharding, in_shardings=(
         param_shardings, (ref_shardings or param_shardings) if algo.uses_reference else None,
-        critic_shardings if algo.uses_critic else None, batch_sharding, replicated))
+        critic_shardings if algo.uses_critic else None, batch_sharding, replicated, replicated))
 
-  def run(params, ref_params, critic_params, sampled: Sampled, kl_coef=None) -> RolloutBatch:
+  def run(params, ref_params, critic_params, sampled: Sampled, kl_coef=None,
+          packing: update.Packing | None = None) -> RolloutBatch:
     if algo.uses_critic != (critic_params is not None):
       raise ValueError(f"advantage {algo.advantage_estimator!r} needs critic params exactly when "
                        "it uses a critic (gae)")
@@ -250,7 +259,8 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
       raise ValueError("reference params are needed exactly when the algorithm has a KL term "
                        "(algorithm.kl_coef > 0 or kl_in_reward)")
     coef = algo.kl_coef if kl_coef is None else kl_coef
-    return jitted(params, ref_params, critic_params, sampled, jnp.asarray(coef, jnp.float32))
+    return jitted(params, ref_params, critic_params, sampled, jnp.asarray(coef, jnp.float32),
+                  packing)
 
   run.jitted = jitted
   return run

@@ -9,6 +9,7 @@
 - ``logprobs``: log-probs and entropy of target tokens through the fused kernels;
 - ``steps``: what the policy and critic steps share (micro-batch accumulation, the update kept
   only when finite, the epochs x mini-batches schedule);
+- ``packing``: several sequences per row for the forward passes, results unchanged;
 - ``policy``: the policy loss and ``make_update_step``;
 - ``critic``: the PPO critic and its step.
 """
@@ -18,15 +19,16 @@ from rlx.update.logprobs import (make_logprobs_fn, policy_logprobs, sampling_tem
                                  sequence_logprobs)
 from rlx.update.optimizer import (batch_is_split, batch_sharding, init_train_state,
                                   make_optimizer, make_schedule, train_state_shardings)
+from rlx.update.packing import Packing
 from rlx.update.policy import (loss_and_grads, loss_denominator, make_update_step,
                                microbatch_loss, policy_loss)
-from rlx.update.steps import all_finite, minibatch_order, schedule_batches
+from rlx.update.steps import all_finite, minibatch_order, schedule_batches, schedule_order
 from rlx.types import TrainState
 
 __all__ = [
-    "TrainState", "all_finite", "batch_is_split", "batch_sharding", "critic_values",
+    "Packing", "TrainState", "all_finite", "batch_is_split", "batch_sharding", "critic_values",
     "init_critic_params", "init_train_state", "loss_and_grads", "loss_denominator",
     "make_critic_step", "make_logprobs_fn", "make_optimizer", "make_schedule",
     "make_update_step", "microbatch_loss", "minibatch_order", "policy_logprobs", "policy_loss",
-    "sampling_temperature", "schedule_batches", "sequence_logprobs", "train_state_shardings",
+    "sampling_temperature", "schedule_batches", "schedule_order", "sequence_logprobs", "train_state_shardings",
 ]

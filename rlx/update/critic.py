@@ -56,9 +56,10 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
 
   grad_fn = jax.value_and_grad(microbatch, has_aux=True)
 
-  def minibatch_step(state: TrainState, batch: RolloutBatch):
+  def minibatch_step(state: TrainState, scheduled: tuple[RolloutBatch, None]):
+    batch, _ = scheduled  # the critic runs unpacked
     denominator = jnp.maximum(batch.response_mask.sum().astype(jnp.float32), 1.0)
-    loss, grads, sums = accumulate(lambda p, micro, _: grad_fn(p, micro, denominator),
+    loss, grads, sums = accumulate(lambda p, micro, *_: grad_fn(p, micro, denominator),
                                    state.params, batch, config.optimizer.micro_batches)
     state, applied = apply_if_finite(optimizer, state, loss, grads)
     return state, {"critic/loss": loss, "critic/value_mse": sums["error"] / denominator,

@@ -13,13 +13,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rlx.config import RunConfig
 from rlx.kernels import fused_logprobs
 from rlx.models.transformer import Params, Transformer
+from rlx.update import packing as packing_lib
+from rlx.update.packing import Packing
 
 
 def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
                       attention_mask: jax.Array, response_mask: jax.Array | None = None, *,
                       impl: str = "auto", temperature: float | jax.Array = 1.0,
-                      chunk: int = 128, rows: NamedSharding | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
+                      chunk: int = 128, rows: NamedSharding | None = None,
+                      packing: Packing | None = None) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy [B, T] of every target token (position 0 gets 0), via the fused path.
 
   Args:
@@ -33,11 +35,45 @@ def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Arra
     rows: how the sequences are split over the mesh (the learner's batch sharding): the
       Pallas kernels then run per device on its own rows (``fused_logprobs``), when the
       sequences split evenly.
+    packing: where each row's sequence goes in packed rows (``rlx.update.packing``): the
+      transformer and the kernels run on the packed rows, and the results come back in the
+      rows' own layout, equal to the unpacked ones.
   """
-  hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
+  if packing is not None:
+    dest = packing_lib.destinations(packing, attention_mask)
+    segment_ids, positions = packing_lib.segments(packing, attention_mask, dest)
+    put = lambda x: _constrain(packing_lib.pack(x, dest, packing.rows), rows)
+    if not isinstance(temperature, (int, float)):  # one per sequence: one per packed token
+      temperature = jnp.asarray(temperature)[jnp.maximum(segment_ids, 0)]
+    logprobs, entropy = _logprobs(
+        transformer, params, put(tokens), None, put(response_mask), temperature, impl=impl,
+        chunk=chunk, rows=rows, segment_ids=_constrain(segment_ids, rows),
+        positions=_constrain(positions, rows))
+    return packing_lib.unpack(logprobs, dest), packing_lib.unpack(entropy, dest)
+  return _logprobs(transformer, params, tokens, attention_mask, response_mask, temperature,
+                   impl=impl, chunk=chunk, rows=rows)
+
+
+def _constrain(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
+  """Packed rows split over the mesh like the batch's rows (when they split evenly)."""
+  if rows is None or x.shape[0] % _ways(rows):
+    return x
+  return jax.lax.with_sharding_constraint(x, rows)
+
+
+def _logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
+              attention_mask: jax.Array | None, response_mask: jax.Array | None,
+              temperature: float | jax.Array, *, impl: str, chunk: int,
+              rows: NamedSharding | None, segment_ids: jax.Array | None = None,
+              positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """``sequence_logprobs`` of plain rows; ``temperature`` an array of [B] or (packed) [B, T]."""
+  hidden, _ = transformer.hidden_states(params, tokens, attention_mask,
+                                        segment_ids=segment_ids, positions=positions)
   B, T, D = hidden.shape
   if not isinstance(temperature, (int, float)):
-    hidden = hidden / jnp.asarray(temperature, hidden.dtype)[:, None, None]
+    temperature = jnp.asarray(temperature, hidden.dtype)
+    hidden = hidden / (temperature[:, None, None] if temperature.ndim == 1
+                       else temperature[..., None])
     temperature = 1.0
   if rows is not None and B % _ways(rows):  # not split after all: every device has every row
     rows = NamedSharding(rows.mesh, PartitionSpec())
@@ -73,14 +109,15 @@ def policy_logprobs(config: RunConfig, transformer: Transformer, params: Params,
                     tokens: jax.Array, attention_mask: jax.Array,
                     response_mask: jax.Array | None = None,
                     temperature: jax.Array | None = None, *,
-                    rows: NamedSharding | None = None) -> jax.Array:
+                    rows: NamedSharding | None = None,
+                    packing: Packing | None = None) -> jax.Array:
   """Log-probs [B, T] of the target tokens under ``params`` at the sampling temperature (float32
   [B] per sequence, or None: the config's), through the same fused path as the loss (old and
   reference log-probs)."""
   temperature = config_temperature(config) if temperature is None else temperature
   return sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
                            impl=config.model.logprob_impl, temperature=temperature,
-                           chunk=config.model.logprob_chunk, rows=rows)[0]
+                           chunk=config.model.logprob_chunk, rows=rows, packing=packing)[0]
 
 
 def make_logprobs_fn(config: RunConfig, transformer: Transformer):

@@ -24,6 +24,7 @@ from rlx.models import lora
 from rlx.models.transformer import Params, Transformer
 from rlx.types import RolloutBatch, TrainState
 from rlx.update.logprobs import config_temperature, sequence_logprobs
+from rlx.update.packing import Packing
 from rlx.update.steps import accumulate, apply_if_finite, over_schedule
 
 
@@ -95,20 +96,22 @@ def loss_denominator(config: RunConfig, response_mask: jax.Array) -> jax.Array:
 def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array, kl_coef: jax.Array,
                     clip_eps_high: jax.Array | None = None, entropy_coef: jax.Array | None = None,
                     version: jax.Array | None = None, frozen: Params | None = None,
-                    dropout_key: jax.Array | None = None, *, config: RunConfig,
-                    transformer: Transformer, rows: NamedSharding | None = None):
+                    dropout_key: jax.Array | None = None, packing: Packing | None = None, *,
+                    config: RunConfig, transformer: Transformer,
+                    rows: NamedSharding | None = None):
   """(numerator / full-batch denominator, sums of diagnostics) of one micro-batch. An
   all-masked batch (denominator 0) has loss 0, not NaN. ``version``: the params' policy
   version (the rows sampled by it measure the engine/learner mismatch). ``frozen``: with LoRA,
   the base the adapters ``params`` sit on (never differentiated); ``dropout_key``: the
-  adapters' dropout key."""
+  adapters' dropout key; ``packing``: the micro-batch's packed rows (``rlx.update.packing``),
+  or None."""
   temperature = config_temperature(config) if batch.temperature is None else batch.temperature
   if frozen is not None:
     params = lora.with_dropout_key(lora.combine(frozen, params), dropout_key)
   logprobs, entropy = sequence_logprobs(
       transformer, params, batch.tokens, batch.attention_mask, batch.response_mask,
       impl=config.model.logprob_impl, temperature=temperature,
-      chunk=config.model.logprob_chunk, rows=rows)
+      chunk=config.model.logprob_chunk, rows=rows, packing=packing)
   loss, diagnostics = policy_loss(config, logprobs, entropy, batch, kl_coef, clip_eps_high,
                                   entropy_coef)
   numerator, _ = algorithms.aggregate(loss, batch.response_mask, config.algorithm.aggregation,
@@ -127,11 +130,13 @@ def microbatch_loss(params: Params, batch: RolloutBatch, denominator: jax.Array,
 def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
                    clip_eps_high: jax.Array | None = None, entropy_coef: jax.Array | None = None,
                    version: jax.Array | None = None, frozen: Params | None = None,
-                   dropout_key: jax.Array | None = None, *, config: RunConfig,
-                   transformer: Transformer, rows: NamedSharding | None = None
+                   dropout_key: jax.Array | None = None, packing: Packing | None = None, *,
+                   config: RunConfig, transformer: Transformer,
+                   rows: NamedSharding | None = None
                    ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
   """Full-batch loss and gradient (of ``params`` only: with LoRA, the adapters on the
-  ``frozen`` base), accumulated over ``config.optimizer.micro_batches``."""
+  ``frozen`` base), accumulated over ``config.optimizer.micro_batches`` (``packing``: each
+  micro-batch's packed rows, a leading [micro_batches] axis)."""
   denominator = loss_denominator(config, batch.response_mask)
   grad_fn = jax.value_and_grad(
       functools.partial(microbatch_loss, config=config, transformer=transformer, rows=rows),
@@ -140,9 +145,10 @@ def loss_and_grads(params: Params, batch: RolloutBatch, kl_coef: jax.Array,
     return None if dropout_key is None else jax.random.fold_in(dropout_key, index)
 
   return accumulate(
-      lambda p, micro, index: grad_fn(p, micro, denominator, kl_coef, clip_eps_high,
-                                      entropy_coef, version, frozen, micro_key(index)),
-      params, batch, config.optimizer.micro_batches, maxima=("ratio_max",))
+      lambda p, micro, index, plan: grad_fn(p, micro, denominator, kl_coef, clip_eps_high,
+                                            entropy_coef, version, frozen, micro_key(index),
+                                            plan),
+      params, batch, config.optimizer.micro_batches, maxima=("ratio_max",), packing=packing)
 
 
 def _reduce_over_updates(metrics: dict[str, jax.Array], epochs: int) -> dict[str, jax.Array]:
@@ -184,8 +190,10 @@ def make_update_step(config: RunConfig, transformer: Transformer,
   With LoRA (``model.lora``) the state's params are the adapters and ``update_step`` takes the
   frozen base as its last argument (``frozen=``, in ``frozen_shardings``): the gradient, the
   optimizer and the state hold the adapters only.
-  ``step.minibatch`` is one optimizer step on one mini-batch (the reference the schedule is
-  tested against).
+  ``packing=`` (an ``rlx.update.packing.Packing`` the host made for this call's schedule,
+  which it carries as ``packing.order``) runs the forward passes on packed rows; the result is
+  the unpacked one. ``step.minibatch`` is one optimizer step on one mini-batch (the reference
+  the schedule is tested against).
   """
   epochs, mini_batches = config.trainer.ppo_epochs, config.trainer.mini_batches
   # the Pallas kernels run per device on its rows when the batch is split over the mesh
@@ -195,12 +203,12 @@ def make_update_step(config: RunConfig, transformer: Transformer,
 
   def minibatch_update(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
                        clip_eps_high: jax.Array, entropy_coef: jax.Array,
-                       frozen: Params | None = None):
+                       frozen: Params | None = None, packing: Packing | None = None):
     dropout_key = (jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0x10a)
                    if dropout and frozen is not None else None)
     loss, grads, sums = loss_and_grads(state.params, batch, kl_coef, clip_eps_high,
                                        entropy_coef, state.policy_version, frozen, dropout_key,
-                                       config=config, transformer=transformer, rows=rows)
+                                       packing, config=config, transformer=transformer, rows=rows)
     empty = sums["tokens"] == 0
     new_state, applied = apply_if_finite(optimizer, state, loss, grads, empty)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
@@ -236,11 +244,13 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     return new_state, metrics
 
   def update_step(state: TrainState, batch: RolloutBatch, kl_coef: jax.Array,
-                  clip_eps_high: jax.Array, entropy_coef: jax.Array, frozen: Params | None):
+                  clip_eps_high: jax.Array, entropy_coef: jax.Array, frozen: Params | None,
+                  packing: Packing | None):
     version = state.policy_version
     state, metrics = over_schedule(
-        lambda s, b: minibatch_update(s, b, kl_coef, clip_eps_high, entropy_coef, frozen),
-        state, batch, epochs=epochs, mini_batches=mini_batches)
+        lambda s, scheduled: minibatch_update(s, scheduled[0], kl_coef, clip_eps_high,
+                                              entropy_coef, frozen, scheduled[1]),
+        state, batch, epochs=epochs, mini_batches=mini_batches, packing=packing)
     metrics = _reduce_over_updates(metrics, epochs)
     mask = batch.response_mask.astype(bool)
     metrics["advantage/mean"] = algorithms.masked_mean(batch.advantages, mask)
@@ -260,7 +270,7 @@ def make_update_step(config: RunConfig, transformer: Transformer,
     replicated = state_shardings.step
     jitted = jax.jit(update_step, donate_argnums=0,
                      in_shardings=(state_shardings, batch_shardings, replicated, replicated,
-                                   replicated, frozen_shardings),
+                                   replicated, frozen_shardings, replicated),
                      out_shardings=(state_shardings, replicated))
   algo = config.algorithm
   scalar = lambda value, default: jnp.asarray(default if value is None else value, jnp.float32)
@@ -271,11 +281,13 @@ def make_update_step(config: RunConfig, transformer: Transformer,
 
   def step(state: TrainState, batch: RolloutBatch, kl_coef: float | jax.Array | None = None,
            clip_eps_high: float | jax.Array | None = None,
-           entropy_coef: float | jax.Array | None = None, frozen: Params | None = None):
-    return jitted(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef), frozen)
+           entropy_coef: float | jax.Array | None = None, frozen: Params | None = None,
+           packing: Packing | None = None):
+    return jitted(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef), frozen, packing)
 
   step.jitted = jitted
   step.minibatch = jax.jit(
-      lambda state, batch, kl_coef=None, clip_eps_high=None, entropy_coef=None, frozen=None:
-      minibatch_update(state, batch, *scalars(kl_coef, clip_eps_high, entropy_coef), frozen))
+      lambda state, batch, kl_coef=None, clip_eps_high=None, entropy_coef=None, frozen=None,
+      packing=None: minibatch_update(state, batch, *scalars(kl_coef, clip_eps_high,
+                                                            entropy_coef), frozen, packing))
   return step

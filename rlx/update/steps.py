@@ -12,12 +12,15 @@ import optax
 
 from rlx import unroll
 from rlx.models.transformer import Params
+from rlx.update.packing import Packing
 from rlx.types import RolloutBatch, TrainState
 
 Sums = dict[str, jax.Array]
-# (params, micro-batch, its index) -> ((loss, sums), grads): the loss already divided by the
-# whole mini-batch's denominator, so that the accumulated gradient is the mini-batch's exactly
-GradFn = Callable[[Params, RolloutBatch, jax.Array], tuple[tuple[jax.Array, Sums], Params]]
+# (params, micro-batch, its index, its packing or None) -> ((loss, sums), grads): the loss
+# already divided by the whole mini-batch's denominator, so that the accumulated gradient is
+# the mini-batch's exactly
+GradFn = Callable[[Params, RolloutBatch, jax.Array, Packing | None],
+                  tuple[tuple[jax.Array, Sums], Params]]
 
 
 def split_micro(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
@@ -29,25 +32,29 @@ def split_micro(batch: RolloutBatch, micro_batches: int) -> RolloutBatch:
 
 
 def accumulate(grad_fn: GradFn, params: Params, batch: RolloutBatch, micro_batches: int, *,
-               maxima: tuple[str, ...] = ()) -> tuple[jax.Array, Params, Sums]:
+               maxima: tuple[str, ...] = (), packing: Packing | None = None
+               ) -> tuple[jax.Array, Params, Sums]:
   """Loss, gradient and sums of ``batch``, one micro-batch at a time (a ``lax.scan``): losses,
-  gradients and sums add up, except the sums named in ``maxima``, which take the maximum."""
+  gradients and sums add up, except the sums named in ``maxima``, which take the maximum.
+  ``packing``: each micro-batch's (a leading [micro_batches] axis), or None."""
   micro = split_micro(batch, micro_batches)
-  first = jax.tree.map(lambda x: x[0], micro)
-  sums_shape = jax.eval_shape(lambda: grad_fn(params, first, jnp.zeros((), jnp.int32))[0][1])
+  first = jax.tree.map(lambda x: x[0], (micro, packing))
+  sums_shape = jax.eval_shape(
+      lambda: grad_fn(params, first[0], jnp.zeros((), jnp.int32), first[1])[0][1])
   zero_sums = {k: jnp.full(v.shape, -jnp.inf if k in maxima else 0.0, v.dtype)
                for k, v in sums_shape.items()}
 
   def add(carry, xs):
     loss_sum, grad_sum, sums = carry
-    one, index = xs
-    (loss, one_sums), grads = grad_fn(params, one, index)
+    one, index, plan = xs
+    (loss, one_sums), grads = grad_fn(params, one, index, plan)
     sums = {k: jnp.maximum(sums[k], v) if k in maxima else sums[k] + v
             for k, v in one_sums.items()}
     return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sums), None
 
   init = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params), zero_sums)
-  (loss, grads, sums), _ = jax.lax.scan(add, init, (micro, jnp.arange(micro_batches)),
+  (loss, grads, sums), _ = jax.lax.scan(add, init,
+                                        (micro, jnp.arange(micro_batches), packing),
                                         unroll=unroll.factor())
   return loss, grads, sums
 
@@ -113,11 +120,24 @@ def schedule_batches(batch: RolloutBatch, order: jax.Array) -> RolloutBatch:
   return jax.tree.map(lambda x: x[order], batch)
 
 
+def schedule_order(state: TrainState, batch_size: int, *, epochs: int,
+                   mini_batches: int) -> jax.Array:
+  """The rows of each mini-batch of the next update step (``minibatch_order`` from
+  ``fold_in(state.key, state.step)``)."""
+  return minibatch_order(batch_size, jax.random.fold_in(state.key, state.step),
+                         epochs=epochs, mini_batches=mini_batches)
+
+
 def over_schedule(minibatch_step, state: TrainState, batch: RolloutBatch, *, epochs: int,
-                  mini_batches: int) -> tuple[TrainState, dict[str, jax.Array]]:
-  """``minibatch_step(state, mini_batch) -> (state, metrics)`` over the whole schedule: each
-  pass a fresh permutation from ``fold_in(state.key, state.step)``; metrics come back with a
-  leading [updates] axis."""
-  order = minibatch_order(batch.batch_size, jax.random.fold_in(state.key, state.step),
-                          epochs=epochs, mini_batches=mini_batches)
-  return jax.lax.scan(minibatch_step, state, schedule_batches(batch, order), unroll=unroll.factor())
+                  mini_batches: int, packing: Packing | None = None
+                  ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """``minibatch_step(state, (mini_batch, packing)) -> (state, metrics)`` over the whole
+  schedule: each pass a fresh permutation (``schedule_order``); metrics come back with a
+  leading [updates] axis. ``packing`` (``rlx.update.packing``): the plan of every update's
+  micro-batches, made for the order it carries, which replaces the drawn one."""
+  if packing is None:
+    order = schedule_order(state, batch.batch_size, epochs=epochs, mini_batches=mini_batches)
+  else:
+    order, packing = packing.order, packing.replace(order=None)
+  return jax.lax.scan(minibatch_step, state, (schedule_batches(batch, order), packing),
+                      unroll=unroll.factor())
