@@ -1,13 +1,27 @@
-"""Learner step speed: tokens/s of the trainer's GRPO learner step (prepare + update) on one batch.
+"""Learner step speed: tokens/s of the trainer's learner step (prepare + update) on one batch,
+unpacked and with sequence packing.
 
     python benchmarks/learner_step.py [--batch 16] [--prompt 16] [--response 128]
-        [--variants default,remat=none,logprob_chunk=64] [--profile DIR]
+        [--mix uniform|longtail|samples] [--samples WORKDIR/samples.jsonl]
+        [--mini-batches 1] [--pack] [--variants default,remat=none,logprob_chunk=64]
+        [--profile DIR]
 
 Prints JSON: for each variant (the default model config, or one field of
 ``config.model`` changed), the median seconds of the learner's step as the trainer runs
 it: ``prepare`` (old log-probs when needed, advantages) then ``update_step`` (one optimizer
-step on the whole batch, the state donated), and the trained tokens/s (batch x (prompt +
-response) / seconds), median of --repeats after a warm-up step that compiles. The model is the benchmark architecture of ``rollout_throughput.py``.
+step per mini-batch, the state donated), the trained tokens/s (all slots of the rows computed
+on, padding included) and the real tokens/s (the sequences' own tokens), median of --repeats
+after a warm-up step that compiles. ``--pack`` also runs each variant with sequence packing
+(``trainer.pack_sequences``), alternating with the unpacked step on the same batch, and
+reports both layouts' padding fraction (``train/pad_frac``, ``train/packed_pad_frac``) and
+the ratio of real tokens/s.
+
+Length mixes: ``uniform`` responses of ``--response/2`` to ``--response`` tokens after a
+``--prompt``-token prompt; ``longtail`` responses drawn from an exponential of mean
+``--response/4`` (cut at ``--response``), as RL on reasoning tasks produces; ``samples`` the
+prompt and response lengths of a run's ``samples.jsonl`` (the built-in tokenizer's token
+counts), e.g. the headline command's.
+The model is the benchmark architecture of ``rollout_throughput.py``.
 ``--profile DIR`` writes a ``jax.profiler`` trace of --repeats steps of the first variant.
 Run it on two commits side by side to compare them.
 """
@@ -25,19 +39,41 @@ import numpy as np
 from rlx import update
 from rlx.config import RunConfig
 from rlx.models import init_model
-from rlx.trainer.experience import Sampled, make_prepare
+from rlx.trainer.experience import Sampled, _bucket, make_prepare
+from rlx.update import packing
 
 from rollout_throughput import BENCH_ARCH
 
 
-def _sampled(batch: int, prompt: int, response: int, seed: int = 0) -> Sampled:
+def _lengths(mix: str, batch: int, prompt: int, response: int, samples: str | None,
+             rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+  """(prompt lengths, response lengths) [batch] of the chosen mix."""
+  if mix == "uniform":
+    return np.full(batch, prompt), rng.integers(response // 2, response + 1, batch)
+  if mix == "longtail":
+    return (np.full(batch, prompt),
+            np.clip(rng.exponential(response / 4, batch).astype(int) + 1, 1, response))
+  if mix == "samples":
+    from rlx.models.tokenizer import builtin_tokenizer
+    tokenizer = builtin_tokenizer()
+    rows = [json.loads(line) for line in open(samples)]
+    picked = [rows[i] for i in rng.choice(len(rows), batch, replace=False)]
+    return (np.array([len(tokenizer.encode_prompt(r["prompt"])) for r in picked]),
+            np.array([r["response_tokens"] for r in picked]))
+  raise ValueError(f"unknown --mix {mix!r}")
+
+
+def _sampled(prompts: np.ndarray, responses: np.ndarray, seed: int = 0) -> Sampled:
+  """Rows laid out as the trainer does: left-padded prompts, right-padded responses, each
+  part bucketed to a power of two."""
   rng = np.random.default_rng(seed)
-  T = prompt + response
+  batch = len(prompts)
+  P, R = _bucket(int(prompts.max())), _bucket(int(responses.max()))
+  T = P + R
   tokens = rng.integers(0, BENCH_ARCH.vocab_size, (batch, T)).astype(np.int32)
-  lengths = rng.integers(response // 2, response + 1, batch)
   positions = np.arange(T)[None]
-  attention = positions < (prompt + lengths)[:, None]
-  response_mask = (positions >= prompt) & attention
+  attention = (positions >= (P - prompts)[:, None]) & (positions < (P + responses)[:, None])
+  response_mask = (positions >= P) & attention
   logprobs = np.where(response_mask, -rng.exponential(size=(batch, T)), 0.0).astype(np.float32)
   return Sampled(tokens=jnp.asarray(tokens), attention_mask=jnp.asarray(attention),
                  response_mask=jnp.asarray(response_mask), behaviour_logprobs=jnp.asarray(logprobs),
@@ -45,7 +81,7 @@ def _sampled(batch: int, prompt: int, response: int, seed: int = 0) -> Sampled:
                  policy_version=jnp.zeros((batch,), jnp.int32))
 
 
-def _config(variant: str) -> RunConfig:
+def _config(variant: str, mini_batches: int) -> RunConfig:
   config = RunConfig()
   model = dataclasses.replace(config.model, arch=BENCH_ARCH)
   if variant != "default":
@@ -53,37 +89,66 @@ def _config(variant: str) -> RunConfig:
     field = type(getattr(model, name))
     model = dataclasses.replace(model, **{name: field(value)})
   return dataclasses.replace(config, model=model,
-                             algorithm=dataclasses.replace(config.algorithm, name="grpo"))
+                             algorithm=dataclasses.replace(config.algorithm, name="grpo"),
+                             trainer=dataclasses.replace(config.trainer,
+                                                         mini_batches=mini_batches))
 
 
-def measure(variant: str, sampled: Sampled, repeats: int, profile: str | None = None) -> dict:
-  config = _config(variant)
+def measure(variant: str, sampled: Sampled, repeats: int, mini_batches: int, pack: bool,
+            profile: str | None = None) -> dict:
+  """Median seconds of the learner step, unpacked (and packed, alternating, with ``pack``)."""
+  config = _config(variant, mini_batches)
   m = config.model
   model = init_model(m.arch, jax.random.key(0), dtype=m.dtype, attention=m.attention, remat=m.remat)
   optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=1000)
   state = update.init_train_state(model.params, optimizer, jax.random.key(0))
   prepare = make_prepare(config, model.transformer)
   update_step = update.make_update_step(config, model.transformer, optimizer, schedule)
+  lengths = np.asarray(sampled.attention_mask).sum(1)
+  B, T = sampled.tokens.shape
+  micro = config.optimizer.micro_batches
+  packed_slots = []
 
-  def step(state):
-    return update_step(state, prepare(state.params, None, None, sampled))
+  def step(state, packed):
+    chunks = schedule_plan = None
+    if packed:  # as the learner makes them: from the lengths and this step's order
+      chunks = packing.chunk_plan(lengths, mini_batches * micro, T)
+      order = np.asarray(update.schedule_order(state, B, epochs=1, mini_batches=mini_batches))
+      schedule_plan = packing.schedule_plan(lengths, order, micro, T)
+      packed_slots.append(B * T if schedule_plan is None
+                          else schedule_plan.row.shape[0] * micro * schedule_plan.rows * T)
+    batch = prepare(state.params, None, None, sampled, packing=chunks)
+    return update_step(state, batch, packing=schedule_plan)
 
-  state, metrics = step(state)  # compile
-  jax.block_until_ready(metrics)
-  times = []
+  layouts = [False, True] if pack else [False]
+  times = {layout: [] for layout in layouts}
+  for layout in layouts:  # compile
+    state, metrics = step(state, layout)
+    jax.block_until_ready(metrics)
   if profile:
     jax.profiler.start_trace(profile)
   for _ in range(repeats):
-    started = time.perf_counter()
-    state, metrics = step(state)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - started)
+    for layout in layouts:
+      started = time.perf_counter()
+      state, metrics = step(state, layout)
+      jax.block_until_ready(metrics)
+      times[layout].append(time.perf_counter() - started)
   if profile:
     jax.profiler.stop_trace()
-  seconds = statistics.median(times)
-  tokens = sampled.tokens.size
-  return {"seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
-          "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
+  real = int(lengths.sum())
+  result = {}
+  for layout in layouts:
+    seconds = statistics.median(times[layout])
+    slots = statistics.median(packed_slots) if layout else B * T
+    result["packed" if layout else "unpacked"] = {
+        "seconds": round(seconds, 4), "tokens_per_s": round(slots / seconds, 1),
+        "real_tokens_per_s": round(real / seconds, 1),
+        "pad_frac": round(packing.pad_fraction(lengths, slots), 4)}
+  if pack:
+    result["packed_over_unpacked"] = round(result["unpacked"]["seconds"]
+                                           / result["packed"]["seconds"], 3)
+  result["loss_finite"] = bool(np.isfinite(float(metrics["loss"])))
+  return result
 
 
 def main():
@@ -91,17 +156,27 @@ def main():
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--prompt", type=int, default=16)
   parser.add_argument("--response", type=int, default=128)
+  parser.add_argument("--mix", default="uniform", choices=["uniform", "longtail", "samples"])
+  parser.add_argument("--samples", default=None, help="a run's samples.jsonl (--mix samples)")
+  parser.add_argument("--mini-batches", type=int, default=1)
+  parser.add_argument("--pack", action="store_true")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--variants", default="default")
   parser.add_argument("--profile", default=None)
   args = parser.parse_args()
-  sampled = _sampled(args.batch, args.prompt, args.response)
+  if args.mix == "samples" and not args.samples:
+    parser.error("--mix samples needs --samples WORKDIR/samples.jsonl")
+  prompts, responses = _lengths(args.mix, args.batch, args.prompt, args.response, args.samples,
+                                np.random.default_rng(0))
+  sampled = _sampled(prompts, responses)
   results = {}
   for i, variant in enumerate(args.variants.split(",")):
-    results[variant] = measure(variant, sampled, args.repeats, args.profile if i == 0 else None)
-  print(json.dumps({"device": jax.devices()[0].device_kind, "batch": args.batch,
-                    "tokens_per_sequence": args.prompt + args.response, "results": results},
-                   indent=2))
+    results[variant] = measure(variant, sampled, args.repeats, args.mini_batches, args.pack,
+                               args.profile if i == 0 else None)
+  print(json.dumps({"device": jax.devices()[0].device_kind, "batch": args.batch, "mix": args.mix,
+                    "tokens_per_row": int(sampled.tokens.shape[1]),
+                    "mean_real_tokens": float(np.mean(prompts + responses)),
+                    "mini_batches": args.mini_batches, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -188,8 +188,9 @@ def learner_program(config: RunConfig, mesh):
                                  state_shardings=shardings, batch_shardings=rows_sharding,
                                  frozen_shardings=frozen_shardings)
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  # the KL coefficient, the upper clip range, the entropy coefficient, the LoRA base
-  return step.jitted, (state, batch, scalar, scalar, scalar, frozen)
+  # the KL coefficient, the upper clip range, the entropy coefficient, the LoRA base, and no
+  # packing (the unpacked rows: the largest program of the learner)
+  return step.jitted, (state, batch, scalar, scalar, scalar, frozen, None)
 
 
 def decode_program(config: RunConfig, mesh):

@@ -346,6 +346,8 @@ class TrainerConfig:
   """Also sample each held-out prompt this many times (at rollout.temperature) for eval/pass@k (k = 1, 2, 4, ..., N; the unbiased estimate) and eval/sampled_accuracy; 0 only answers greedily."""
   max_skipped_steps: int = 5
   """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
+  pack_sequences: bool = False
+  """Pack several sequences into each row of the learner's forward passes (the old and reference log-probs, the update), placed first-fit by length, each attending only to itself: the results are the unpacked ones, with less compute spent on padding. Pays where lengths vary (short answers beside long ones); a batch that packs into no fewer rows runs unpacked. train/pad_frac and train/packed_pad_frac say what it saved. The PPO critic runs unpacked."""
   compile_cache: str = "~/.cache/rlx/jax"
   """JAX's persistent compilation cache: a second run of the same programs loads them instead of compiling; '' turns it off."""
 

@@ -21,12 +21,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx import algorithms, cli, distributed, update
 from rlx.checkpoint import Checkpointer, CheckpointError
 from rlx.config import RunConfig
 from rlx.models import Model, lora
 from rlx.sync import WeightSync
+from rlx.update import packing
 from rlx.trainer.collect import Draw
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.trainer.evaluate import evaluate
@@ -207,6 +209,7 @@ class Learner:
     self.entropy_below_target = True
     """With ``algorithm.entropy_target``: whether the last step's entropy was below it (the
     bonus applies only then)."""
+    self._lengths_and_order = None  # jitted on the first packed step
     self.skipped_steps = 0
     """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
     self.skipped_in_a_row = 0
@@ -316,17 +319,20 @@ class Learner:
                                    pad_id=self.pad_id, lengths=tuple(lengths),
                                    temperature=temperature)
     lag = self.version - sampled.policy_version
+    pad_frac = packing.pad_fraction(sampled.attention_mask.sum(1), sampled.attention_mask.size)
     sampled = distributed.global_tree(self.batch_sharding, sampled)
+    plans, packed = self._packing(sampled) if config.trainer.pack_sequences else ((None, None), {})
     batch = self.prepare_fn(self.policy_params(), self.ref_params,
                             None if self.critic is None else self.critic.params, sampled,
-                            self.kl_coef)
-    metrics = {}
+                            self.kl_coef, packing=plans[0])
+    metrics = dict(packed)
     if self.critic is not None:
       self.critic, critic_metrics = self.critic_step(self.critic, batch)
       metrics.update(critic_metrics)
     self.state, step_metrics = self.step_fn(
         self.state, batch, self.kl_coef, clip_eps_high,
-        self.entropy_coef if self.entropy_below_target else 0.0, frozen=self.base)
+        self.entropy_coef if self.entropy_below_target else 0.0, frozen=self.base,
+        packing=plans[1])
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
     self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)
@@ -346,7 +352,8 @@ class Learner:
           steps=batch.batch_size))
     # this process's rows: every process has as many, so means of means are exact
     means = dict(stats, **{"reward/kept_accuracy": float(np.mean(draw.correct)),
-                           "rollout/policy_lag_mean": float(lag.mean())})
+                           "rollout/policy_lag_mean": float(lag.mean()),
+                           "train/pad_frac": pad_frac})
     maxima = {"response/length_max": stats.pop("response/length_max"),
               "rollout/policy_lag_max": int(lag.max())}
     means.pop("response/length_max")
@@ -358,6 +365,34 @@ class Learner:
       metrics["rollout/temperature"] = temperature  # what the data was sampled at
     metrics["train/skipped_steps"] = self.skipped_steps
     return metrics
+
+  def _packing(self, sampled) -> tuple[tuple[update.Packing | None, update.Packing | None],
+                                         dict[str, float]]:
+    """The packing (``rlx.update.packing``) of prepare's chunks and of the update's schedule
+    for the global batch ``sampled``, made from the rows' lengths and the schedule's order,
+    the same on every process; and ``train/packed_pad_frac``, the padding of the rows the
+    update's forward passes run on (the unpacked layout's where packing saves no row)."""
+    trainer = self.config.trainer
+    micro = self.config.optimizer.micro_batches
+    replicated = NamedSharding(self.batch_sharding.mesh, PartitionSpec())
+    if self._lengths_and_order is None:
+      def lengths_and_order(mask, key, step):
+        order = update.minibatch_order(mask.shape[0], jax.random.fold_in(key, step),
+                                       epochs=trainer.ppo_epochs, mini_batches=trainer.mini_batches)
+        return mask.sum(1, dtype=jnp.int32), order
+      self._lengths_and_order = jax.jit(lengths_and_order, out_shardings=replicated)
+    lengths, order = distributed.to_host(self._lengths_and_order(
+        sampled.attention_mask, self.state.key, self.state.step))
+    capacity = sampled.attention_mask.shape[1]
+    ways = update.row_ways(self.batch_sharding) if update.batch_is_split(self.batch_sharding) else 1
+    chunks = packing.chunk_plan(lengths, trainer.mini_batches * micro, capacity, ways)
+    schedule = packing.schedule_plan(lengths, order, micro, capacity, ways)
+    slots = (order.size * capacity if schedule is None
+             else schedule.row.shape[0] * micro * schedule.rows * capacity)
+    padding = packing.pad_fraction(lengths[order], slots)
+    to_device = lambda plan: None if plan is None else jax.tree.map(
+        lambda x: distributed.global_array(replicated, x), plan)
+    return (to_device(chunks), to_device(schedule)), {"train/packed_pad_frac": padding}
 
   def _count_skipped(self, skipped: int, metrics: dict, draw: Draw) -> None:
     """Counts updates skipped for a non-finite loss, gradient or update; stops the run after

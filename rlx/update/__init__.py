@@ -15,8 +15,8 @@
 """
 
 from rlx.update.critic import critic_values, init_critic_params, make_critic_step
-from rlx.update.logprobs import (make_logprobs_fn, policy_logprobs, sampling_temperature,
-                                 sequence_logprobs)
+from rlx.update.logprobs import (make_logprobs_fn, policy_logprobs, row_ways,
+                                 sampling_temperature, sequence_logprobs)
 from rlx.update.optimizer import (batch_is_split, batch_sharding, init_train_state,
                                   make_optimizer, make_schedule, train_state_shardings)
 from rlx.update.packing import Packing
@@ -30,5 +30,6 @@ __all__ = [
     "init_critic_params", "init_train_state", "loss_and_grads", "loss_denominator",
     "make_critic_step", "make_logprobs_fn", "make_optimizer", "make_schedule",
     "make_update_step", "microbatch_loss", "minibatch_order", "policy_logprobs", "policy_loss",
-    "sampling_temperature", "schedule_batches", "schedule_order", "sequence_logprobs", "train_state_shardings",
+    "row_ways", "sampling_temperature", "schedule_batches", "schedule_order", "sequence_logprobs",
+    "train_state_shardings",
 ]

@@ -56,7 +56,7 @@ def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Arra
 
 def _constrain(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
   """Packed rows split over the mesh like the batch's rows (when they split evenly)."""
-  if rows is None or x.shape[0] % _ways(rows):
+  if rows is None or x.shape[0] % row_ways(rows):
     return x
   return jax.lax.with_sharding_constraint(x, rows)
 
@@ -75,7 +75,7 @@ def _logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
     hidden = hidden / (temperature[:, None, None] if temperature.ndim == 1
                        else temperature[..., None])
     temperature = 1.0
-  if rows is not None and B % _ways(rows):  # not split after all: every device has every row
+  if rows is not None and B % row_ways(rows):  # not split after all: every device has every row
     rows = NamedSharding(rows.mesh, PartitionSpec())
   mask = None if response_mask is None else response_mask[:, 1:].reshape(-1)
   logprobs, entropy = fused_logprobs(
@@ -86,7 +86,7 @@ def _logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
   return pad(logprobs), pad(entropy)
 
 
-def _ways(sharding: NamedSharding) -> int:
+def row_ways(sharding: NamedSharding) -> int:
   """Into how many parts ``sharding`` splits dimension 0."""
   axes = sharding.spec[0] if sharding.spec else None
   axes = () if axes is None else (axes,) if isinstance(axes, str) else axes

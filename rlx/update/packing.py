@@ -79,7 +79,10 @@ def first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarra
 def rows_for(needed: int, sequences: int, ways: int = 1) -> int:
   """The packed row count for ``needed`` rows of a micro-batch of ``sequences``: rounded up
   to a multiple of ``ceil(sequences / ROW_BUCKETS)`` and of ``ways`` (the devices the rows
-  split over), never more than the unpacked row count."""
+  split over, when the unpacked rows split over them), never more than the unpacked row
+  count."""
+  if sequences % ways:  # the unpacked rows do not split either: every device has every row
+    ways = 1
   step = math.lcm(max(1, -(-sequences // ROW_BUCKETS)), ways)
   return min(-(-needed // step) * step, sequences)
 

@@ -129,7 +129,7 @@ def test_the_compiled_lora_step_holds_no_gradient_or_state_of_the_base():
         step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
         key=jax.random.key(0), policy_version=jnp.zeros((), jnp.int32)), trainable)
     step = update.make_update_step(config, transformer, optimizer)
-    compiled = step.jitted.lower(state, batch, scalar, scalar, scalar, frozen).compile()
+    compiled = step.jitted.lower(state, batch, scalar, scalar, scalar, frozen, None).compile()
     return compiled.memory_analysis()
 
   full, low = memory(params, None), memory(adapters, params)

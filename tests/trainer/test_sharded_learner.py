@@ -45,8 +45,8 @@ def test_the_learners_compiled_step_is_data_parallel(tmp_path):
     assert {shard.data.shape[0] for shard in batch.tokens.addressable_shards} == {2}  # 16 / 8
     compiled = learner.step_fn.jitted.lower(
         learner.state, batch, np.float32(learner.kl_coef),
-        np.float32(config.algorithm.eps_high), np.float32(0.0), None).compile()
-    state_in, batch_in, _, _, _, _ = compiled.input_shardings[0]
+        np.float32(config.algorithm.eps_high), np.float32(0.0), None, None).compile()
+    state_in, batch_in, *_ = compiled.input_shardings[0]
     jax.tree.map(lambda s, p: _same_sharding(s, p), state_in.params, learner.state.params)
     assert all(s.spec == P(("data", "fsdp")) for s in jax.tree.leaves(batch_in))
     assert "all-gather" in compiled.as_text()  # FSDP gathers params, each device its own rows

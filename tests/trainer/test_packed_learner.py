@@ -1,0 +1,47 @@
+"""The learner with ``trainer.pack_sequences``: on a batch split over eight devices, with two
+mini-batches, its update equals the unpacked learner's (params and every
+metric) and it reports the padding it saved."""
+
+import jax
+import numpy as np
+
+from rlx import update
+from rlx.trainer import Draw, Learner, prepare
+from tests.trainer import tiny
+from tests.trainer.test_experience import _completion
+
+
+def _learn(tmp_path, pack: bool, draw: Draw):
+  config = tiny.config("dapo_split", "--config.trainer.warmup_sft_steps=0",
+                       "--config.mesh.mode=colocated", "--config.data.prompts_per_step=16",
+                       "--config.trainer.mini_batches=2", "--config.rollout.max_new_tokens=32",
+                       f"--config.trainer.pack_sequences={str(pack).lower()}")
+  run = prepare(config, tmp_path / str(pack), say=lambda line: None)
+  try:
+    learner = Learner.for_run(run, say=lambda line: None)
+    assert update.row_ways(learner.batch_sharding) == 8  # the rows split over the devices
+    metrics = learner.learn(draw)
+    return metrics, jax.device_get(learner.state.params)
+  finally:
+    run.close()
+
+
+def test_the_packed_learner_equals_the_unpacked_one(tmp_path):
+  rng = np.random.default_rng(0)
+  # short prompts, long-tailed responses of at most 32 tokens: rows of 40 slots that hold
+  # several sequences each
+  responses = [32] + list(np.minimum(16, 1 + rng.exponential(6, 31).astype(int)))
+  completions = [_completion(rng.integers(1, 32, rng.integers(2, 9)), rng.integers(1, 32, n),
+                             version=0, prompt_index=i // 2, sample_index=i % 2)
+                 for i, n in enumerate(responses)]
+  draw = Draw(completions, rng.random(32).round().astype(np.float32), np.ones(32, bool), {},
+              0.0, {})
+  unpacked, unpacked_params = _learn(tmp_path, False, draw)
+  packed, packed_params = _learn(tmp_path, True, draw)
+  assert packed["train/packed_pad_frac"] < packed["train/pad_frac"] - 0.2
+  assert packed.pop("train/packed_pad_frac") and "train/packed_pad_frac" not in unpacked
+  assert packed.keys() == unpacked.keys()
+  for name in unpacked:
+    np.testing.assert_allclose(packed[name], unpacked[name], rtol=1e-4, atol=1e-6, err_msg=name)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               packed_params, unpacked_params)
