@@ -147,10 +147,12 @@ def _transformer(config: RunConfig, remat: str) -> Transformer:
                      lora_scale=model.lora.scale, lora_dropout=model.lora.dropout)
 
 
-def learner_program(config: RunConfig, mesh):
+def learner_program(config: RunConfig, mesh, packed_rows: int | None = None):
   """The learner's update step for ``config`` on ``mesh``, at the config's batch and lengths:
   (jitted step, abstract args). The critic's step (PPO) is not included. With LoRA the state
-  holds the float32 adapters and the frozen base (``model.param_dtype``) is the last argument."""
+  holds the float32 adapters and the frozen base (``model.param_dtype``) is an argument.
+  ``packed_rows``: the step with sequence packing (``trainer.pack_sequences``), each
+  micro-batch's sequences in that many rows; None: unpacked (the largest the step gets)."""
   transformer = _transformer(config, config.model.remat)
   arch, rules = transformer.arch, config.mesh.logical_axis_rules
   params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
@@ -188,9 +190,17 @@ def learner_program(config: RunConfig, mesh):
                                  state_shardings=shardings, batch_shardings=rows_sharding,
                                  frozen_shardings=frozen_shardings)
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  # the KL coefficient, the upper clip range, the entropy coefficient, the LoRA base, and no
-  # packing (the unpacked rows: the largest program of the learner)
-  return step.jitted, (state, batch, scalar, scalar, scalar, frozen, None)
+  packing = None
+  if packed_rows is not None:
+    updates, micro = config.trainer.ppo_epochs * config.trainer.mini_batches, \
+        config.optimizer.micro_batches
+    size = rows // config.trainer.mini_batches
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=scalar.sharding)
+    packing = update.Packing(row=ints(updates, micro, size // micro),
+                             offset=ints(updates, micro, size // micro), rows=packed_rows,
+                             order=ints(updates, size))
+  # the KL coefficient, the upper clip range, the entropy coefficient, the LoRA base, packing
+  return step.jitted, (state, batch, scalar, scalar, scalar, frozen, packing)
 
 
 def decode_program(config: RunConfig, mesh):

@@ -55,3 +55,21 @@ def test_the_lora_learner_step_compiles_without_the_base_s_state():
   assert full["status"] == adapted["status"] == "ok", (full, adapted)
   # the state (params and Adam's moments) is the step's output: the adapters' is a fraction
   assert adapted["output_mib"] < full["output_mib"] / 3, (full, adapted)
+
+
+@pytest.mark.skipif(not (HAS_CUDA or HAS_TPU), reason="needs jax's cuda12 plugin or libtpu")
+def test_the_packed_learner_step_compiles_smaller():
+  import jax
+  import numpy as np
+
+  from rlx.mesh import MESH_AXES
+  target = "h100" if HAS_CUDA else "v5e"
+  mesh = jax.sharding.Mesh(np.array(aot.devices(target, 1)).reshape(1, 1, 1), MESH_AXES)
+  config = _wide(tiny.config("dapo_split", "--config.data.prompts_per_step=8",
+                             "--config.rollout.max_new_tokens=256"))
+  per_micro = config.samples_per_step // config.trainer.mini_batches
+  unpacked, packed = (aot.compile_one(*aot.learner_program(config, mesh, rows), None,
+                                      aot.PLATFORM[target]) for rows in (None, per_micro // 4))
+  assert unpacked["status"] == packed["status"] == "ok", (unpacked, packed)
+  # a quarter of the rows: the activations the step holds shrink with them
+  assert packed["temp_mib"] < unpacked["temp_mib"] / 2, (unpacked, packed)
