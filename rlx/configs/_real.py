@@ -28,7 +28,8 @@ def real_model(name: str, path: str, arch: ArchConfig, *, max_prompt_len: int,
   """A bf16 model from ``path`` on 8 accelerators (FSDP, full remat), with the settings of
   the peers' published recipes: learning rate 1e-6 with warm-up, no supervised warm-up, a
   held-out evaluation every 25 steps, checkpoints every 50 and a Hugging Face export every
-  100."""
+  100. The learner packs sequences: reasoning answers run from a few dozen tokens to the
+  limit, and packed rows skip most of the padding."""
   return RunConfig(
       name=name,
       model=ModelConfig(path=path, arch=arch, dtype="bfloat16", param_dtype="float32",
@@ -44,5 +45,5 @@ def real_model(name: str, path: str, arch: ArchConfig, *, max_prompt_len: int,
       reward=RewardConfig(name="math", num_workers=8),
       checkpoint=CheckpointConfig(every_steps=50, export_hf_every=100),
       trainer=TrainerConfig(steps=500, eval_every=25, eval_prompts=500, eval_samples=8,
-                            warmup_sft_steps=0, mini_batches=4),
+                            warmup_sft_steps=0, mini_batches=4, pack_sequences=True),
   )
