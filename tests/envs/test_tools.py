@@ -94,7 +94,7 @@ def test_bind_matches_positional_arguments_and_refuses_unknown_ones():
 def test_hostile_tools_become_observations_and_the_runner_goes_on(tmp_path):
   marker = tmp_path / "orphan-wrote-this"
   # 8 s: a loaded machine (two CI workers and their runs) may take seconds to import a tool in
-  # a fresh worker or to touch 1 GB
+  # a fresh worker
   with ToolRunner(num_workers=2, timeout_s=8.0, memory_mb=1024, max_chars=100) as runner:
     results = {name: runner.call(f"{HOSTILE}:{name}", {"x": str(marker)}) for name in
                ("raises", "hangs", "exits", "floods", "not_text", "forks", "hogs")}
