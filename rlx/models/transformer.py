@@ -44,6 +44,7 @@ import numpy as np
 
 from rlx import unroll
 from rlx.config import ArchConfig
+from rlx.kernels import target_platform
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -160,6 +161,15 @@ def init_params(arch: ArchConfig, key: jax.Array, param_dtype: Any = jnp.float32
 LORA_EQUATIONS = {"q": ("d", "dhe", "he"), "k": ("d", "dke", "ke"), "v": ("d", "dke", "ke"),
                   "o": ("he", "hed", "d"), "gate": ("d", "df", "f"), "up": ("d", "df", "f"),
                   "down": ("f", "fd", "d")}
+
+
+def matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+  """``x`` [B, T, in...] times ``w`` [in..., out...] over the ``contract`` input dims, as one
+  2-D matmul: the einsum ``bt{in},{in}{out}->bt{out}``."""
+  lead, inner = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:]
+  k = math.prod(inner)
+  y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
+  return y.reshape(*lead, *w.shape[contract:])
 
 
 def lora_adapted(x: jax.Array, p: dict, target: str, y: jax.Array, scale: float,
@@ -347,10 +357,16 @@ class Transformer:
       use_causal_only = False
     x = params["embed"].astype(self.dtype)[tokens]
     inv_freq = rope_inv_freq(a)
+    # XLA:CPU wraps the einsums' gradients in layout copies that 2-D matmuls do without (the
+    # learner step 1.2x faster here); XLA:TPU's program moves 3-6% more bytes with them
+    flat_matmuls = target_platform() == "cpu"
 
     def project(h, p, name, equation):
       """One projection, plus its LoRA adapter's low-rank path when the layer holds one."""
-      y = jnp.einsum(equation, h, p[name].astype(self.dtype))
+      if flat_matmuls:
+        y = matmul(h, p[name].astype(self.dtype), len(LORA_EQUATIONS[name][0]))
+      else:
+        y = jnp.einsum(equation, h, p[name].astype(self.dtype))
       return lora_adapted(h, p, name, y, self.lora_scale, self.lora_dropout)
 
     def attention_block(x, p, write_kv, attend):
