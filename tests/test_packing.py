@@ -121,6 +121,9 @@ def test_packed_logprobs_equal_unpacked_for_every_kernel(model, impl, monkeypatc
     for a, b in zip(packed, unpacked):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
     assert np.all(np.asarray(packed[0])[~response] == 0)
+  with pytest.raises(ValueError, match="response mask"):
+    update.sequence_logprobs(model.transformer, model.params, jnp.asarray(tokens),
+                             jnp.asarray(mask), None, packing=plan)
 
 
 def _batch(model, config, seed=0):

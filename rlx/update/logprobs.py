@@ -40,6 +40,8 @@ def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Arra
       rows' own layout, equal to the unpacked ones.
   """
   if packing is not None:
+    if response_mask is None:  # a packed row's first token of each sequence is no target
+      raise ValueError("packed log-probs need the response mask (the targets that count)")
     dest = packing_lib.destinations(packing, attention_mask)
     segment_ids, positions = packing_lib.segments(packing, attention_mask, dest)
     put = lambda x: _constrain(packing_lib.pack(x, dest, packing.rows), rows)
