@@ -16,8 +16,11 @@ on 1 device and FSDP over 8; the engine's decode step on 1 device. Each is "ok" 
 per-device argument, output and temp memory in MiB, or "failed" with the first line of the
 compiler's error.
 
-``--cost``: how much of the target the programs would use, from XLA's cost analysis of the
-compiled programs (flops and bytes accessed per device) against the ideal for the same work:
+``--cost``: how much of the target the programs would use, per device: the memory traffic read
+from the optimized HLO (``rlx.hlo_traffic``: every kernel reads its operands and writes its
+results once; on a TPU also XLA's own bytes accessed, which count on-chip VMEM accesses too)
+and XLA's flops (on a GPU, whose compile-only client has no cost analysis, XLA's generic count
+of the same HLO), against the ideal for the same work:
 
 - decode (one token for each of 64 slots, attending to a cache filled to 1024 and to 2048 of
   2048 positions) for Qwen2.5-0.5B and 7B shapes on one device: the ideal reads the weights
@@ -35,11 +38,12 @@ ways: full fine-tuning (float32 params and Adam state), and LoRA at rank 16 on e
 (float32 adapters and their Adam state) on a bfloat16 base and on a float32 one. Per device:
 argument, output and temp memory in GiB, their sum, and whether it fits the target's memory.
 
-Each row has ideal/XLA for bytes and flops (1.0: no excess; 0.5: XLA's program moves twice
-what it must) and the roofline time at the target's published peaks (``rlx/targets/peaks.json``):
-the larger of XLA's flops at peak FLOP/s and XLA's bytes at peak bandwidth. The learner step
-runs its log-prob loss as XLA here, so that the cost analysis sees all of it (a Pallas kernel is
-a custom call that XLA does not cost).
+Each row has ideal/HLO bytes and ideal/XLA flops (1.0: no excess; 0.5: the program moves twice
+what it must), the roofline time at the target's published peaks (``rlx/targets/peaks.json``):
+the larger of the flops at peak FLOP/s and the HLO bytes at peak bandwidth, and the four
+operations that move the most (their JAX op name, count, share). The learner step runs its
+log-prob loss as XLA here, so that the cost analysis sees all of it (a Pallas kernel is a
+custom call that XLA does not cost).
 """
 
 import argparse
@@ -231,8 +235,10 @@ def _learner_by_layers(target: str) -> dict:
     if results[layers]["status"] != "ok":
       return results[layers]
   two, four = results[2], results[4]
-  per_layer = {key: (four[key] - two[key]) / 2 for key in ("flops", "bytes")}
-  scaled = {key: two[key] + (QWEN_05B.num_layers - 2) * per_layer[key] for key in per_layer}
+  scaled = {}
+  for key in ("flops", "bytes", "hlo_bytes"):
+    if two[key] is not None:  # XLA's bytes: None on a GPU
+      scaled[key] = two[key] + (QWEN_05B.num_layers - 2) * (four[key] - two[key]) / 2
   return dict(four, **scaled, temp_mib=None, loops=max(two["loops"], four["loops"]))
 
 
@@ -252,12 +258,18 @@ def cost_table(target: str) -> list[dict]:
   rows = []
   for name, result, ideal in measured:
     row = {"program": name, "status": result["status"]}
-    if result["status"] == "ok" and result["bytes"] > 0:
+    if result["status"] == "ok" and result["hlo_bytes"] > 0:
       flop_s = result["flops"] / peak["bf16_flops"]
-      byte_s = result["bytes"] / peak["hbm_bytes_per_s"]
+      byte_s = result["hlo_bytes"] / peak["hbm_bytes_per_s"]
       row.update({
-          "xla_gb": round(result["bytes"] / 1e9, 3), "ideal_gb": round(ideal["bytes"] / 1e9, 3),
-          "ideal_over_xla_bytes": round(ideal["bytes"] / result["bytes"], 3),
+          "ideal_gb": round(ideal["bytes"] / 1e9, 3),
+          "hlo_gb": round(result["hlo_bytes"] / 1e9, 3),
+          "ideal_over_hlo_bytes": round(ideal["bytes"] / result["hlo_bytes"], 3),
+          # XLA's own count (None for a GPU compiled without one); on a TPU it also counts
+          # the on-chip (VMEM) accesses of the kernels
+          "xla_gb": None if result["bytes"] is None else round(result["bytes"] / 1e9, 3),
+          "ideal_over_xla_bytes": (None if not result["bytes"] else
+                                   round(ideal["bytes"] / result["bytes"], 3)),
           "xla_gflop": round(result["flops"] / 1e9, 1),
           "ideal_gflop": round(ideal["flops"] / 1e9, 1),
           "ideal_over_xla_flops": round(ideal["flops"] / max(result["flops"], 1.0), 3),
@@ -266,7 +278,8 @@ def cost_table(target: str) -> list[dict]:
           "temp_mib": result["temp_mib"],
           # loops left in the program: XLA counts their bodies once, so the figures are
           # lower bounds where this is not 0
-          "loops_left": result["loops"]})
+          "loops_left": result["loops"],
+          "top_ops": result["top_ops"]})
     else:
       row["error"] = result.get("error", "no cost analysis")
     print(f"{name}: {row}", file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlx import update
+from rlx import hlo_traffic, update
 from rlx.config import RunConfig
 from rlx.kernels import compiling_for
 from rlx.mesh import make_meshes
@@ -95,16 +95,22 @@ def peaks(target: str) -> dict:
 
 
 def cost(compiled) -> dict:
-  """XLA's cost analysis of a compiled program, per device: flops and bytes accessed (what
-  the compiler's model of the program reads and writes, each fusion's operands and results)."""
+  """What a compiled program moves and computes, per device: XLA's cost analysis (``flops``,
+  ``bytes``: what the compiler's model reads and writes, None where the target gives none, as
+  XLA:GPU without a GPU), and the memory traffic read from its optimized HLO
+  (``rlx.hlo_traffic``: ``hlo_bytes`` and the ``top_ops`` that move the most). Without XLA's
+  flops, XLA's generic count on the same HLO."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
     analysis = analysis[0] if analysis else {}
   analysis = analysis or {}
-  loops = compiled.as_text().count(" while(")
-  return {"flops": float(analysis.get("flops", 0.0)),
-          "bytes": float(analysis.get("bytes accessed", 0.0)),
-          "loops": loops}
+  text = compiled.as_text()
+  ops = hlo_traffic.traffic(text)
+  xla_bytes = analysis.get("bytes accessed")
+  flops = analysis.get("flops") or hlo_traffic.flops(text) or 0.0
+  return {"flops": float(flops), "bytes": None if xla_bytes is None else float(xla_bytes),
+          "hlo_bytes": float(sum(op.bytes for op in ops)),
+          "top_ops": hlo_traffic.largest(ops, 4), "loops": text.count(" while(")}
 
 
 def compile_one(fn, args, device=None, platform: str | None = None, *,

@@ -48,7 +48,9 @@ ALLOWED = {
                 "distributed"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation"},
     # compiling the learner step and decode for an accelerator that is not here
-    "aot": {"update", "config", "kernels", "mesh", "models", "rollout", "types"},
+    # memory traffic read from compiled programs' optimized HLO: text and jax only
+    "hlo_traffic": set(),
+    "aot": {"update", "config", "kernels", "mesh", "models", "rollout", "types", "hlo_traffic"},
     # the deployment advisor: probes runs as main builds them, and models deployments
     "advise": {"trainer", "config", "cli", "main", "aot"},
     # the shipped configs (configs/ in a checkout links here): config values only
