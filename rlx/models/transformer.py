@@ -18,10 +18,10 @@ heads-major (for every row and kv head, a head's keys are one contiguous block) 
 both attention matmuls take (B, K) as leading batch dims and read the cache in place:
 
 - ``stacked``: ``k``, ``v`` [L, B, K, S, E], the scan's carry over the stacked layers. On
-  TPU and GPU the compiled decode step writes one token per layer and copies nothing.
+  TPU the compiled decode step writes one token per layer and copies nothing.
 - ``per_layer``: ``k`` a tuple of L [B, K, E, S] (keys position-minor), ``v`` a tuple of L
-  [B, K, S, E], the layers unrolled. For XLA:CPU, which copies a layer's slice of a stacked
-  array before a matmul reads it: here each buffer is read whole and updated in place, and
+  [B, K, S, E], the layers unrolled. For XLA:GPU and XLA:CPU, which copy a layer's slice of a
+  stacked array before a matmul reads it: here each buffer is read whole and updated in place, and
   both matmuls get the standard ``[contracted, out]`` operand, ``q [G, E] @ k [E, S]`` and
   ``p [G, S] @ v [S, E]``. (On TPU this layout makes the decode loop convert the cache's
   tiling on entry and exit, so it is the CPU's.)

@@ -212,7 +212,7 @@ def test_chunked_decode_equals_the_single_step_path(steps):
 
 
 def test_the_cache_layouts_give_the_same_completions():
-  # The stacked cache (TPU, GPU) and the per-layer one (CPU), both run here on the CPU:
+  # The stacked cache (TPU) and the per-layer one (GPU, CPU), both run here on the CPU:
   # sampled responses that grow the per-layer cache through its buckets (64, 128).
   model = _model(scale=4.0)
   kwargs = dict(params=model.params, n=2, max_new_tokens=80, temperature=1.0, stop_token_ids=[3],
@@ -220,6 +220,8 @@ def test_the_cache_layouts_give_the_same_completions():
   engines = [Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16,
                     platform=platform) for platform in ("tpu", "cpu")]
   assert [e.cache_layout for e in engines] == ["stacked", "per_layer"]
+  assert Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16,
+                platform="gpu").cache_layout == "per_layer"
   stacked, per_layer = (rollout.generate(e, PROMPTS, **kwargs) for e in engines)
   assert max(len(c.response_tokens) for c in stacked) > 64
   for a, b in zip(stacked, per_layer):
