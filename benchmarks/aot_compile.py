@@ -22,10 +22,10 @@ results once; on a TPU also XLA's own bytes accessed, which count on-chip VMEM a
 and XLA's flops (on a GPU, whose compile-only client has no cost analysis, XLA's generic count
 of the same HLO), against the ideal for the same work:
 
-- decode (one token for each of 64 slots, attending to a cache filled to 1024 and to 2048 of
-  2048 positions) for Qwen2.5-0.5B and 7B shapes on one device: the ideal reads the weights
-  once and the filled part of the KV cache once; its flops are 2 per weight per token plus
-  attention's 4 per cached key per head;
+- decode (per token for each of 64 slots, in the engine's 16-token chunk, attending to a
+  cache filled to 1024 and to 2048 of 2048 positions) for Qwen2.5-0.5B and 7B shapes on one
+  device: the ideal reads the weights once and the filled part of the KV cache once; its flops
+  are 2 per weight per token plus attention's 4 per cached key per head;
 - the learner's GRPO update step (2 mini-batches, 16 rows of 1024 tokens, full remat) for a
   Qwen2.5-0.5B shape on one device (compiled at 2 and 4 layers and scaled to 24: every layer
   costs the same): the ideal does 8 flops per matmul weight per token (6 without remat) plus
@@ -162,13 +162,16 @@ def decode_step(target: str, slots: int = 64, max_len: int = 2048, steps: int = 
                 arch: ArchConfig = QWEN_05B, attend_len: int | None = None):
   """The engine's decode (every slot ``steps`` tokens, attending to the first ``attend_len``
   positions of the cache, None: all) for a model of ``arch`` on one device: (jitted step,
-  abstract args)."""
+  abstract args). As ``Engine.generate`` does it: a per-layer cache (GPU) is as long as
+  ``attend_len``, a stacked one (TPU) ``max_len`` long with attention limited to it."""
   device = devices(target)[0]
   transformer = Transformer(arch, jnp.bfloat16, "fused", "none")
   engine = Engine(transformer, max_slots=slots, max_len=max_len, max_prompt_len=1024,
                   platform=PLATFORM[target])
   params = jax.eval_shape(lambda: transformer.init(jax.random.key(0), jnp.bfloat16))
   state = jax.eval_shape(engine.init_decode_state)
+  if engine.cache_layout == "per_layer" and attend_len is not None:
+    state, attend_len = jax.eval_shape(lambda s: engine.resize(s, attend_len), state), None
   placed = jax.sharding.SingleDeviceSharding(device)
   args = (transformer, _placed(params, placed), _placed(state, placed))
   if steps == 1:
@@ -236,10 +239,13 @@ def _learner_by_layers(target: str) -> dict:
       return results[layers]
   two, four = results[2], results[4]
   scaled = {}
-  for key in ("flops", "bytes", "hlo_bytes"):
+  for key in ("flops", "bytes", "hlo_bytes", "hlo_bytes_cheapest"):
     if two[key] is not None:  # XLA's bytes: None on a GPU
       scaled[key] = two[key] + (QWEN_05B.num_layers - 2) * (four[key] - two[key]) / 2
   return dict(four, **scaled, temp_mib=None, loops=max(two["loops"], four["loops"]))
+
+
+DECODE_STEPS = 16  # the engine's tokens per dispatch (rollout.decode_steps)
 
 
 def cost_table(target: str) -> list[dict]:
@@ -248,9 +254,16 @@ def cost_table(target: str) -> list[dict]:
   measured = []  # (name, compile_one's result with the cost, the ideal)
   for model, arch in (("qwen2.5-0.5b", QWEN_05B), ("qwen2.5-7b", QWEN_7B)):
     for attend in (1024, 2048):
-      with unrolled():  # XLA's cost analysis counts a loop's body once
-        result = compile_one(*decode_step(target, arch=arch, attend_len=attend), None,
-                             platform, with_cost=True)
+      # The engine's chunk of DECODE_STEPS tokens, its layers unrolled: the loop over the
+      # tokens is left, and the HLO bytes per token are its body's plus 1/DECODE_STEPS of
+      # what runs once per chunk (XLA's count has the body once and the rest once).
+      with unrolled():
+        result = compile_one(*decode_step(target, arch=arch, attend_len=attend,
+                                          steps=DECODE_STEPS), None, platform, with_cost=True)
+      if result["status"] == "ok":
+        for suffix in ("", "_cheapest"):
+          loop = result["hlo_loop_bytes" + suffix]
+          result["hlo_bytes" + suffix] = loop + (result["hlo_bytes" + suffix] - loop) / DECODE_STEPS
       measured.append((f"{model}/decode 64 slots, cache {attend}/2048", result,
                        ideal_decode(arch, 64, attend)))
   measured.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", _learner_by_layers(target),
@@ -265,6 +278,10 @@ def cost_table(target: str) -> list[dict]:
           "ideal_gb": round(ideal["bytes"] / 1e9, 3),
           "hlo_gb": round(result["hlo_bytes"] / 1e9, 3),
           "ideal_over_hlo_bytes": round(ideal["bytes"] / result["hlo_bytes"], 3),
+          # the sampler's top-p branch (a sort of the vocabulary) left out: what decoding
+          # without top-k / top-p (RL's default) moves
+          "hlo_gb_no_top_p": round(result["hlo_bytes_cheapest"] / 1e9, 3),
+          "ideal_over_hlo_bytes_no_top_p": round(ideal["bytes"] / result["hlo_bytes_cheapest"], 3),
           # XLA's own count (None for a GPU compiled without one); on a TPU it also counts
           # the on-chip (VMEM) accesses of the kernels
           "xla_gb": None if result["bytes"] is None else round(result["bytes"] / 1e9, 3),

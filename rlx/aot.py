@@ -98,19 +98,26 @@ def cost(compiled) -> dict:
   """What a compiled program moves and computes, per device: XLA's cost analysis (``flops``,
   ``bytes``: what the compiler's model reads and writes, None where the target gives none, as
   XLA:GPU without a GPU), and the memory traffic read from its optimized HLO
-  (``rlx.hlo_traffic``: ``hlo_bytes`` and the ``top_ops`` that move the most). Without XLA's
-  flops, XLA's generic count on the same HLO."""
+  (``rlx.hlo_traffic``): ``hlo_bytes`` with each conditional's costliest branch (as XLA
+  counts), ``hlo_bytes_cheapest`` with its cheapest, ``hlo_loop_bytes[_cheapest]`` the part
+  inside loops, and the ``top_ops`` that move the most. Without XLA's flops, XLA's generic
+  count on the same HLO."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
     analysis = analysis[0] if analysis else {}
   analysis = analysis or {}
   text = compiled.as_text()
-  ops = hlo_traffic.traffic(text)
   xla_bytes = analysis.get("bytes accessed")
-  flops = analysis.get("flops") or hlo_traffic.flops(text) or 0.0
-  return {"flops": float(flops), "bytes": None if xla_bytes is None else float(xla_bytes),
-          "hlo_bytes": float(sum(op.bytes for op in ops)),
-          "top_ops": hlo_traffic.largest(ops, 4), "loops": text.count(" while(")}
+  result = {"flops": float(analysis.get("flops") or hlo_traffic.flops(text) or 0.0),
+            "bytes": None if xla_bytes is None else float(xla_bytes),
+            "loops": text.count(" while(")}
+  for branch, suffix in (("costliest", ""), ("cheapest", "_cheapest")):
+    ops = hlo_traffic.traffic(text, branch)
+    result["hlo_bytes" + suffix] = float(sum(op.bytes for op in ops))
+    result["hlo_loop_bytes" + suffix] = float(sum(op.bytes for op in ops if op.in_loop))
+    if branch == "costliest":
+      result["top_ops"] = hlo_traffic.largest(ops, 4)
+  return result
 
 
 def compile_one(fn, args, device=None, platform: str | None = None, *,

@@ -12,7 +12,8 @@ is one kernel, which reads its operands and writes its results in device memory,
 - slices and gathers read and write what they take; an in-place update reads and writes the
   update; async copies and slices count at their start;
 - a while loop's body counts once (as XLA's cost analysis does) and a conditional counts its
-  costliest branch.
+  costliest branch (or, asked, its cheapest: the decode step's sampler sorts the vocabulary
+  only in the branch that top-p takes).
 
 Sizes are of the shapes as laid out, tiles padded (``T(8,128)``: the two minor dimensions
 rounded up to 8 and 128). The result estimates the traffic of a program that keeps nothing
@@ -174,6 +175,7 @@ class Op:
   source: str
   read: int
   written: int
+  in_loop: bool = False  # inside a while loop's body (counted once, as one iteration)
 
   @property
   def bytes(self) -> int:
@@ -181,8 +183,11 @@ class Op:
 
 
 class _Module:
-  def __init__(self, text: str):
+  def __init__(self, text: str, branch: str):
+    if branch not in ("costliest", "cheapest"):
+      raise ValueError(f"branch={branch!r}: 'costliest' or 'cheapest'")
     self.computations, self.entry = parse(text)
+    self.pick = max if branch == "costliest" else min
 
   def parameter_read(self, computation: str, index: int, full: int) -> int:
     """Bytes a fused computation reads of its parameter ``index`` (``full``: all of it)."""
@@ -223,23 +228,24 @@ class _Module:
         total += out.bytes
     return total
 
-  def ops(self, computation: str) -> list[Op]:
+  def ops(self, computation: str, in_loop: bool = False) -> list[Op]:
     comp, out = self.computations[computation], []
     for instruction in comp.instructions.values():
       opcode = instruction.opcode
       if opcode in FREE:
         continue
       if opcode == "while":
-        out += self.ops(instruction.called("body"))
+        out += self.ops(instruction.called("body"), in_loop=True)
         continue
       if opcode == "call":
-        out += self.ops(instruction.called("to_apply"))
+        out += self.ops(instruction.called("to_apply"), in_loop)
         continue
       if opcode == "conditional":
         listed = re.search(r"branch_computations=\{([^}]*)\}", instruction.attributes)
         names = (_NAME.findall(listed.group(1)) if listed else
                  re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", instruction.attributes))
-        out += max((self.ops(n) for n in names), key=lambda ops: sum(o.bytes for o in ops))
+        out += self.pick((self.ops(n, in_loop) for n in names),
+                         key=lambda ops: sum(o.bytes for o in ops))
         continue
       sizes = [comp.instructions[o].bytes if o in comp.instructions else 0
                for o in instruction.operands]
@@ -260,13 +266,14 @@ class _Module:
       else:
         read, written = sum(sizes), instruction.bytes
       out.append(Op(instruction.name, opcode, instruction.shape, instruction.source, read,
-                    written))
+                    written, in_loop))
     return out
 
 
-def traffic(text: str) -> list[Op]:
-  """Every kernel of the optimized HLO module ``text`` (``compiled.as_text()``), in order."""
-  module = _Module(text)
+def traffic(text: str, branch: str = "costliest") -> list[Op]:
+  """Every kernel of the optimized HLO module ``text`` (``compiled.as_text()``), in order,
+  with the ``costliest`` or the ``cheapest`` branch of each conditional."""
+  module = _Module(text, branch)
   return module.ops(module.entry)
 
 

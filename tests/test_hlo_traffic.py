@@ -72,3 +72,23 @@ def test_largest_groups_by_jax_operation():
 def test_refuses_text_without_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_traffic.traffic("HloModule empty\n")
+
+
+def test_a_loop_body_counts_once_and_is_marked():
+  def program(x, w):
+    return jax.lax.fori_loop(0, 10, lambda i, x: jnp.tanh(x @ w), x)
+  ops = hlo_traffic.traffic(_compiled(program, jnp.ones((8, 512)), jnp.ones((512, 512))).as_text())
+  inside = sum(op.bytes for op in ops if op.in_loop)
+  # once: the weights and the carry read, the carry written; not ten times
+  assert 512 * 512 * 4 <= inside < 2 * 512 * 512 * 4
+
+
+def test_a_conditional_counts_the_branch_asked_for():
+  big = jnp.ones((1024, 1024))
+  text = _compiled(lambda p, b: jax.lax.cond(p, lambda: jnp.sum(jnp.sin(b)), lambda: b[0, 0]),
+                   True, big).as_text()
+  costliest, cheapest = (sum(op.bytes for op in hlo_traffic.traffic(text, branch))
+                         for branch in ("costliest", "cheapest"))
+  assert costliest >= big.nbytes > 1000 * cheapest
+  with pytest.raises(ValueError, match="cheapest"):
+    hlo_traffic.traffic(text, "first")
