@@ -64,6 +64,7 @@ import numpy as np  # noqa: E402
 
 from rlx.aot import (MEMORY_GIB, PLATFORM, compile_one, devices,  # noqa: E402
                      learner_program, peaks, placed as _placed)
+from rlx.aot import decode_program as aot_decode_program  # noqa: E402
 from rlx.config import (AlgorithmConfig, ArchConfig, DataConfig, LoraConfig,  # noqa: E402
                         ModelConfig, OptimizerConfig, RolloutConfig, RunConfig, TrainerConfig)
 from rlx.kernels.fused_logprobs import reference_logprobs, xla_logprobs  # noqa: E402
@@ -248,6 +249,26 @@ def _learner_by_layers(target: str) -> dict:
 DECODE_STEPS = 16  # the engine's tokens per dispatch (rollout.decode_steps)
 
 
+def _tensor_parallel_decode(target: str, arch: ArchConfig, chips: int):
+  """The engine's decode chunk for a model too large for one chip, its kv heads split over
+  ``chips`` (the engine's tensor axis), the whole 2048-position cache: a ``--cost`` row, per
+  chip, against 1/``chips`` of the ideal."""
+  mesh = jax.sharding.Mesh(np.array(devices(target, chips)).reshape(1, 1, chips), MESH_AXES)
+  config = RunConfig(model=ModelConfig(arch=arch, dtype="bfloat16"),
+                     rollout=RolloutConfig(max_prompt_len=1024, max_new_tokens=1024,
+                                           max_slots=64, decode_steps=DECODE_STEPS))
+  with unrolled():
+    result = compile_one(*aot_decode_program(config, mesh), None, PLATFORM[target],
+                         with_cost=True)
+  if result["status"] == "ok":
+    for suffix in ("", "_cheapest"):
+      loop = result["hlo_loop_bytes" + suffix]
+      result["hlo_bytes" + suffix] = loop + (result["hlo_bytes" + suffix] - loop) / DECODE_STEPS
+  ideal = {key: value / chips for key, value in ideal_decode(arch, 64, 2048).items()}
+  return (f"qwen2.5-7b/decode 64 slots, cache 2048/2048, tensor-parallel over {chips} chips "
+          "(per chip)", result, ideal)
+
+
 def cost_table(target: str) -> list[dict]:
   """The efficiency rows of ``--cost`` (see the module docstring)."""
   peak, platform = peaks(target), PLATFORM[target]
@@ -266,6 +287,8 @@ def cost_table(target: str) -> list[dict]:
           result["hlo_bytes" + suffix] = loop + (result["hlo_bytes" + suffix] - loop) / DECODE_STEPS
       measured.append((f"{model}/decode 64 slots, cache {attend}/2048", result,
                        ideal_decode(arch, 64, attend)))
+  if peaks(target)["hbm_gib"] < 2 * 15.3:  # 7B's bf16 weights and a cache: tensor-parallel
+    measured.append(_tensor_parallel_decode(target, QWEN_7B, chips=4))
   measured.append(("qwen2.5-0.5b/learner step, 16x1024 tokens", _learner_by_layers(target),
                    ideal_learner(QWEN_05B, 16, 1024, updates=2, epochs=1, remat=True)))
   rows = []
