@@ -222,7 +222,8 @@ def decode_program(config: RunConfig, mesh):
   r = config.rollout
   transformer = _transformer(config, "none")
   engine = Engine(transformer, max_slots=r.max_slots, max_len=r.max_prompt_len + r.max_new_tokens,
-                  max_prompt_len=r.max_prompt_len, mesh=mesh, decode_steps=r.decode_steps)
+                  max_prompt_len=r.max_prompt_len, mesh=mesh, decode_steps=r.decode_steps,
+                  layout=None if r.cache_layout == "auto" else r.cache_layout)
   params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
                                                           jnp.dtype(config.model.dtype))),
                   param_shardings(transformer.arch, mesh, config.mesh.logical_axis_rules))

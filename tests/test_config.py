@@ -252,6 +252,7 @@ INVALID = [
     ("algorithm.kl_target=0", "algorithm.kl_target"),
     ("algorithm.value_clip=0", "algorithm.value_clip"),
     ("mesh.max_staleness=-1", "mesh.max_staleness"),
+    ("rollout.cache_layout=per-layer", "rollout.cache_layout"),
 ]
 
 VALID = [
@@ -265,6 +266,7 @@ VALID = [
     "rollout.temperature=0", "data.num_epochs=1", "data.eval_fraction=0.5",
     "data.prompts_per_step=1", "algorithm.kl_coef=0.01", "algorithm.tis_cap=1",
     "algorithm.kl_target=0.1", "algorithm.value_clip=None", "mesh.max_staleness=0",
+    "rollout.cache_layout=stacked",
 ]
 
 

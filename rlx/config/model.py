@@ -168,8 +168,12 @@ class RolloutConfig:
   """Keep the k most likely tokens; 0 disables it."""
   decode_steps: int = 16
   """Tokens every slot decodes per dispatch (one host round trip per chunk); 1 is the single-step path. 16 was fastest in benchmarks/rollout_throughput.py."""
+  cache_layout: str = "auto"
+  """The KV cache's layout: 'stacked' (one array over the layers, read in place on TPU), 'per_layer' (one buffer per layer: XLA:GPU and XLA:CPU copy a layer's slice of a stacked array before a matmul reads it), or 'auto' (stacked on TPU, per-layer elsewhere). Per-layer decodes with a per-layer copy of the weights, made once per chunk: on a GPU it moves far less per token but needs the weights' size again in memory while decoding (Qwen2.5-7B on H100: 12.6 GB of temporaries, against 0.3 GB stacked); 'stacked' where memory is short."""
 
   def __post_init__(self):
+    _check(self.cache_layout in ("auto", "stacked", "per_layer"), "rollout.cache_layout",
+           f"must be one of 'auto', 'stacked', 'per_layer', not {self.cache_layout!r}")
     _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
     _check(self.temperature_max >= self.temperature, "rollout.temperature_max",
            f"must be >= rollout.temperature={self.temperature}")

@@ -127,6 +127,9 @@ class Engine:
     decode_steps: tokens per ``generate`` dispatch (1 is the single-step reference path).
     platform: the platform the engine compiles for ('cpu', 'gpu', 'tpu'); None: the mesh's,
       else JAX's default backend. It chooses the KV-cache layout.
+    layout: the KV-cache layout, 'stacked' or 'per_layer'; None: by the platform (stacked on
+      TPU, per-layer elsewhere). Per-layer decodes with a per-layer copy of the weights, made
+      once per chunk: on a GPU far less traffic per token, the weights' size again in memory.
   """
 
   transformer: Transformer
@@ -137,8 +140,11 @@ class Engine:
   max_stop_tokens: int = 8
   decode_steps: int = 16
   platform: str | None = None
+  layout: CacheLayout | None = None
 
   def __post_init__(self):
+    if self.layout not in (None, "stacked", "per_layer"):
+      raise ValueError(f"layout={self.layout!r}: 'stacked', 'per_layer' or None (by platform)")
     if self.decode_steps < 1:
       raise ValueError(f"decode_steps={self.decode_steps} must be >= 1")
     if self.max_prompt_len >= self.max_len:
@@ -147,6 +153,8 @@ class Engine:
 
   @property
   def cache_layout(self) -> CacheLayout:
+    if self.layout is not None:
+      return self.layout
     platform = self.platform
     if platform is None:
       platform = (self.mesh.devices.flat[0].platform if self.mesh is not None

@@ -154,7 +154,8 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                           max_prompt_len=(r.max_prompt_len + r.max_new_tokens - 1 if config.env.agent
                                           else r.max_prompt_len),
                           mesh=meshes.generation,
-                          decode_steps=r.decode_steps)
+                          decode_steps=r.decode_steps,
+                          layout=None if r.cache_layout == "auto" else r.cache_layout)
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
                     batch_size=config.reward.batch_size, log_path=workdir / "reward.log")

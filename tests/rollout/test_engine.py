@@ -220,8 +220,11 @@ def test_the_cache_layouts_give_the_same_completions():
   engines = [Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16,
                     platform=platform) for platform in ("tpu", "cpu")]
   assert [e.cache_layout for e in engines] == ["stacked", "per_layer"]
-  assert Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16,
-                platform="gpu").cache_layout == "per_layer"
+  gpu = lambda **kw: Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16,
+                           platform="gpu", **kw)
+  assert gpu().cache_layout == "per_layer" and gpu(layout="stacked").cache_layout == "stacked"
+  with pytest.raises(ValueError, match="per_layer"):
+    gpu(layout="per-layer")
   stacked, per_layer = (rollout.generate(e, PROMPTS, **kwargs) for e in engines)
   assert max(len(c.response_tokens) for c in stacked) > 64
   for a, b in zip(stacked, per_layer):

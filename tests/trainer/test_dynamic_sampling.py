@@ -14,9 +14,9 @@ def _odd_length(response: str, reference: str) -> float:
   return float(len(response) % 2)
 
 
-def _run(tmp_path, verifier, max_draws=16):
+def _run(tmp_path, verifier, max_draws=16, *overrides):
   config = tiny.config("dapo_split", "--config.rollout.group_size=4",
-                       f"--config.algorithm.dynamic_sampling_max_draws={max_draws}")
+                       f"--config.algorithm.dynamic_sampling_max_draws={max_draws}", *overrides)
   run = prepare(config, tmp_path, say=lambda message: None)
   run.pool = RewardPool(verifier, num_workers=0)
   run.sync.publish(run.model.params, 0)  # the generation layout
@@ -38,7 +38,9 @@ def test_kept_groups_have_varied_rewards_and_fill_the_batch(tmp_path):
 
 
 def test_groups_that_never_vary_stop_the_run_with_a_clear_error(tmp_path):
-  run = _run(tmp_path, lambda response, reference: 0.0, max_draws=3)
+  # (and the stacked KV cache, the TPU's, asked for in the config, on the CPU)
+  run = _run(tmp_path, lambda response, reference: 0.0, 3, "--config.rollout.cache_layout=stacked")
+  assert run.engine.cache_layout == "stacked"
   with pytest.raises(DynamicSamplingError, match="kept 0 of 2 groups after 3 draws"):
     collect(run, run.sync.latest, seed=0)
 
