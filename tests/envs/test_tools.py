@@ -2,7 +2,6 @@
 in the workers: each failure is an observation, counted, and the run goes on."""
 
 import functools
-import pathlib
 import time
 from typing import Literal
 
