@@ -34,6 +34,28 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 HF_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+# The longest tests (whole runs in subprocesses, 30-100 s each on 2 cores) are handed out first,
+# so that no worker is left running one of them after the others have finished.
+LONGEST_FIRST = (
+    "test_config.py::test_main_trains_the_default_split_config",
+    "test_checkpoint.py::test_a_kill_at_any_moment_of_an_async_save",
+    "test_experience.py::test_the_learner_compiles_once_per_bucket",
+    "test_colocated.py::test_resumed_run_equals_straight_run",
+    "test_buffer.py::test_a_split_run_trains_on_reused_groups",
+    "test_faults.py::test_a_stop_signal_to_the_process_group",
+    "test_advise.py::test_the_advisor_probes_a_tiny_config_end_to_end",
+    "test_real_tasks.py::",
+    "test_config.py::test_main_trains_a_hugging_face_model",
+    "test_recipes.py::test_a_newcomer_runs_a_recipe",
+    "test_lora_runs.py::test_a_lora_run_trains_the_adapters",
+    "test_faults.py::test_the_newest_checkpoint_unreadable",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+  items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
+
+
 def pytest_sessionfinish(session, exitstatus):
   if _OWN_CACHE:
     shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
