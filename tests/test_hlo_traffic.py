@@ -19,7 +19,7 @@ def _both(compiled):
   return sum(op.bytes for op in ops), compiled.cost_analysis()["bytes accessed"]
 
 
-@pytest.mark.parametrize("name", ["matmul", "slice", "in_place", "conditional"])
+@pytest.mark.parametrize("name", ["matmul", "slice", "in_place", "conditional", "loop"])
 def test_bytes_equal_xla_cost_analysis_on_cpu(name):
   big = jnp.ones((1024, 1024))
   programs = {
@@ -31,6 +31,9 @@ def test_bytes_equal_xla_cost_analysis_on_cpu(name):
       "in_place": (lambda b, v: b.at[3].set(v), (big, jnp.ones(1024)), {"donate_argnums": 0}),
       "conditional": (lambda p, b: jax.lax.cond(p, lambda: jnp.sum(jnp.sin(b)), lambda: b[0, 0]),
                       (True, big), {}),
+      # a loop's body counted once, as XLA does
+      "loop": (lambda x, w: jax.lax.fori_loop(0, 10, lambda i, x: jnp.tanh(x @ w), x),
+               (jnp.ones((8, 512)), jnp.ones((512, 512))), {}),
   }
   fn, args, kwargs = programs[name]
   ours, xla = _both(_compiled(fn, *args, **kwargs))
