@@ -35,8 +35,12 @@ HF_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 # The longest tests (whole runs in subprocesses, 30-100 s each on 2 cores) are handed out first,
-# so that no worker is left running one of them after the others have finished.
+# so that no worker is left running one of them after the others have finished; the group of
+# tests that start several processes (one worker runs them one after another, ~150 s) first of
+# all.
 LONGEST_FIRST = (
+    "test_jobs.py::", "test_multihost.py::", "test_distributed.py::",
+    "test_multihost_checkpoint.py::",
     "test_config.py::test_main_trains_the_default_split_config",
     "test_checkpoint.py::test_a_kill_at_any_moment_of_an_async_save",
     "test_experience.py::test_the_learner_compiles_once_per_bucket",
@@ -53,7 +57,10 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(session, config, items):
-  items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
+  def rank(item):
+    return next((i for i, name in enumerate(LONGEST_FIRST) if name in item.nodeid),
+                len(LONGEST_FIRST))
+  items.sort(key=rank)
 
 
 def pytest_sessionfinish(session, exitstatus):
