@@ -120,13 +120,16 @@ class OrbaxSync:
     self._abstract = jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         like, generation_shardings)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
-                                           create=True)
-    # listing the versions reads each one's metadata: another job may move one away meanwhile
-    self._manager = _retried(lambda: ocp.CheckpointManager(self.directory, options=options))
+    self._options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                 enable_async_checkpointing=False, create=True)
+    self._manager = self._open()
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self.last_seconds = 0.0
     self.last_bytes = 0
+
+  def _open(self):
+    # listing the versions reads each one's metadata: another job may move one away meanwhile
+    return _retried(lambda: ocp.CheckpointManager(self.directory, options=self._options))
 
   def publish(self, params: Params, version: int) -> float:
     """Writes version ``version``; returns the seconds until it is on storage."""
@@ -139,17 +142,30 @@ class OrbaxSync:
     return self.last_seconds
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
-    """Restores the newest version above ``newer_than`` into the generation shardings."""
-    with self._lock:
-      _retried(self._manager.reload)  # another job may have written or moved versions
-      version = self._manager.latest_step()
-    if version is None or version <= newer_than:
-      return None
-    started = time.perf_counter()
-    with self._lock:
-      params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))
-    self.last_seconds = time.perf_counter() - started
-    return params, version
+    """Restores the newest version above ``newer_than`` into the generation shardings. A
+    version that a resumed learner moves aside between the listing and the read is not read:
+    the versions are listed again."""
+    for attempt in range(50):
+      with self._lock:
+        _retried(self._manager.reload)  # another job may have written or moved versions
+        version = self._manager.latest_step()
+      if version is None or version <= newer_than:
+        return None
+      started = time.perf_counter()
+      try:
+        with self._lock:
+          params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))
+      except Exception:  # noqa: BLE001 - Orbax's error for a vanished step is no FileNotFoundError
+        if (self.directory / str(version)).exists() or attempt == 49:
+          raise
+        # the manager keeps state from the failed read (the next one failed too): a new one
+        with self._lock:
+          self._manager.close()
+          self._manager = self._open()
+        time.sleep(0.1)
+        continue
+      self.last_seconds = time.perf_counter() - started
+      return params, version
 
   def versions(self) -> list[int]:
     with self._lock:

@@ -118,3 +118,36 @@ def test_a_reader_opened_while_the_writer_moves_a_version_aside(meshes, tmp_path
     assert reader.latest(newer_than=-1)[1] == 1
   finally:
     reader.close()
+
+
+def test_a_version_moved_aside_between_the_listing_and_the_read_is_not_read(meshes, tmp_path,
+                                                                            monkeypatch):
+  """A restarted generator job lists version 3, then the resumed learner moves it aside (the
+  dead run wrote it after its checkpoint) before the generator reads it: the generator lists
+  again and reads version 2 (Orbax's own error for the vanished step said "Must provide `args`
+  of type `Composite`", and the job died)."""
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  writer = sync.OrbaxSync(tmp_path / "w", generation, like=like, keep=5)
+  for version in (1, 2, 3):
+    writer.publish(_learner_params(meshes, version), version)
+  reader = sync.OrbaxSync(tmp_path / "w", generation, like=like)
+  listed = sync.ocp.CheckpointManager.latest_step
+  raced = []
+
+  def racing_latest(self):
+    step = listed(self)
+    if not raced:  # the learner moves the listed version aside before the reader reads it
+      raced.append(step)
+      writer.discard_from(step)
+    return step
+
+  monkeypatch.setattr(sync.ocp.CheckpointManager, "latest_step", racing_latest)
+  try:
+    params, version = reader.latest()
+    assert raced == [3] and version == 2
+    chex.assert_trees_all_equal(jax.device_get(params),
+                                jax.device_get(_learner_params(meshes, 2)))
+  finally:
+    reader.close()
+    writer.close()
