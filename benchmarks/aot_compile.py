@@ -249,6 +249,15 @@ def _learner_by_layers(target: str) -> dict:
 DECODE_STEPS = 16  # the engine's tokens per dispatch (rollout.decode_steps)
 
 
+def _per_token(result: dict) -> None:
+  """A decode chunk's HLO bytes as bytes per token: the loop body's (one token) plus
+  1/DECODE_STEPS of what runs once per chunk."""
+  if result["status"] == "ok":
+    for suffix in ("", "_cheapest"):
+      loop = result["hlo_loop_bytes" + suffix]
+      result["hlo_bytes" + suffix] = loop + (result["hlo_bytes" + suffix] - loop) / DECODE_STEPS
+
+
 def _tensor_parallel_decode(target: str, arch: ArchConfig, chips: int):
   """The engine's decode chunk for a model too large for one chip, its kv heads split over
   ``chips`` (the engine's tensor axis), the whole 2048-position cache: a ``--cost`` row, per
@@ -260,10 +269,7 @@ def _tensor_parallel_decode(target: str, arch: ArchConfig, chips: int):
   with unrolled():
     result = compile_one(*aot_decode_program(config, mesh), None, PLATFORM[target],
                          with_cost=True)
-  if result["status"] == "ok":
-    for suffix in ("", "_cheapest"):
-      loop = result["hlo_loop_bytes" + suffix]
-      result["hlo_bytes" + suffix] = loop + (result["hlo_bytes" + suffix] - loop) / DECODE_STEPS
+  _per_token(result)
   ideal = {key: value / chips for key, value in ideal_decode(arch, 64, 2048).items()}
   return (f"qwen2.5-7b/decode 64 slots, cache 2048/2048, tensor-parallel over {chips} chips "
           "(per chip)", result, ideal)
@@ -281,10 +287,7 @@ def cost_table(target: str) -> list[dict]:
       with unrolled():
         result = compile_one(*decode_step(target, arch=arch, attend_len=attend,
                                           steps=DECODE_STEPS), None, platform, with_cost=True)
-      if result["status"] == "ok":
-        for suffix in ("", "_cheapest"):
-          loop = result["hlo_loop_bytes" + suffix]
-          result["hlo_bytes" + suffix] = loop + (result["hlo_bytes" + suffix] - loop) / DECODE_STEPS
+      _per_token(result)
       measured.append((f"{model}/decode 64 slots, cache {attend}/2048", result,
                        ideal_decode(arch, 64, attend)))
   if peaks(target)["hbm_gib"] < 2 * 15.3:  # 7B's bf16 weights and a cache: tensor-parallel

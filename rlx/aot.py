@@ -111,8 +111,9 @@ def cost(compiled) -> dict:
   result = {"flops": float(analysis.get("flops") or hlo_traffic.flops(text) or 0.0),
             "bytes": None if xla_bytes is None else float(xla_bytes),
             "loops": text.count(" while(")}
+  module = hlo_traffic.Module(text)  # parsed once, read with either branch
   for branch, suffix in (("costliest", ""), ("cheapest", "_cheapest")):
-    ops = hlo_traffic.traffic(text, branch)
+    ops = module.traffic(branch)
     result["hlo_bytes" + suffix] = float(sum(op.bytes for op in ops))
     result["hlo_loop_bytes" + suffix] = float(sum(op.bytes for op in ops if op.in_loop))
     if branch == "costliest":

@@ -182,12 +182,20 @@ class Op:
     return self.read + self.written
 
 
-class _Module:
-  def __init__(self, text: str, branch: str):
+class Module:
+  """An optimized HLO module, parsed once; ``traffic(branch)`` reads its kernels."""
+
+  def __init__(self, text: str):
+    self.computations, self.entry = parse(text)
+    self.pick = max
+
+  def traffic(self, branch: str = "costliest") -> list["Op"]:
+    """Every kernel, in order, with the ``costliest`` or the ``cheapest`` branch of each
+    conditional."""
     if branch not in ("costliest", "cheapest"):
       raise ValueError(f"branch={branch!r}: 'costliest' or 'cheapest'")
-    self.computations, self.entry = parse(text)
     self.pick = max if branch == "costliest" else min
+    return self.ops(self.entry)
 
   def parameter_read(self, computation: str, index: int, full: int) -> int:
     """Bytes a fused computation reads of its parameter ``index`` (``full``: all of it)."""
@@ -273,8 +281,7 @@ class _Module:
 def traffic(text: str, branch: str = "costliest") -> list[Op]:
   """Every kernel of the optimized HLO module ``text`` (``compiled.as_text()``), in order,
   with the ``costliest`` or the ``cheapest`` branch of each conditional."""
-  module = _Module(text, branch)
-  return module.ops(module.entry)
+  return Module(text).traffic(branch)
 
 
 def largest(ops: list[Op], count: int = 5) -> list[dict]:
