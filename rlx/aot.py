@@ -167,8 +167,12 @@ def learner_program(config: RunConfig, mesh, packed_rows: int | None = None):
   holds the float32 adapters and the frozen base (``model.param_dtype``) is an argument.
   ``packed_rows``: the step with sequence packing (``trainer.pack_sequences``), each
   micro-batch's sequences in that many rows; None: unpacked (the largest the step gets)."""
-  transformer = _transformer(config, config.model.remat)
-  arch, rules = transformer.arch, config.mesh.logical_axis_rules
+  rules = config.mesh.logical_axis_rules
+  rows = config.samples_per_step
+  rows_sharding = update.batch_sharding(mesh, rules, rows)
+  transformer = dataclasses.replace(_transformer(config, config.model.remat),
+                                    row_sharding=rows_sharding)
+  arch = transformer.arch
   params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
                                                           jnp.dtype(config.model.param_dtype))),
                   param_shardings(arch, mesh, rules))
@@ -185,8 +189,6 @@ def learner_program(config: RunConfig, mesh, packed_rows: int | None = None):
   state = placed(jax.eval_shape(lambda p: update.TrainState(
       step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
       key=jax.random.key(0), policy_version=jnp.zeros((), jnp.int32)), params), shardings)
-  rows = config.samples_per_step
-  rows_sharding = update.batch_sharding(mesh, rules, rows)
   shape = (rows, config.rollout.max_prompt_len + config.rollout.max_new_tokens)
   floats = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows_sharding)
   one_update = (config.trainer.ppo_epochs * config.trainer.mini_batches == 1

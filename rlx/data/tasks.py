@@ -16,6 +16,10 @@ its text falls in ``eval_fraction``.
   for the built-in model to compute, for the ``calc`` environment's calculator tool. A share
   of the rows' warm-up targets (``sft_segments``) call the tool; the environment's part of
   them (the ``<result>``) is not trained on.
+- ``word_sums``: two-number addition and subtraction as one-sentence word problems
+  (``Mia has 7 pens and buys 5 more. How many pens does Mia have now?`` -> ``12``), numbers
+  1-20, asking for a ``\\boxed{}`` answer: for small pretrained instruct models (SmolLM2-135M
+  answers about a quarter of them right at first), with no warm-up.
 - ``code``: write a one-line Python function ``f(b)`` from its description
   (``returns the larger of b and 37``; 8 operations, 8 argument names, constants 2-99); the
   row's ``tests`` are assert statements that the ``code`` reward runs in its sandbox. The
@@ -95,6 +99,25 @@ def _code(rng: random.Random) -> dict:
                            ["<result>all passed</result>", False], [answer, True]]}
 
 
+_NAMES = ("Tom", "Mia", "Sam", "Ana", "Leo", "Zoe", "Ben", "Eva")
+_THINGS = ("apples", "pens", "books", "coins", "cards", "stickers", "marbles", "shells")
+BOXED_INSTRUCTION = "Put the final answer within \\boxed{}."
+
+
+def _word_sums(rng: random.Random) -> dict[str, str]:
+  name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+  a, b = rng.randint(1, 20), rng.randint(1, 20)
+  if rng.random() < 0.5:
+    verb = rng.choice(("buys", "finds", "gets"))
+    story, value = f"{name} has {a} {thing} and {verb} {b} more.", a + b
+  else:
+    a, b = max(a, b), min(a, b)
+    verb = rng.choice(("gives away", "loses", "sells"))
+    story, value = f"{name} has {a} {thing} and {verb} {b} of them.", a - b
+  prompt = f"{story} How many {thing} does {name} have now? {BOXED_INSTRUCTION}"
+  return {"prompt": prompt, "answer": str(value), "sft_target": f"\\boxed{{{value}}}"}
+
+
 CALC_TOOL_SHARE = 0.3
 """The share of ``calc`` rows whose warm-up target calls the calculator."""
 
@@ -118,7 +141,7 @@ def _calc(rng: random.Random) -> dict:
 
 TASKS: dict[str, Callable[[random.Random], dict]] = {
     "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort, "code": _code,
-    "calc": _calc}
+    "calc": _calc, "word_sums": _word_sums}
 
 
 def in_eval(prompt: str, eval_fraction: float) -> bool:

@@ -277,6 +277,12 @@ class Transformer:
     remat: activation checkpointing per layer: 'none', 'full', 'dots', 'dots_no_batch'.
     lora_scale: alpha / rank of the LoRA adapters a layer may hold (``rlx.models.lora``).
     lora_dropout: dropout on the adapters' input, where a layer holds a ``lora_key``.
+    row_sharding: how a batch's rows lie on the learning mesh (a ``NamedSharding`` whose
+      first dim is the rows), or None. A forward pass without a cache keeps every layer's
+      activations sharded so, wherever the rows divide evenly. Without it XLA's sharding
+      propagation may follow the FSDP-sharded weights instead and replicate the activations:
+      every device then computes the whole batch (seen: SmolLM2-135M over 8 CPU devices,
+      7.5 GB of temporaries per device with remat off, against 1.0 GB with the rows kept).
   """
 
   arch: ArchConfig
@@ -285,6 +291,19 @@ class Transformer:
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
   lora_scale: float = 1.0
   lora_dropout: float = 0.0
+  row_sharding: Any = None
+
+  def constrain_rows(self, x: jax.Array) -> jax.Array:
+    """``x`` [B, ...] pinned to ``row_sharding`` (when set and B divides over its devices)."""
+    sharding = self.row_sharding
+    if sharding is None:
+      return x
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(sharding.mesh.shape[axis] for axis in axes)
+    if shards <= 1 or x.shape[0] % shards:
+      return x
+    return jax.lax.with_sharding_constraint(x, sharding)
 
   def init(self, key: jax.Array, param_dtype: Any = jnp.float32) -> Params:
     return init_params(self.arch, key, param_dtype)
@@ -403,8 +422,8 @@ class Transformer:
         return fused_attention(q, k, v, None if use_causal_only else attn_mask)
 
       def layer(x, p):
-        x, _ = attention_block(x, p, lambda k, v: (k, v, None), attend)
-        return mlp_block(x, p), None
+        x, _ = attention_block(self.constrain_rows(x), p, lambda k, v: (k, v, None), attend)
+        return self.constrain_rows(mlp_block(x, p)), None
 
       if self.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])

@@ -1,7 +1,8 @@
 """Finding the final answer of a response. Only an explicitly marked final answer counts:
 the last ``<answer>...</answer>``, the last ``\\boxed{...}``, or a last line that starts
 with ``Answer:`` / ``The answer is`` / ``####``. A number that merely appears
-somewhere in the text is never taken for the answer."""
+somewhere in the text is never taken for the answer by ``final_answer``; ``last_number`` is
+the separate, explicit fallback of the rewards that accept one (``word_sums``)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ def final_answer(text: str) -> str | None:
     if match:
       return match.group(1).strip()
   return None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*")
+
+
+def last_number(text: str) -> str | None:
+  """The last integer written in ``text`` (thousands commas kept), or None."""
+  numbers = _NUMBER.findall(text)
+  return numbers[-1].rstrip(",") if numbers else None

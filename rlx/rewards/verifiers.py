@@ -8,6 +8,10 @@
   reference is ``"target|n1,n2,..."``.
 - ``sort``: the final answer, spaces and commas aside, is the reference string
   of digits.
+- ``word_sums``: the final answer is the reference integer; a response that marks no final
+  answer is judged by its last number instead (``extract.last_number``). This is for small
+  pretrained models, which mark their answer in a tenth of their replies at first but often
+  end on the right number ("7 + 5 = 12"): a single number still has to equal the answer.
 - ``format``: 1 when the response ends with its answer in ``<answer>...</answer>``.
 """
 
@@ -21,7 +25,7 @@ import re
 import threading
 from fractions import Fraction
 
-from rlx.rewards.extract import final_answer
+from rlx.rewards.extract import final_answer, last_number
 
 _FORMAT = re.compile(r"<answer>[^<]+</answer>\s*$")
 
@@ -114,5 +118,18 @@ def sort_reward(response: str, reference: str) -> float:
   return 1.0 if re.sub(r"[\s,]", "", answer) == reference else 0.0
 
 
+def word_sums_reward(response: str, reference: str) -> float:
+  answer = final_answer(response)
+  if answer is None:
+    answer = last_number(response)
+  if answer is None:
+    return 0.0
+  try:
+    return 1.0 if int(answer.replace(",", "").strip()) == int(reference) else 0.0
+  except ValueError:
+    return 0.0
+
+
 VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward,
-             "sort": sort_reward, "calc": arithmetic_reward}
+             "sort": sort_reward, "calc": arithmetic_reward,
+             "word_sums": word_sums_reward}

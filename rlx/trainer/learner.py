@@ -158,6 +158,8 @@ class Learner:
           f"sequences does not split over the learning mesh {dict(learning_mesh.shape)}: "
           "every learning device computes the whole batch; make data.prompts_per_step x "
           "rollout.group_size a multiple of mesh data x fsdp")
+    # the learner's programs keep their activations' rows where the batch's rows are
+    transformer = dataclasses.replace(transformer, row_sharding=self.batch_sharding)
     self.model = model
     self.base = None
     """With LoRA (``model.lora``): the frozen base the adapters (``state.params``) sit on."""
