@@ -84,6 +84,10 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
       + f", algorithm={config.algorithm.name} "
       f"(advantage {config.algorithm.advantage_estimator}, loss {config.algorithm.loss}), "
       f"model={config.model.path or 'built-in ' + config.model.arch.family}")
+  pinned = config.algorithm.pinned_over_preset()
+  if pinned:
+    say(f"rlx: the config pins {', '.join(pinned)}: these win over the {config.algorithm.name} "
+        "preset (set them to auto / None to take the preset's)")
   started = time.perf_counter()
   status = None
   if config.mesh.role != "both" and lead:  # its peers watch this job's status file

@@ -51,7 +51,23 @@ def test_every_config_file_loads(path):
 
 def test_shipped_configs_choose_their_algorithm_and_mode():
   dapo = cli.load_config_file(str(ROOT / "configs/dapo_split.py"))
-  assert (dapo.algorithm.name, dapo.mesh.mode, dapo.algorithm.clip_eps_high) == ("dapo", "split", 0.28)
+  assert (dapo.algorithm.name, dapo.mesh.mode, dapo.algorithm.eps_high) == ("dapo", "split", 0.28)
+  assert dapo.algorithm.dynamic and dapo.algorithm.aggregation == "token-mean"
+
+
+def test_shipped_configs_leave_to_the_preset_what_it_fills():
+  for name in ("base", "dapo_split", "grpo_colocated", "ppo_colocated", "smollm2_math"):
+    config = cli.load_config_file(str(ROOT / "configs" / f"{name}.py"))
+    assert config.algorithm.pinned_over_preset() == [], name
+  # the code recipes run GRPO with DAPO's clip-higher on purpose: the start line says so
+  code = cli.load_config_file(str(ROOT / "configs/code_grpo.py"))
+  assert "clip_eps_high=0.28 (grpo's: 0.2)" in code.algorithm.pinned_over_preset()
+  grpo = cli.load_config_file(str(ROOT / "configs/grpo_colocated.py"))
+  gspo = cli.apply_overrides(grpo, ["--config.algorithm.name=gspo"])
+  assert (gspo.algorithm.eps_low, gspo.algorithm.eps_high) == (3e-4, 4e-4)
+  pinned = cli.apply_overrides(grpo, ["--config.algorithm.name=gspo",
+                                      "--config.algorithm.clip_eps_high=0.2"])
+  assert pinned.algorithm.pinned_over_preset() == ["clip_eps_high=0.2 (gspo's: 0.0004)"]
   assert cli.load_config_file(str(ROOT / "configs/grpo_colocated.py")).mesh.mode == "colocated"
   assert cli.load_config_file(str(ROOT / "configs/ppo_colocated.py")).algorithm.name == "ppo"
 

@@ -128,6 +128,22 @@ class AlgorithmConfig:
     """Whether truncated responses are masked out (``overlong_filter``, or the preset's)."""
     return self.preset.overlong_filter if self.overlong_filter is None else self.overlong_filter
 
+  def pinned_over_preset(self) -> list[str]:
+    """The fields the preset fills that this config pins to another value, each as
+    ``field=value (preset: value)``: what wins over the preset, said where a user sees it."""
+    preset, pinned = self.preset, []
+    for field, own, preset_value in (
+        ("advantage", None if self.advantage == "auto" else self.advantage, preset.advantage),
+        ("policy_loss", None if self.policy_loss == "auto" else self.policy_loss, preset.loss),
+        ("clip_eps_low", self.clip_eps_low, preset.eps_low),
+        ("clip_eps_high", self.clip_eps_high, preset.eps_high),
+        ("loss_agg", None if self.loss_agg == "auto" else self.loss_agg, preset.loss_agg),
+        ("dynamic_sampling", self.dynamic_sampling, preset.dynamic_sampling),
+        ("overlong_filter", self.overlong_filter, preset.overlong_filter)):
+      if own is not None and own != preset_value:
+        pinned.append(f"{field}={own} ({self.name}'s: {preset_value})")
+    return pinned
+
   @property
   def uses_critic(self) -> bool:
     """GAE needs a learned value function."""

@@ -18,8 +18,8 @@ def get_config():
       config,
       name="dapo_split",
       algorithm=dataclasses.replace(
-          config.algorithm, name="dapo", clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0,
-          loss_agg="token-mean", dynamic_sampling=True, dynamic_sampling_max_draws=32,
+          # the preset fills the clip ranges (0.2 / 0.28), token-mean and dynamic sampling
+          config.algorithm, name="dapo", kl_coef=0.0, dynamic_sampling_max_draws=32,
           overlong_buffer=4, off_policy="tis"),
       mesh=dataclasses.replace(config.mesh, mode="split", max_staleness=1, weight_sync="reshard"),
       # two optimizer steps per rollout batch (mini-batches of 4 prompts x 8 samples): from the

@@ -17,7 +17,8 @@ def get_config():
       config,
       name="grpo_colocated",
       algorithm=dataclasses.replace(
-          config.algorithm, name="grpo", clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.04,
-          kl_estimator="k3", loss_agg="seq-mean-token-mean", off_policy="none"),
+          # the preset fills the clip ranges and the aggregation, so that another
+          # --config.algorithm.name gets its own
+          config.algorithm, name="grpo", kl_coef=0.04, kl_estimator="k3", off_policy="none"),
       mesh=dataclasses.replace(config.mesh, mode="colocated"),
   )

@@ -19,7 +19,7 @@ def get_config():
       rollout=dataclasses.replace(config.rollout, group_size=1),
       algorithm=dataclasses.replace(
           config.algorithm, name="ppo", gamma=1.0, lam=0.95, kl_coef=0.01, kl_estimator="k1",
-          kl_in_reward=True, loss_agg="token-mean", off_policy="none"),
+          kl_in_reward=True, off_policy="none"),
       data=dataclasses.replace(config.data, prompts_per_step=32),
       mesh=dataclasses.replace(config.mesh, mode="colocated"),
       # the classic PPO schedule: mini-batches of 8 prompts, 4 optimizer steps per rollout batch
