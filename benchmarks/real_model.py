@@ -4,6 +4,7 @@ weights, one after the other in one process.
     python -m rlx.fetch --out models/SmolLM2-135M-Instruct     # once
     python benchmarks/real_model.py [--model models/SmolLM2-135M-Instruct] [--sequences 32,64]
         [--new-tokens 64] [--learner-batch 64] [--repeats 2] [--threads 2] [--skip-torch]
+        [--parts decode,learner]
 
 Prints one JSON object:
 
@@ -157,7 +158,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--threads", type=int, default=2)
   parser.add_argument("--skip-torch", action="store_true")
+  parser.add_argument("--parts", default="decode,learner")
   args = parser.parse_args()
+  parts = args.parts.split(",")
 
   tokenizer = load_tokenizer(args.model)
   model = from_pretrained(args.model)
@@ -171,7 +174,7 @@ def main():
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     report.update(torch=torch.__version__, transformers=transformers.__version__,
                   threads=args.threads)
-  for count in map(int, args.sequences.split(",")):
+  for count in map(int, args.sequences.split(",") if "decode" in parts else []):
     prompts = prompts_of(tokenizer, count)
     tokens = count * args.new_tokens
     entry = {"rlx_tokens_per_s": round(tokens / rlx_decode(model, prompts, args.new_tokens,
@@ -182,6 +185,10 @@ def main():
       entry["rlx_over_hf"] = round(entry["rlx_tokens_per_s"] / entry["hf_tokens_per_s"], 2)
     report["decode"][str(count)] = entry
     print(json.dumps({"decode": {count: entry}}), flush=True)
+  if "learner" not in parts:
+    report["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    print(json.dumps(report, indent=1))
+    return
   sampled = learner_batch(prompts_of(tokenizer, args.learner_batch), args.learner_batch)
   real = int(np.asarray(sampled.attention_mask).sum())
   report["learner"]["batch"] = {"sequences": args.learner_batch,
