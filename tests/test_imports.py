@@ -57,6 +57,8 @@ ALLOWED = {
     "configs": {"config"},
     # a run's checkpoint as a Hugging Face directory: the model and checkpoint as main builds them
     "export": {"trainer", "config", "cli", "main", "mesh", "models", "update", "checkpoint"},
+    # python -m rlx.fetch: a GGUF model converted and checked by the model code
+    "fetch": {"models"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
 NO_JAX = {"config", "cli", "report", "envs", "configs"}

@@ -136,13 +136,16 @@ def test_greedy_decoding_equals_transformers_generate(ours, hf_model):
   engine = Engine(model.transformer, max_slots=8, max_len=160, max_prompt_len=96)
   completions = generate(engine, prompts, params=model.params, max_new_tokens=48,
                          temperature=0.0, stop_token_ids=list(tokenizer.eos_ids))
+  width = max(map(len, prompts))  # one left-padded batch, as generate is meant to be used
+  ids = torch.tensor([[tokenizer.eos_id] * (width - len(p)) + p for p in prompts])
+  attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+  with torch.inference_mode():
+    out = hf_model.generate(ids, attention_mask=attention, max_new_tokens=48, do_sample=False,
+                            eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id)
   stopped = 0
-  for prompt, completion in zip(prompts, completions):
-    with torch.inference_mode():
-      out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
-                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    expected = out[0, len(prompt):].tolist()
+  for row, completion in zip(out[:, width:].tolist(), completions):
+    # generate pads a finished row with the pad id after its eos
+    expected = row[:row.index(tokenizer.eos_id) + 1] if tokenizer.eos_id in row else row
     assert list(completion.response_tokens) == expected
     if expected[-1] == tokenizer.eos_id:  # the stop at <|im_end|>: kept, and nothing after it
       stopped += 1
