@@ -13,9 +13,10 @@ Prints one JSON object:
   ``word_sums`` problems), both sampling at temperature 1 with top-k/top-p off and no early
   stop (every sequence decodes ``--new-tokens``): decode tokens/s and the ratio rlx / HF.
 - ``learner``: the trainer's learner step (prepare + update: GRPO, one optimizer step, AdamW,
-  float32, full remat as the recipe runs it, and without remat) on ``--learner-batch``
+  float32, full remat as the recipe runs it; ``--remat full,none`` also without) on ``--learner-batch``
   sequences of ~100 tokens (the prompts above, responses of 32-64 tokens), against a plain
-  torch step on the same model and batch (forward, masked mean log-prob loss, backward, AdamW);
+  torch step on the same model and batch (forward, masked mean log-prob loss, backward in
+  micro-batches of ``--torch-micro`` sequences with the gradients accumulated, AdamW);
   tokens/s counts the sequences' own tokens, and the ratio rlx / torch.
 - ``peak_rss_gib``: the process's peak resident memory when it ends (both frameworks).
 
@@ -128,7 +129,9 @@ def rlx_learner(directory, sampled, remat, repeats, dtype="float32"):
   return timed(step, repeats)
 
 
-def torch_learner(hf, sampled, repeats):
+def torch_learner(hf, sampled, repeats, micro):
+  """A plain torch step in micro-batches of ``micro`` sequences, gradients accumulated (the
+  whole batch at once holds [64, 128, 49152] float32 logits several times: over 18 GB)."""
   import torch
   tokens = torch.tensor(np.asarray(sampled.tokens), dtype=torch.long)
   attention = torch.tensor(np.asarray(sampled.attention_mask), dtype=torch.long)
@@ -137,11 +140,14 @@ def torch_learner(hf, sampled, repeats):
   hf.train()
 
   def step():
-    logits = hf(tokens, attention_mask=attention).logits[:, :-1]
-    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-    loss = -(logprobs * mask).sum() / mask.sum()
     optimizer.zero_grad()
-    loss.backward()
+    for start in range(0, len(tokens), micro):
+      part = slice(start, start + micro)
+      logits = hf(tokens[part], attention_mask=attention[part]).logits[:, :-1]
+      logprobs = torch.log_softmax(logits.float(), -1).gather(
+          -1, tokens[part, 1:, None])[..., 0]
+      loss = -(logprobs * mask[part]).sum() / mask.sum()
+      loss.backward()
     optimizer.step()
 
   seconds = timed(step, repeats)
@@ -159,6 +165,11 @@ def main():
   parser.add_argument("--threads", type=int, default=2)
   parser.add_argument("--skip-torch", action="store_true")
   parser.add_argument("--parts", default="decode,learner")
+  parser.add_argument("--torch-micro", type=int, default=8,
+                      help="sequences per torch forward/backward (gradients accumulated)")
+  parser.add_argument("--remat", default="full",
+                      help="the learner's remat settings to time, comma-separated (full,none: "
+                           "none keeps every layer's activations, ~9.5 GB at 64 sequences)")
   args = parser.parse_args()
   parts = args.parts.split(",")
 
@@ -194,14 +205,16 @@ def main():
   report["learner"]["batch"] = {"sequences": args.learner_batch,
                                 "mean_tokens": round(real / args.learner_batch, 1),
                                 "padded_shape": list(sampled.tokens.shape)}
-  for remat in ("full", "none"):
+  remats = args.remat.split(",")
+  for remat in remats:
     seconds = rlx_learner(args.model, sampled, remat, args.repeats)
     report["learner"][f"rlx_remat_{remat}_tokens_per_s"] = round(real / seconds, 1)
     print(json.dumps({"learner": {remat: round(real / seconds, 1)}}), flush=True)
   if hf is not None:
-    seconds = torch_learner(hf, sampled, args.repeats)
+    seconds = torch_learner(hf, sampled, args.repeats, args.torch_micro)
+    report["learner"]["torch_micro_batch"] = args.torch_micro
     report["learner"]["torch_tokens_per_s"] = round(real / seconds, 1)
-    for remat in ("full", "none"):
+    for remat in remats:
       report["learner"][f"rlx_remat_{remat}_over_torch"] = round(
           report["learner"][f"rlx_remat_{remat}_tokens_per_s"]
           / report["learner"]["torch_tokens_per_s"], 2)
