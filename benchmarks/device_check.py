@@ -43,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import real_model  # noqa: E402 - the benchmark beside this one
 
 from rlx import aot  # noqa: E402
-from rlx.kernels import fused_logprobs  # noqa: E402
+from rlx.kernels import fused_logprobs  # noqa: E402 - the function (the package exports it)
 from rlx.models import from_pretrained, load_tokenizer  # noqa: E402
 
 KINDS = {"h200": "h200", "h100": "h100", "a100": "a100", "v5 lite": "v5e", "v5e": "v5e",
@@ -108,7 +108,7 @@ def fused_part(args):
   impls = ["xla", "pallas"] if jax.default_backend() in ("gpu", "tpu") else ["xla", "reference"]
   for impl in impls:
     def loss(h, w, impl=impl):
-      logprobs, entropy = fused_logprobs.fused_logprobs(h, w, targets, impl=impl)
+      logprobs, entropy = fused_logprobs(h, w, targets, impl=impl)
       return logprobs.astype(jnp.float32).sum() + entropy.astype(jnp.float32).sum()
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     try:
@@ -139,10 +139,10 @@ def rl_part(args, model_dir, workdir):
   started = time.perf_counter()
   result = subprocess.run(command, capture_output=True, text=True)
   seconds = time.perf_counter() - started
-  accuracy = re.findall(r"held-out accuracy (?:before|after) RL: ([\d.]+)%", result.stdout)
+  final = re.search(r"held-out accuracy: before RL ([\d.]+)%, after RL ([\d.]+)%", result.stdout)
   return {"rc": result.returncode, "wall_s": round(seconds, 1),
-          "accuracy_before": float(accuracy[0]) if accuracy else None,
-          "accuracy_after": float(accuracy[-1]) if len(accuracy) > 1 else None,
+          "accuracy_before": float(final.group(1)) if final else None,
+          "accuracy_after": float(final.group(2)) if final else None,
           "tail": result.stdout.strip().splitlines()[-3:] + result.stderr.strip().splitlines()[-3:]}
 
 
