@@ -213,8 +213,9 @@ def agent_metrics(sums: dict[str, float],
         "agent/program_timeouts": sums.get("program_timeouts", 0),
         "agent/silent_episodes": sums.get("silent_episodes", 0),
         "agent/failed_groups": sums.get("failed_groups", 0),
+        # of every episode run: the kept ones, those dropped with a failed group, the failed
         "agent/failed_frac": failures / max(sums.get("episodes", 0)
-                                            + sums.get("dropped_episodes", 0), 1),
+                                            + sums.get("dropped_episodes", 0) + failures, 1),
         "agent/history_rewrites": sums.get("history_rewrites", 0),
         # sampled tokens left out of training: other segments, unchosen choices of n > 1
         "agent/dropped_token_frac": (sums.get("dropped_tokens", 0)

@@ -19,3 +19,13 @@ def test_means_fractions_and_latency_percentiles():
   assert "agent/tool_latency_p50_s" not in agent_metrics(sums, [])
   one = agent_metrics(sums, [("calculator", 0.1)])
   assert "agent/tool_latency_p50_s" in one and "agent/tool_latency_p50_s/calculator" not in one
+
+
+def test_the_failed_fraction_counts_every_episode_run():
+  # 4 groups of 4: two groups each lost 2 episodes to their programs (the other 2 of each were
+  # dropped with them), two groups were kept whole: 4 of 16 episodes failed
+  sums = {"episodes": 8, "requests": 8, "dropped_episodes": 4, "program_errors": 3,
+          "program_timeouts": 1, "silent_episodes": 0}
+  assert agent_metrics(sums, [])["agent/failed_frac"] == 4 / 16
+  every_group_failed = {"episodes": 0, "requests": 0, "dropped_episodes": 8, "program_errors": 8}
+  assert agent_metrics(every_group_failed, [])["agent/failed_frac"] == 0.5
