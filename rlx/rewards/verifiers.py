@@ -36,7 +36,11 @@ def format_reward(response: str, reference: str = "") -> float:
 
 
 def arithmetic_reward(response: str, reference: str) -> float:
-  answer = final_answer(response)
+  return _integer_reward(final_answer(response), reference)
+
+
+def _integer_reward(answer: str | None, reference: str) -> float:
+  """1 when ``answer`` is the reference integer (thousands commas allowed)."""
   if answer is None:
     return 0.0
   try:
@@ -120,14 +124,7 @@ def sort_reward(response: str, reference: str) -> float:
 
 def word_sums_reward(response: str, reference: str) -> float:
   answer = final_answer(response)
-  if answer is None:
-    answer = last_number(response)
-  if answer is None:
-    return 0.0
-  try:
-    return 1.0 if int(answer.replace(",", "").strip()) == int(reference) else 0.0
-  except ValueError:
-    return 0.0
+  return _integer_reward(last_number(response) if answer is None else answer, reference)
 
 
 VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward,
