@@ -29,6 +29,8 @@ class MeshConfig:
   """Tensor-parallel size of the generation (sub-)mesh; the rest of it is data-parallel."""
   max_staleness: int = 1
   """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
+  inflight_updates: bool = True
+  """Split mode: a newly published policy version reaches sequences still decoding, swapped in between decode chunks without draining (partial rollouts); each token keeps the version that sampled it and its behaviour log-prob, and a batch's staleness is its oldest token's. A generator job of several processes takes new weights between batches only. false: weights change only between draws."""
   lag_threshold: int | None = None
   """Split mode: a batch holding a rollout more than this many versions old is expired (dropped and counted), and when the mean lag over control_window batches exceeds it the controller lowers the effective staleness bound below max_staleness, raising it again when healthy (rlx.trainer.control); None disables both."""
   control_window: int = 4

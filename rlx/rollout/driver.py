@@ -6,6 +6,14 @@ As soon as a slot finishes (a stop token or the length limit), the next request
 is inserted into it; nobody waits for the longest sequence. The n samples of a
 prompt share one prefill. Completions come back in prompt order, the n samples
 of a prompt next to each other, whatever order they finished in.
+
+In-flight weight updates (``weights=``): before every decode chunk the driver asks for
+newer weights and, when there are, swaps them in without draining. Sequences in flight
+continue under the new version; the KV cache they already built stays (computed by the
+version that was current then), and every token keeps the version that sampled it
+(``Completion.token_versions``) beside its behaviour log-prob, which is exactly the
+distribution it was drawn from. ``Completion.policy_version`` is the oldest of them, the
+version of the first token: what the staleness bound judges.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from rlx.models.model import Model
 from rlx.models.transformer import Params
 from rlx.rollout.engine import DecodeState, Engine, Prefix, SamplingParams, np_stop_ids
 
+Weights = Callable[[], "tuple[Params, int] | None"]
+"""Newer weights for an in-flight update: (params, version), or None to keep those in use."""
+
 
 @dataclasses.dataclass
 class Completion:
@@ -35,12 +46,16 @@ class Completion:
       distribution it was drawn from, after temperature, top-k and top-p (0 for greedy).
     policy_logprobs: its log-prob under the untruncated policy at temperature 1.
     finish_reason: 'stop' (a stop token) or 'length' (max_new_tokens or the cache is full).
-    policy_version: version of the params that generated it.
+    policy_version: version of the params that sampled its first token: the oldest of its
+      tokens (with in-flight updates, later tokens may come from newer versions).
     prompt_index, sample_index: where it belongs in the request.
     sampled_mask: for a multi-turn episode, one flag per response token: True on the tokens
       the policy sampled, False on the environment's (their log-probs are 0). None: every
       response token was sampled.
     turns: assistant turns of the episode (1 for a single answer).
+    token_versions: the policy version of each response token, when they differ (an
+      in-flight weight update reached the sequence); None: every token is
+      ``policy_version``'s. Environment tokens carry the version current when they came.
   """
 
   prompt_tokens: list[int]
@@ -53,6 +68,27 @@ class Completion:
   sample_index: int
   sampled_mask: list[bool] | None = None
   turns: int = 1
+  token_versions: list[int] | None = None
+
+  @property
+  def newest_version(self) -> int:
+    """The newest policy version among its tokens (``policy_version`` is the oldest)."""
+    return self.policy_version if self.token_versions is None else max(self.token_versions)
+
+  def versions(self) -> list[int]:
+    """The policy version of every response token."""
+    if self.token_versions is None:
+      return [self.policy_version] * len(self.response_tokens)
+    return self.token_versions
+
+  def stamp(self, count: int, version: int) -> None:
+    """Records that the next ``count`` response tokens come from ``version`` (call before
+    appending them)."""
+    if self.token_versions is None:
+      if version == self.policy_version:
+        return
+      self.token_versions = [self.policy_version] * len(self.response_tokens)
+    self.token_versions.extend([version] * count)
 
   @property
   def sampled_tokens(self) -> int:
@@ -80,6 +116,8 @@ class Completion:
       del self.response_tokens[low:], self.logprobs[low:], self.policy_logprobs[low:]
       if self.sampled_mask is not None:
         del self.sampled_mask[low:]
+      if self.token_versions is not None:
+        del self.token_versions[low:]
     self.finish_reason = "stop"
     return True
 
@@ -102,7 +140,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
              params: Params | None = None, policy_version: int = 0, max_slots: int | None = None,
              batching: Literal["continuous", "static"] = "continuous",
              first_prompt_index: int = 0,
-             on_finished: Callable[[Completion], None] | None = None) -> list[Completion]:
+             on_finished: Callable[[Completion], None] | None = None,
+             weights: Weights | None = None) -> list[Completion]:
   """Samples ``n`` responses to each prompt.
 
   Args:
@@ -116,7 +155,7 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
     seed: fixes every draw (whatever the slot scheduling): sample j of prompt i draws from
       ``fold_in(fold_in(key(seed), first_prompt_index + i), j)``.
     params: the weights to use (default: the model's); swapping them never recompiles.
-    policy_version: stamped on every completion.
+    policy_version: the version of ``params``, stamped on the tokens they sample.
     max_slots: decode slots of the engine built for a Model (default min(64, requests)).
     batching: 'continuous' refills a slot as soon as it frees; 'static' waits for
       the whole batch of slots to finish first (for comparison only).
@@ -124,6 +163,9 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
       share, so that every prompt draws the same samples whichever process generates it.
     on_finished: called with each completion as soon as it finishes (e.g. to score it while
       the others are still decoding).
+    weights: asked before every decode chunk; a (params, version) it returns whose version
+      differs from the one in use replaces it from that chunk on (an in-flight update, see
+      the module docstring). None from it: keep the current ones.
   """
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts:
@@ -146,7 +188,7 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
   for p in prompts:
     engine.prompt_bucket(len(p))  # refuses prompts that are too long
   return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
-              policy_version, batching, first_prompt_index, on_finished).run()
+              policy_version, batching, first_prompt_index, on_finished, weights).run()
 
 
 @jax.jit
@@ -161,10 +203,13 @@ class _Run:
   """The host-side bookkeeping of one ``generate`` call."""
 
   def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
-               stop, seed, policy_version, batching, first_prompt_index=0, on_finished=None):
+               stop, seed, policy_version, batching, first_prompt_index=0, on_finished=None,
+               weights=None):
     self.engine, self.params, self.prompts, self.n = engine, params, prompts, n
-    self.on_finished = on_finished
+    self.on_finished, self.weights = on_finished, weights
     self.policy_version, self.batching = policy_version, batching
+    """The version of ``params``: the one in use now."""
+    self.swaps = 0  # in-flight weight updates taken
     self.max_new_tokens = max_new_tokens
     self.sampling_row = (float(temperature), int(top_k), float(top_p), int(max_new_tokens),
                          np_stop_ids(stop, engine.max_stop_tokens))
@@ -174,12 +219,13 @@ class _Run:
         lambda i: jax.random.fold_in(jax.random.fold_in(base, first_prompt_index + i // n),
                                      i % n))(indices)
     self.pending = collections.deque(range(len(prompts)))  # prompts not yet prefilled
-    self.prefixes = collections.deque()  # [prefix, row, prompt_index, next sample index]
+    # [prefix, row, prompt_index, next sample index, the version that computed the prefix]
+    self.prefixes = collections.deque()
     self.owner: list[tuple[int, int] | None] = [None] * engine.max_slots
     self.partial: dict[tuple[int, int], Completion] = {}  # being generated
     self.results: dict[tuple[int, int], Completion] = {}  # finished
     self.index = np.zeros((engine.max_slots,), np.int64)  # each slot's cache index (host copy)
-    self.firsts: list = []  # first tokens sampled at insert, not yet read
+    self.firsts: list = []  # (slots, first tokens sampled at insert, their version), not read
     # While requests wait, a chunk ends once this many slots have freed, to refill them.
     self.refill_at = max(1, engine.max_slots // 16)
 
@@ -198,7 +244,9 @@ class _Run:
 
   def _decode(self, state, slots: list[int], waiting: bool):
     """One ``generate`` chunk over the decoding ``slots`` (ending early to refill when requests
-    are ``waiting``), its tokens recorded; returns the state and the chunk (host arrays)."""
+    are ``waiting``), with the newest weights, its tokens recorded; returns the state and the
+    chunk (host arrays)."""
+    self._refresh()
     attend_len = self.engine.attend_bucket(int(self.index[slots].max()))
     state, chunk = self.engine.generate(self.params, state, attend_len,
                                         self.refill_at if waiting else None)
@@ -206,11 +254,20 @@ class _Run:
     # the chunk's tokens.
     firsts, chunk = jax.device_get((self.firsts, chunk))
     self.firsts = []
-    for placed, first in firsts:
+    for placed, first, version in firsts:
       for i, slot in enumerate(placed):
-        self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i])
+        self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i], version)
     self._record(chunk)
     return state, chunk
+
+  def _refresh(self) -> None:
+    """Takes newer weights between chunks, when ``weights`` has them."""
+    if self.weights is None:
+      return
+    newer = self.weights()
+    if newer is not None and newer[1] != self.policy_version:
+      self.params, self.policy_version = newer
+      self.swaps += 1
 
   def _prefill_next(self, free_slots: int) -> None:
     count = min(len(self.pending), max(1, -(-free_slots // self.n)))
@@ -224,7 +281,7 @@ class _Run:
       true_length[row] = len(self.prompts[p])
     prefix = self.engine.prefill(self.params, tokens, true_length)
     for row, p in enumerate(chosen):
-      self.prefixes.append([prefix, row, p, 0])
+      self.prefixes.append([prefix, row, p, 0, self.policy_version])
 
   def _fill(self, state, free: list[int]):
     by_prefix: dict[int, tuple[Prefix, list]] = {}
@@ -232,18 +289,21 @@ class _Run:
       if not self.prefixes:
         self._prefill_next(len(free))
       entry = self.prefixes[0]
-      prefix, row, p, sample = entry
+      prefix, row, p, sample, version = entry
       slot = free.pop(0)
       self.owner[slot] = (p, sample)
-      by_prefix.setdefault(id(prefix), (prefix, []))[1].append((slot, row, p * self.n + sample))
+      by_prefix.setdefault(id(prefix), (prefix, version, []))[2].append(
+          (slot, row, p * self.n + sample))
       entry[3] += 1
       if entry[3] == self.n:
         self.prefixes.popleft()
-    for prefix, inserts in by_prefix.values():
-      state = self._insert(state, prefix, inserts)
+    for prefix, version, inserts in by_prefix.values():
+      state = self._insert(state, prefix, inserts, version)
     return state
 
-  def _insert(self, state, prefix: Prefix, inserts):
+  def _insert(self, state, prefix: Prefix, inserts, version: int):
+    """Inserts requests into slots from ``prefix`` (computed by policy ``version``, which
+    samples their first tokens)."""
     count = self.engine.batch_bucket(len(inserts))
     pad = count - len(inserts)
     slots = np.array([s for s, _, _ in inserts] + [self.engine.max_slots] * pad, np.int32)
@@ -257,7 +317,7 @@ class _Run:
     state = self.engine.insert(prefix, state, slots, rows, keys, sampling)
     placed = slots[:len(inserts)]
     # Read with the next chunk's results rather than now (no extra host round trip).
-    self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
+    self.firsts.append((placed.tolist(), _first_tokens(state, slots), version))
     self.index[placed] = [len(self.prompts[key // self.n]) for _, _, key in inserts]
     return state
 
@@ -269,16 +329,18 @@ class _Run:
       self.index[slot] += int(emitted.sum())
       self._append(int(slot), chunk.tokens[emitted, slot], chunk.logprobs[emitted, slot],
                    chunk.policy_logprobs[emitted, slot], chunk.finished[last, slot],
-                   chunk.stopped[last, slot])
+                   chunk.stopped[last, slot], self.policy_version)
 
-  def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped) -> None:
+  def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped,
+              version: int) -> None:
     p, sample = self.owner[slot]
     completion = self.partial.get((p, sample))
     if completion is None:
       completion = Completion(prompt_tokens=self.prompts[p], response_tokens=[], logprobs=[],
                               policy_logprobs=[], finish_reason="length",
-                              policy_version=self.policy_version, prompt_index=p, sample_index=sample)
+                              policy_version=version, prompt_index=p, sample_index=sample)
       self.partial[(p, sample)] = completion
+    completion.stamp(len(tokens), version)
     completion.response_tokens.extend(tokens.tolist())
     completion.logprobs.extend(logprobs.tolist())
     completion.policy_logprobs.extend(policy_logprobs.tolist())

@@ -15,8 +15,9 @@ tokens and the environment's in order; ``sampled_mask`` says which is which, and
 environment's tokens have log-prob 0. Sampled tokens are kept as ids: nothing is decoded and
 encoded again. An episode ends when the environment says done, or truncated (finish reason
 'length') when it would pass ``max_tokens`` after its prompt, or its environment does not
-answer within ``step_timeout_s``. The whole call samples with one set of params: an episode
-never mixes policy versions.
+answer within ``step_timeout_s``. With ``weights=``, newer weights are swapped in between
+decode chunks as in ``rollout.generate``: an episode may then span policy versions, each
+token stamped with its own (``Completion.token_versions``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax
 import numpy as np
 
 from rlx.models.transformer import Params
-from rlx.rollout.driver import Completion, _first_tokens, _Run
+from rlx.rollout.driver import Completion, Weights, _first_tokens, _Run
 from rlx.rollout.engine import Engine, SamplingParams
 
 Respond = Callable[[int, int, list[int], str], concurrent.futures.Future]
@@ -48,7 +49,7 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
                       stop_token_ids: Sequence[int], seed: int = 0, policy_version: int = 0,
                       first_prompt_index: int = 0, step_timeout_s: float = 30.0,
                       on_finished: Callable[[Completion], None] | None = None,
-                      stats: dict | None = None) -> list[Completion]:
+                      stats: dict | None = None, weights: Weights | None = None) -> list[Completion]:
   """``n`` episodes from each prompt (see the module docstring).
 
   Args:
@@ -75,7 +76,7 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
     engine.prompt_bucket(len(p))
   run = EpisodeRun(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                    tuple(stop_token_ids), seed, policy_version, "continuous", first_prompt_index,
-                   on_finished, respond=respond, max_tokens=max_tokens,
+                   on_finished, weights, respond=respond, max_tokens=max_tokens,
                    step_timeout_s=step_timeout_s)
   completions = run.run()
   if stats is not None:
@@ -118,16 +119,18 @@ class EpisodeRun(_Run):
         self.stats["parked_s"] += time.monotonic() - began
     return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
 
-  def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped) -> None:
+  def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped,
+              version: int) -> None:
     key = self.owner[slot]
     completion = self.partial.get(key)
     if completion is None:
       completion = Completion(prompt_tokens=self.prompts[key[0]], response_tokens=[], logprobs=[],
                               policy_logprobs=[], finish_reason="length",
-                              policy_version=self.policy_version, prompt_index=key[0],
+                              policy_version=version, prompt_index=key[0],
                               sample_index=key[1], sampled_mask=[], turns=1)
       self.partial[key] = completion
       self.turn_start[key] = 0
+    completion.stamp(len(tokens), version)
     completion.response_tokens.extend(tokens.tolist())
     completion.logprobs.extend(logprobs.tolist())
     completion.policy_logprobs.extend(policy_logprobs.tolist())
@@ -184,6 +187,7 @@ class EpisodeRun(_Run):
       completion = self.partial[key]
       row = [completion.response_tokens[-1], *appended]  # the last sampled token is not cached yet
       slots[i], tokens[i, :len(row)], lengths[i] = slot, row, len(row)
+      completion.stamp(len(appended), self.policy_version)
       completion.response_tokens.extend(appended)
       completion.logprobs.extend([0.0] * len(appended))
       completion.policy_logprobs.extend([0.0] * len(appended))
@@ -203,5 +207,5 @@ class EpisodeRun(_Run):
                                jax.numpy.stack(keys), sampling,
                                filled=int(self.index[slots[:len(replies)]].max()))
     placed = slots[:len(replies)]
-    self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
+    self.firsts.append((placed.tolist(), _first_tokens(state, slots), self.policy_version))
     return state

@@ -242,10 +242,11 @@ class Batcher(_Run):
     sampling, keys = self._sampling(chosen + chosen[:1] * (count - len(matched)))
     state = self.engine.extend(self.params, state, slots, tokens, lengths, keys, sampling,
                                filled=int(self.index[slots[:len(matched)]].max()))
-    self.firsts.append((slots[:len(matched)].tolist(), _first_tokens(state, slots)))
+    self.firsts.append((slots[:len(matched)].tolist(), _first_tokens(state, slots),
+                        self.policy_version))
     return state
 
-  def _insert(self, state, prefix, inserts):
+  def _insert(self, state, prefix, inserts, version):
     count = self.engine.batch_bucket(len(inserts))
     pad = count - len(inserts)
     chosen = [self.requests[k] for _, _, k in inserts]
@@ -257,11 +258,11 @@ class Batcher(_Run):
     placed = slots[:len(inserts)]
     for slot in placed.tolist():
       self.parked.pop(slot, None)
-    self.firsts.append((placed.tolist(), _first_tokens(state, slots)))
+    self.firsts.append((placed.tolist(), _first_tokens(state, slots), version))
     self.index[placed] = [len(r.prompt) for r in chosen]
     return state
 
-  def _append(self, slot, tokens, logprobs, policy_logprobs, finished, stopped) -> None:
+  def _append(self, slot, tokens, logprobs, policy_logprobs, finished, stopped, version) -> None:
     if self.owner[slot] is None:  # a zombie: nobody reads it
       if finished:
         self.zombies.discard(slot)
@@ -271,7 +272,7 @@ class Batcher(_Run):
     if completion is None:
       completion = Completion(prompt_tokens=[], response_tokens=[], logprobs=[],
                               policy_logprobs=[], finish_reason="length",
-                              policy_version=self.policy_version, prompt_index=p, sample_index=0)
+                              policy_version=version, prompt_index=p, sample_index=0)
       self.partial[(p, 0)] = completion
     completion.response_tokens.extend(tokens.tolist())
     completion.logprobs.extend(logprobs.tolist())
@@ -294,7 +295,7 @@ class Batcher(_Run):
     if not future.done():
       future.set_result(Generated(
           completion.response_tokens, completion.logprobs, completion.policy_logprobs,
-          "stop" if stopped or stop_text is not None else "length", self.policy_version,
+          "stop" if stopped or stop_text is not None else "length", completion.policy_version,
           stop_text))
     self.owner[slot] = None
     if not finished:

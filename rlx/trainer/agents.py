@@ -98,8 +98,10 @@ class _Episodes:
 
 
 def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, seed: int,
-                 version: int, first_prompt_index: int = 0) -> tuple[list[Completion], Scored]:
-  """``n`` episodes of each row, and their rewards, verdicts and statistics."""
+                 version: int, first_prompt_index: int = 0,
+                 inflight=None) -> tuple[list[Completion], Scored]:
+  """``n`` episodes of each row, and their rewards, verdicts and statistics (``inflight``:
+  newer weights between decode chunks, as in ``collect.generate_and_score``)."""
   config = run.config
   episodes = _Episodes(run, rows, n)
   r = config.rollout
@@ -112,7 +114,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
         stop_token_ids=turn_stop_ids(run.tokenizer, tool_format(config, run.tokenizer)),
         seed=seed, policy_version=version,
         first_prompt_index=first_prompt_index, step_timeout_s=config.env.step_timeout_s,
-        stats=slots)
+        stats=slots, weights=inflight)
   finally:
     episodes.close()
   ordered = [episodes.episodes[(c.prompt_index, c.sample_index)] for c in completions]

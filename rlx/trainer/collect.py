@@ -25,11 +25,14 @@ from rlx.trainer.run import Run
 
 
 def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
-                       seed: int, version: int,
-                       first_prompt_index: int = 0) -> tuple[list[Completion], Scored]:
+                       seed: int, version: int, first_prompt_index: int = 0,
+                       inflight: rollout.driver.Weights | None = None
+                       ) -> tuple[list[Completion], Scored]:
   """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
   (``first_prompt_index``: where ``rows`` start in the batch the processes share). Each
-  completion is scored as soon as it finishes, while the others are still decoding."""
+  completion is scored as soon as it finishes, while the others are still decoding.
+  ``inflight``: newer weights, asked for between decode chunks (``rollout.generate``'s
+  ``weights``); agent programs sample each request with the weights it started with."""
   if run.config.env.agent:
     from rlx.trainer.agent_programs import run_agent_programs  # noqa: PLC0415 - needs rlx[serve]
 
@@ -37,7 +40,8 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
                               version=version, first_prompt_index=first_prompt_index)
   if run.config.env.enabled:
     return run_episodes(run, params, rows, n=n, temperature=temperature, seed=seed,
-                        version=version, first_prompt_index=first_prompt_index)
+                        version=version, first_prompt_index=first_prompt_index,
+                        inflight=inflight)
   r = run.config.rollout
   scorer = _Scorer(run, rows)
 
@@ -50,7 +54,7 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
         run.engine, [row["prompt_tokens"] for row in rows], params=params, n=n,
         max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
         stop_token_ids=run.tokenizer.eos_ids, seed=seed, policy_version=version,
-        first_prompt_index=first_prompt_index,
+        first_prompt_index=first_prompt_index, weights=inflight,
         on_finished=finished if r.stop_strings else scorer.submit)
   finally:
     parts = scorer.finish()
@@ -144,14 +148,18 @@ class Draw:
 
 
 def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
-            temperature: float | None = None) -> Draw:
+            temperature: float | None = None,
+            inflight: Callable[[], tuple[object, int]] | None = None) -> Draw:
   """``prompts_per_step`` groups of ``group_size`` samples. With dynamic sampling, groups whose
   rewards are all equal are dropped and more prompts drawn (at most
   ``algorithm.dynamic_sampling_max_draws`` draws).
 
   ``params_fn()`` gives the (params, version) to sample with; it is asked before every
-  draw, so a refill uses the newest policy the generator has. ``temperature`` overrides
-  ``rollout.temperature`` (the entropy controller's).
+  draw, so a refill uses the newest policy the generator has; ``inflight``, when given, is
+  also asked before every decode chunk, so that a version published meanwhile reaches the
+  sequences in flight (``rollout/mixed_version_frac``: the kept completions whose tokens
+  span versions). ``temperature`` overrides ``rollout.temperature`` (the entropy
+  controller's).
 
   With several processes, every process draws the same prompt batches and samples its own
   contiguous share of them (groups never cross processes); they draw again as long as any
@@ -192,7 +200,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
     params, version = params_fn()
     drawn, scored = generate_and_score(
         run, params, rows, n=group, temperature=temperature, seed=seed * max_draws + draws,
-        version=version, first_prompt_index=first)
+        version=version, first_prompt_index=first, inflight=inflight)
     scores = scored.rewards
     sampled_reward += float(np.sum(scores))
     sampled_correct += float(np.sum(scored.correct))
@@ -215,7 +223,9 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
     correct += [scored.correct[i] for i in np.flatnonzero(keep)]
     draws += 1
   names = distributed.union_over_processes(parts)  # components may differ between processes
+  kept = completions[:wanted]
   totals = distributed.sums_over_processes({
+      "kept": len(kept), "mixed": sum(c.newest_version != c.policy_version for c in kept),
       "reward": sampled_reward, "correct": sampled_correct, "sampled": sampled,
       "dropped": dropped, "alike": alike,
       **{f"count:{key}": value for key, value in counts.items()},  # the same keys everywhere
@@ -223,6 +233,8 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
       **{f"part_sum:{name}": parts.get(name, (0.0, 0))[0] for name in names},
       **{f"part_count:{name}": parts.get(name, (0.0, 0))[1] for name in names}})
   counts = {key: int(totals[f"count:{key}"]) for key in counts}
+  if inflight is not None:
+    counts["rollout/mixed_version_frac"] = totals["mixed"] / max(totals["kept"], 1)
   if agent:
     latencies, run.tool_latencies[:] = list(run.tool_latencies), []
     counts.update(agent_metrics({key.split(":", 1)[1]: totals[key] for key in agent}, latencies))
@@ -238,6 +250,6 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
                  # samples whose reward call failed (raised, timed out, not finite)
                  "reward/error_frac": (counts.get("reward/errors", 0)
                                        + counts.get("reward/timeouts", 0)) / totals["sampled"]})
-  return Draw(completions[:wanted], np.array(rewards[:wanted], np.float32),
+  return Draw(kept, np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state(), temperature, born)

@@ -77,6 +77,15 @@ def lag(policy_versions, version: int) -> tuple[float, int]:
   return float(np.mean(lags)), int(np.max(lags))
 
 
+def may_start(index: int, finished: int, k: int) -> bool:
+  """The generator's gate: whether batch ``index`` (counting from 0 over the run) may start
+  when the learner is done with ``finished`` batches (trained or dropped) under the bound
+  ``k``. It samples with the newest version published when it starts, and every batch
+  between raises the version by at most one, so its oldest token is at most k versions old
+  when the learner trains on it, whatever was dropped before it."""
+  return finished >= index - k
+
+
 def past_bound(lag_max: int, max_staleness: int) -> bool:
   """Whether a batch whose largest lag is ``lag_max`` breaks the bound k = ``max_staleness``."""
   return lag_max > max_staleness

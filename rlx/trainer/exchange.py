@@ -59,6 +59,8 @@ def encode(draw: Draw, extra: dict | None = None) -> bytes:
   if any(x.sampled_mask is not None for x in c):  # multi-turn episodes
     arrays["sampled_mask"], _ = _flat([x.sampled_mask if x.sampled_mask is not None else
                                        [True] * len(x.response_tokens) for x in c], bool)
+  if any(x.token_versions is not None for x in c):  # an in-flight update reached some
+    arrays["token_versions"], _ = _flat([x.versions() for x in c], np.int32)
   arrays.update(
       policy_version=np.array([x.policy_version for x in c], np.int32),
       prompt_index=np.array([x.prompt_index for x in c], np.int32),
@@ -79,13 +81,17 @@ def decode(data: bytes) -> tuple[Draw, dict]:
           for name in ("prompt_tokens", "response_tokens", "logprobs", "policy_logprobs")}
   masks = (_rows(np.asarray(a["sampled_mask"], bool), a["response_tokens_offsets"])
            if "sampled_mask" in a else None)
+  versions = (_rows(np.asarray(a["token_versions"], np.int32), a["response_tokens_offsets"])
+              if "token_versions" in a else None)
   completions = [
       Completion(prompt_tokens=rows["prompt_tokens"][i], response_tokens=rows["response_tokens"][i],
                  logprobs=rows["logprobs"][i], policy_logprobs=rows["policy_logprobs"][i],
                  finish_reason=meta["finish_reason"][i], policy_version=int(a["policy_version"][i]),
                  prompt_index=int(a["prompt_index"][i]), sample_index=int(a["sample_index"][i]),
                  sampled_mask=masks[i] if masks else None,
-                 turns=int(a["turns"][i]) if "turns" in a else 1)
+                 turns=int(a["turns"][i]) if "turns" in a else 1,
+                 token_versions=(versions[i] if versions and len(set(versions[i])) > 1
+                                 else None))
       for i in range(len(meta["finish_reason"]))]
   draw = Draw(completions, np.asarray(a["rewards"], np.float32), np.asarray(a["correct"], bool),
               meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"),

@@ -270,7 +270,7 @@ def make_mismatch(config: RunConfig, transformer: Transformer, pad_id: int):
   """``measure(params, completions, version, temperature) -> (kl, tokens) | None``: the
   engine/learner mismatch of a batch, ``KL(behaviour || learner)`` per response token (k3 on
   the engine's samples), where the learner's log-probs are recomputed with the learner's code
-  under ``params``, the weights of ``version``. Only the rows ``version`` sampled count; None
+  under ``params``, the weights of ``version``. Only the rows ``version`` sampled wholly count; None
   when there are none. Both sides run the same model code, so it should be tiny: a large
   value means the engine and the learner disagree on the numbers (dtype, kernels, sampling
   settings), which the off-policy correction then pays for."""
@@ -278,7 +278,7 @@ def make_mismatch(config: RunConfig, transformer: Transformer, pad_id: int):
 
   def measure(params, completions: Sequence[Completion], version: int,
               temperature: float | None = None) -> tuple[float, int] | None:
-    rows = [c for c in completions if c.policy_version == version]
+    rows = [c for c in completions if c.policy_version == c.newest_version == version]
     if not rows:
       return None
     arrays = layout(rows, pad_id)

@@ -55,14 +55,19 @@ from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.trainer import control, jobstatus
 from rlx.trainer.buffer import buffered
-from rlx.trainer.collect import Draw, collect
+from rlx.trainer.collect import Draw
+from rlx.trainer.experience import make_mismatch
 from rlx.trainer.common import Say, TrainingError
 from rlx.trainer.run import Run, prepare
 from rlx.trainer.exchange import RolloutFiles
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.produce import Opened, Produced, Weights, produce
 
 POLL_S = 0.1
+INFLIGHT_POLL_S = 0.5
+"""How often a generator job looks for a newer policy version while it samples (listing
+the versions on shared storage costs more than a decode chunk)."""
 NOTICE_S = 60.0
 WATCH_S = 1.0
 """How often a waiting job reads the status files of the job it waits on."""
@@ -137,7 +142,8 @@ class FileSource(BatchSource):
                # prompts the generator had drawn after this batch: its consecutive batches
                # never repeat or skip prompts, across restarts too
                "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
-               "time/generator_sync_s": extra["generator_sync_s"]}
+               "time/generator_sync_s": extra["generator_sync_s"],
+               "rollout/weight_updates_in_flight": extra.get("weight_updates_in_flight", 0)}
     if files.generators > 1:
       metrics["rollout/generator"] = index % files.generators  # which job wrote it
     return Batch(_local_share(draw), draw.data_state,
@@ -208,53 +214,85 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path,
     run.stream.set_state(data_state)
   if index >= jobs:
     say(f"rlx: {name}: resuming at rollout {index}")
-  learner_watch = PeerWatch(run.workdir, "learner", 1, config.mesh.job_timeout_s)
-  params, version, written, sync_seconds = None, -1, 0, 0.0
-  waited_since = time.perf_counter()
+  gate = FileGate(run, files, name, say)
+  sink = FileSink(files, jobs)
+  every = config.logging.mismatch_every
+  mismatch = make_mismatch(config, run.model.transformer, run.tokenizer.pad_id) if every else None
   try:
     with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s) as stop:
-      while not files.done() and not stop.requested:
-        # the learner's progress and controller settings, as process 0 reads them
-        progress = files.progress()
-        seen = json.loads(distributed.agree(json.dumps(
-            {"done": progress["done"], "version": progress.get("version", -1),
-             "control": files.control() or {}})))
-        k = seen["control"].get("k", control.bound(config))
-        gate_open = seen["done"] >= index - k
-        newest = _latest(run, version) if gate_open else None
-        if (gate_open and newest is None and version >= 0
-            and max(run.sync.versions(), default=-1) < version):
-          # nothing newer because the learner resumed from an earlier checkpoint: take its
-          newest = _latest(run, -1)
-        if newest is not None:
-          (params, version), sync_seconds = newest, run.sync.last_seconds
-        # the learner is k batches behind, or not started, or shared storage does not show
-        # the version it reached yet
-        if not gate_open or params is None or version < seen["version"]:
-          if files.done():
-            break
-          learner_watch.check(0)
-          if time.perf_counter() - waited_since > NOTICE_S:
-            say(f"rlx: {name}: waiting for the learner job (rollout {index}, policy version "
-                f"{version})")
-            waited_since = time.perf_counter()
-          time.sleep(POLL_S)
-          continue
-        try:
-          draw = collect(run, lambda: (params, version),
-                         seed=config.trainer.seed * 1_000_003 + index,
-                         temperature=seen["control"].get("temperature"))
-        except StopIteration:
-          say(f"rlx: {name}: the data ran out after {config.data.num_epochs} epoch(s)")
-          break
-        files.write(index, draw, extra={"index": index, "generator_sync_s": sync_seconds,
-                                        "setting": seen["control"].get("setting", 0)})
-        index, written = index + jobs, written + 1
-        waited_since = time.perf_counter()
+      gate.stop = stop
+      try:
+        index = produce(run, gate, gate.weights, sink, first=index, stride=jobs,
+                        mismatch=mismatch, mismatch_every=every)
+      except StopIteration:
+        say(f"rlx: {name}: the data ran out after {config.data.num_epochs} epoch(s)")
+        index = sink.next_index if sink.next_index is not None else index
   finally:
     run.close()
-  say(f"rlx: {name}: wrote {written} rollout file(s); the next is {index}")
-  return GeneratorSummary(written=written, next_index=index, stopped=stop.requested)
+  say(f"rlx: {name}: wrote {sink.written} rollout file(s); the next is {index}")
+  return GeneratorSummary(written=sink.written, next_index=index, stopped=stop.requested)
+
+
+class FileGate:
+  """The gate of a generator job: the learner's progress (finished batches, its policy
+  version) and the controller's knobs, as the rollout directory shows them to process 0
+  and every process agrees. It opens for batch i once ``control.may_start`` and this job
+  holds weights at least as new as the learner's; it says stop when the learner is done or a
+  stop signal came, and raises once the learner job failed or went silent."""
+
+  def __init__(self, run: Run, files: RolloutFiles, name: str, say: Say):
+    config = run.config
+    self.run, self.files, self.name, self.say = run, files, name, say
+    self.stop = None  # the job's StopSignal, set once it is installed
+    # between batches only where several processes sample: each reads storage itself, and a
+    # swap one of them saw earlier than the others would split their programs
+    inflight = config.mesh.inflight_updates and jax.process_count() == 1
+    self.weights = Weights(lambda version: _latest(run, version),
+                           poll_s=INFLIGHT_POLL_S if inflight else float("inf"))
+    self.learner = PeerWatch(run.workdir, "learner", 1, config.mesh.job_timeout_s)
+    self._noticed = time.perf_counter()
+
+  def wait(self, index: int) -> Opened | None:
+    config, files, weights = self.run.config, self.files, self.weights
+    while not files.done() and not (self.stop is not None and self.stop.requested):
+      progress = files.progress()
+      seen = json.loads(distributed.agree(json.dumps(
+          {"done": progress["done"], "version": progress.get("version", -1),
+           "control": files.control() or {}})))
+      knobs = seen["control"]
+      opened = control.may_start(index, seen["done"], knobs.get("k", control.bound(config)))
+      if opened:
+        weights.refresh(force=True)
+        if (weights.version >= 0 and max(self.run.sync.versions(), default=-1) < weights.version):
+          # nothing newer because the learner resumed from an earlier checkpoint: take its
+          weights.params, weights.version = _latest(self.run, -1) or (None, -1)
+      # open, with weights the learner has reached (shared storage may not show them yet)
+      if opened and weights.params is not None and weights.version >= seen["version"]:
+        self._noticed = time.perf_counter()
+        return Opened(knobs.get("setting", 0), knobs.get("temperature"))
+      self.learner.check(0)
+      if time.perf_counter() - self._noticed > NOTICE_S:
+        self.say(f"rlx: {self.name}: waiting for the learner job (rollout {index}, policy "
+                 f"version {weights.version})")
+        self._noticed = time.perf_counter()
+      time.sleep(POLL_S)
+    return None
+
+
+class FileSink:
+  """The sink of a generator job: one rollout file per batch."""
+
+  def __init__(self, files: RolloutFiles, stride: int):
+    self.files, self.stride = files, stride
+    self.written = 0
+    self.next_index: int | None = None
+
+  def put(self, produced: Produced) -> None:
+    self.files.write(produced.index, produced.draw, extra={
+        "index": produced.index, "generator_sync_s": produced.sync_seconds,
+        "setting": produced.setting, "weight_updates_in_flight": produced.weight_swaps})
+    self.written += 1
+    self.next_index = produced.index + self.stride
 
 
 def _local_share(draw: Draw) -> Draw:

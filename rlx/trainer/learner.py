@@ -355,6 +355,7 @@ class Learner:
     # this process's rows: every process has as many, so means of means are exact
     means = dict(stats, **{"reward/kept_accuracy": float(np.mean(draw.correct)),
                            "rollout/policy_lag_mean": float(lag.mean()),
+                           "rollout/token_lag_mean": _token_lag(draw.completions, self.version),
                            "train/pad_frac": pad_frac})
     maxima = {"response/length_max": stats.pop("response/length_max"),
               "rollout/policy_lag_max": int(lag.max())}
@@ -458,3 +459,12 @@ def _cause(metrics: dict, draw: Draw, config: RunConfig) -> str:
             "rewards and config.algorithm's coefficients")
   return ("the gradient norm is not finite; lower config.optimizer.learning_rate or "
           "config.optimizer.max_grad_norm")
+
+
+def _token_lag(completions, version: int) -> float:
+  """The mean lag of the sampled tokens (``rollout/policy_lag_mean`` is the rows' oldest
+  token's): below it when in-flight updates reached sequences while they decoded."""
+  lags = [version - v for c in completions
+          for v, sampled in zip(c.versions(), c.sampled_mask or [True] * len(c.response_tokens))
+          if sampled]
+  return float(np.mean(lags)) if lags else 0.0

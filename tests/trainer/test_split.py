@@ -13,7 +13,8 @@ from rlx.config import ConfigError
 from rlx.rollout import Completion
 from rlx.trainer import train_split
 from rlx.trainer.collect import Draw
-from rlx.trainer.split import Generator, expired
+from rlx.trainer import control
+from rlx.trainer.split import Generator, ThreadGate
 from tests.trainer import tiny
 
 QUIET = {"say": lambda message: None}
@@ -50,10 +51,12 @@ def _draw(versions):
   return Draw(completions, None, None, {}, 0.0, {})
 
 
-def test_a_batch_with_a_rollout_past_the_bound_is_expired():
-  assert not expired(_draw([3, 4]), version=4, max_staleness=1)
-  assert expired(_draw([2, 4]), version=4, max_staleness=1)
-  assert expired(_draw([3]), version=4, max_staleness=0)
+def test_the_gate_rule_and_the_bound_on_the_oldest_token():
+  assert control.may_start(0, finished=0, k=0) and not control.may_start(1, finished=0, k=0)
+  assert control.may_start(3, finished=2, k=1) and not control.may_start(4, finished=2, k=1)
+  verdict = control.Controller.from_config(_split("--config.mesh.max_staleness=1")).verdict
+  assert verdict(lag_max=1, age_s=0) == control.TRAIN
+  assert verdict(lag_max=2, age_s=0) == control.DROP
 
 
 class _Versions:
@@ -66,50 +69,71 @@ class _Versions:
     with self.lock:
       self.version = version
 
-  def latest(self, newer_than=-1, like=None):
+  def latest(self, newer_than=-1):
     with self.lock:
       return (None, self.version) if self.version > newer_than else None
 
 
-@pytest.mark.parametrize("k, versions_per_step", [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2)])
-def test_no_deadlock_and_no_lag_past_k_under_random_delays_and_drops(k, versions_per_step):
-  """The real generator thread against a learner that drops batches at random (as an age
-  limit would): 1,000 batches, random delays on both sides, a watchdog on every wait."""
-  rng = np.random.default_rng(k * 10 + versions_per_step)
+def _job(k, sync):
+  return types.SimpleNamespace(sync=sync, config=types.SimpleNamespace(
+      mesh=types.SimpleNamespace(max_staleness=k, inflight_updates=True),
+      trainer=types.SimpleNamespace(seed=0)))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_no_deadlock_and_no_lag_past_k_under_random_delays_and_drops(k):
+  """The real generator thread, in-flight updates on, against a learner that drops batches
+  at random (as an age limit would): 1,000 batches, random delays on both sides, a watchdog
+  on every wait; the lag is judged by each row's oldest token."""
+  rng = np.random.default_rng(k)
   sync = _Versions()
-  job = types.SimpleNamespace(sync=sync, config=types.SimpleNamespace(
-      mesh=types.SimpleNamespace(max_staleness=k), trainer=types.SimpleNamespace(seed=0)))
   generator_rng = np.random.default_rng(1000 + k)
 
-  def collect_stub(job, params_fn, seed, temperature=None):
-    _, version = params_fn()
+  def collect_stub(job, params_fn, seed, temperature=None, inflight=None):
+    _, first = params_fn()
     time.sleep(generator_rng.uniform(0, 0.001))
-    return _draw([version] * 2)
+    _, last = inflight()  # a version published meanwhile reaches the rows in flight
+    draw = _draw([first] * 2)
+    for c in draw.completions:
+      c.stamp(1, last)
+      c.response_tokens.append(2)
+    return draw
 
-  generator = Generator(job, like=None, first_step=0, versions_per_step=versions_per_step,
-                        collect_fn=collect_stub)
+  generator = Generator(_job(k, sync), first_step=0, collect_fn=collect_stub)
   generator.start()
-  version, trained, dropped, lags = 0, 0, 0, []
+  version, trained, dropped, lags, token_lags = 0, 0, 0, [], []
   try:
     while trained + dropped < 1000:
       draw = generator.next(timeout=30).draw  # the watchdog: queue.Empty fails the test
-      if rng.random() < 0.15 or expired(draw, version, k):
+      _, lag_max = control.lag([c.policy_version for c in draw.completions], version)
+      if rng.random() < 0.15 or control.past_bound(lag_max, k):
         dropped += 1
-        generator.finished()
+        generator.gate.finish()
         continue
-      lags.append(version - min(c.policy_version for c in draw.completions))
+      lags.append(lag_max)
+      token_lags.append(version - min(c.newest_version for c in draw.completions))
       time.sleep(rng.uniform(0, 0.001))
-      version += versions_per_step
+      version += 1
       sync.publish(version)
       trained += 1
-      generator.finished()
+      generator.gate.finish()
   finally:
     generator.stop()
     generator.join(timeout=10)
   assert not generator.is_alive()
   assert max(lags) <= k and dropped > 100
-  if k >= versions_per_step:  # the generator did work ahead
-    assert max(lags) > 0
+  if k:  # the generator did work ahead, and some rows took a newer version in flight
+    assert max(lags) > 0 and min(t - l for t, l in zip(token_lags, lags)) < 0
+
+
+def test_the_gate_counts_a_new_setting_only_when_k_changes():
+  gate = ThreadGate(2)
+  gate.retune(2, temperature=1.2)
+  assert gate.setting == 0 and gate.wait(0).temperature == 1.2
+  gate.retune(1, temperature=1.2)
+  assert gate.setting == 1 and gate.wait(1).setting == 1
+  gate.halt()
+  assert gate.wait(5) is None  # a halted gate never blocks
 
 
 def test_split_needs_split_mode_and_one_controller(tmp_path):

@@ -1,0 +1,143 @@
+"""The one producer loop of split mode, for the generator thread and the generator job.
+
+    produce(run, gate, weights, sink, first=index)
+
+It mirrors the learner loop (``rlx.trainer.loop``); deployments differ only in their gate and
+their sink:
+
+- ``split.ThreadGate`` / ``split.QueueSink`` (split in one process): the learner's progress
+  comes through a condition variable, batches go through a bounded queue;
+- ``jobs.FileGate`` / ``jobs.FileSink`` (the generator job): progress and the controller's
+  knobs come from the rollout directory, agreed across the job's processes, and batches go
+  out as rollout files.
+
+One pass, for batch ``index``:
+
+1. wait at the gate until ``control.may_start(index, finished, k)``: the learner is done
+   with batch ``index - k`` (the gate also returns the controller's sampling temperature);
+2. take the newest published weights;
+3. collect the batch (``collect.collect``). With ``mesh.inflight_updates`` the weights are
+   asked for again before every decode chunk: a version published meanwhile reaches the
+   sequences in flight, each token stamped with the version that sampled it; otherwise
+   they change only between dynamic sampling's draws;
+4. every ``logging.mismatch_every``-th batch, measure the engine/learner mismatch
+   (``rollout/mismatch_kl``) on its rows sampled wholly by the weights held at the end;
+5. hand it to the sink with what it cost (sync, wait and busy seconds).
+
+The loop ends when the gate says stop (returns None); what it raises (the data ran out:
+``StopIteration``; a failed reward) goes to the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from rlx.trainer.collect import Draw, collect
+from rlx.trainer.run import Run
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+  """What the gate says when it opens for a batch."""
+
+  setting: int
+  """How many staleness changes the controller had made: a batch started under an earlier
+  one says nothing about the current k."""
+  temperature: float | None = None
+  """The sampling temperature a controller set; None: ``rollout.temperature``."""
+
+
+@dataclasses.dataclass
+class Produced:
+  """A batch and what it cost the producer."""
+
+  index: int
+  draw: Draw
+  setting: int
+  sync_seconds: float
+  """Seconds spent taking new weights for this batch (before it and in flight)."""
+  waited_seconds: float
+  """Seconds at the gate before it started."""
+  busy_seconds: float
+  """Seconds from its start to its hand-over (sampling, scoring, the mismatch measure)."""
+  weight_swaps: int
+  """In-flight weight updates taken while it was sampled."""
+
+
+class Gate(Protocol):
+  def wait(self, index: int) -> Opened | None:
+    """Blocks until batch ``index`` may start; None: stop producing."""
+
+
+class Sink(Protocol):
+  def put(self, produced: Produced) -> None:
+    """Hands a batch over (may block while the learner is behind)."""
+
+
+class Weights:
+  """The newest published policy a producer holds: ``(params, version)`` when called,
+  refreshed from ``latest(newer_than)`` (a ``WeightSync.latest``) at most every
+  ``poll_s`` seconds."""
+
+  def __init__(self, latest: Callable[[int], tuple | None], poll_s: float = 0.0):
+    self._latest, self.poll_s = latest, poll_s
+    self.params, self.version = None, -1
+    self.seconds = 0.0
+    """Seconds spent in ``latest`` so far."""
+    self.swaps = 0
+    """Versions taken so far."""
+    self._checked = float("-inf")
+
+  def refresh(self, force: bool = False) -> bool:
+    """Takes the newest published version if newer than the one held; returns whether it did."""
+    now = time.perf_counter()
+    if not force and now - self._checked < self.poll_s:
+      return False
+    self._checked = now
+    newer = self._latest(self.version)
+    self.seconds += time.perf_counter() - now
+    if newer is None:
+      return False
+    self.params, self.version = newer
+    self.swaps += 1
+    return True
+
+  def __call__(self) -> tuple:
+    self.refresh()
+    return self.params, self.version
+
+
+def produce(run: Run, gate: Gate, weights: Weights, sink: Sink, *, first: int = 0,
+            stride: int = 1, mismatch=None, mismatch_every: int = 0,
+            delay_s: float = 0.0, collect_fn=collect) -> int:
+  """Produces batches ``first``, ``first + stride``, ... until the gate says stop; returns
+  the next index. ``mismatch``: ``experience.make_mismatch``'s measure; ``delay_s`` slows
+  every batch down on purpose (tests and benchmarks of the staleness control);
+  ``collect_fn``: ``collect`` (a fake in tests of the gate)."""
+  config, index = run.config, first
+  inflight = config.mesh.inflight_updates
+  while True:
+    waiting = time.perf_counter()
+    opened = gate.wait(index)
+    if opened is None:
+      return index
+    started = time.perf_counter()
+    synced = weights.seconds
+    weights.refresh(force=True)
+    swaps = weights.swaps
+    draw = collect_fn(run, weights, seed=config.trainer.seed * 1_000_003 + index,
+                   temperature=opened.temperature, inflight=weights if inflight else None)
+    if delay_s:
+      time.sleep(delay_s)
+    if mismatch is not None and mismatch_every and (index // stride) % mismatch_every == 0:
+      measured = mismatch(weights.params, draw.completions, weights.version, draw.temperature)
+      if measured is not None:
+        draw.counts["rollout/mismatch_kl"] = measured[0]
+    sink.put(Produced(index, draw, opened.setting, sync_seconds=weights.seconds - synced,
+                      waited_seconds=started - waiting,
+                      busy_seconds=time.perf_counter() - started,
+                      weight_swaps=weights.swaps - swaps))
+    index += stride
