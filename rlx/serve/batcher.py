@@ -100,6 +100,16 @@ class Batcher(_Run):
     run on this engine (too long a prompt, too many stop ids)."""
     if not request.prompt:
       raise ValueError("the prompt has no tokens")
+    # what the device arrays hold is checked here: one bad request never reaches the engine's
+    # thread, where it would fail every request in flight
+    if not (np.isfinite(request.temperature) and request.temperature >= 0):
+      raise ValueError(f"temperature {request.temperature} is not a number >= 0")
+    if not 0 < request.top_p <= 1:
+      raise ValueError(f"top_p {request.top_p} is not in (0, 1]")
+    if not 0 <= request.top_k < 2**31:
+      raise ValueError(f"top_k {request.top_k} is not in 0..2**31-1")
+    if any(not 0 <= t < 2**31 for t in (*request.prompt, *request.stop_ids)):
+      raise ValueError("token ids must be in 0..2**31-1")
     self.engine.prompt_bucket(len(request.prompt))
     if len(request.stop_ids) > self.engine.max_stop_tokens:
       raise ValueError(f"{len(request.stop_ids)} stop tokens exceed the engine's "

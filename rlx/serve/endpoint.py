@@ -67,6 +67,27 @@ def _top_logprobs(transformer, params, tokens, mask, temperature):
   return jax.lax.top_k(logprobs, 20)
 
 
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(body: bytes) -> object:
+  """A request body as JSON, or a 400: not JSON, NaN or Infinity (Python reads them, JSON has
+  none), or nested past what the parser recurses into."""
+  try:
+    return json.loads(body, parse_constant=_no_constant)
+  except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+    raise ApiError(400, f"the body is not valid JSON: {error}") from None
+  except RecursionError:
+    raise ApiError(400, "the body is nested too deeply") from None
+
+
+def seed_key(seed: int) -> jax.Array:
+  """The PRNG key of a request's ``seed`` (any 64-bit integer, signed or not)."""
+  seed %= 1 << 64
+  return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
+
+
 def is_loopback(host: str) -> bool:
   if host == "localhost":
     return True
@@ -219,28 +240,23 @@ class Endpoint:
     else:
       temperature = 1.0 if request.temperature is None else request.temperature
       top_p = 1.0 if request.top_p is None else request.top_p
-      top_k = int(getattr(request, "top_k", None) or 0)
+      top_k = request.top_k or 0
+      top_k = 0 if top_k < 0 or top_k >= self.engine.transformer.arch.vocab_size else top_k
     if log is not None and log.seed_key is not None:
       with self.lock:  # requests an agent sends at once draw apart
         log.asked += 1
         base = jax.random.fold_in(log.seed_key, log.asked - 1)
     elif request.seed is not None:
-      base = jax.random.key(request.seed)
+      base = seed_key(request.seed)
     else:
       with self.lock:
         self.counter += 1
         base = jax.random.fold_in(self.base_key, self.counter)
-    stop_ids, stop_texts = list(self.stop_ids), []
-    for text in request.stop or ():
-      ids = self.tokenizer.encode(text, add_special_tokens=False)
-      if len(ids) == 1 and len(stop_ids) < self.engine.max_stop_tokens:
-        stop_ids.append(ids[0])
-      else:
-        stop_texts.append(text)
+    # stop strings are matched on the text (a stop "n" ends "and" too), never as token ids
     wanted = limit if max_tokens is None else min(max_tokens, limit)
     return [Request(prompt=prompt, max_tokens=max(wanted, 1), key=jax.random.fold_in(base, c),
                     temperature=temperature, top_p=top_p, top_k=top_k,
-                    stop_ids=tuple(dict.fromkeys(stop_ids)), stop_texts=tuple(stop_texts))
+                    stop_ids=tuple(self.stop_ids), stop_texts=tuple(request.stop or ()))
             for c in range(request.n)]
 
   async def _run(self, requests: list[Request]) -> list[Generated]:
@@ -299,7 +315,7 @@ class Endpoint:
       raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     log = self._episode(headers)
     messages = request.plain_messages()
-    tools = request.tools or []
+    tools = request.plain_tools()
     renderer = self._renderer(tools if request.tool_choice != "none" else [])
     try:
       if log is not None:
@@ -361,7 +377,9 @@ class Endpoint:
     if isinstance(request.prompt, str):
       prompt = self.tokenizer.encode(request.prompt)
     else:
-      vocab = self.tokenizer.vocab_size
+      # the model's vocabulary, which may be larger than the tokenizer's (padded): every id
+      # the engine samples can be sent back
+      vocab = self.engine.transformer.arch.vocab_size
       if any(not 0 <= t < vocab for t in request.prompt):
         raise ApiError(400, f"prompt ids must be in 0..{vocab - 1}", param="prompt")
       prompt = list(request.prompt)
@@ -433,10 +451,7 @@ class Endpoint:
           body += chunk
       if seen > limit:
         raise too_large
-      try:
-        return json.loads(body)
-      except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the body is not valid JSON: {error}") from None
+      return parse_body(bytes(body))
 
     def answer(handler: Callable, body: bool = True):
       async def route(request):

@@ -36,16 +36,24 @@ class ApiError(Exception):
                       "code": self.code}}
 
 
+_STRICT = pydantic.ConfigDict(extra="allow", strict=True)
+# JSON numbers only where numbers go: "2" is not an n, true is not a seed (strict), and
+# fields the endpoint does not know are ignored, as OpenAI's API does (extra="allow")
+
+
 class _Request(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = _STRICT
 
   model: str
-  temperature: float | None = pydantic.Field(None, ge=0, le=2)
-  top_p: float | None = pydantic.Field(None, gt=0, le=1)
+  temperature: float | None = pydantic.Field(None, ge=0, le=2, allow_inf_nan=False)
+  top_p: float | None = pydantic.Field(None, gt=0, le=1, allow_inf_nan=False)
+  top_k: int | None = pydantic.Field(None, ge=-1)
+  """Not OpenAI's: the most likely tokens sampled from; 0 or -1 (vLLM's) or none: all of
+  them. Larger than the vocabulary means all of them too."""
   max_tokens: int | None = pydantic.Field(None, ge=1)
   stop: str | list[str] | None = None
   n: int = pydantic.Field(1, ge=1)
-  seed: int | None = None
+  seed: int | None = pydantic.Field(None, ge=-(1 << 63), lt=1 << 64)
   stream: bool = False
   logprobs: Any = None
   top_logprobs: int | None = pydantic.Field(None, ge=0, le=20)
@@ -59,25 +67,102 @@ class _Request(pydantic.BaseModel):
     return stops
 
 
+class _Part(pydantic.BaseModel):
+  model_config = _STRICT
+
+  type: Literal["text"]
+  """Only text: this endpoint serves a language model."""
+  text: str
+
+
+class _Function(pydantic.BaseModel):
+  model_config = _STRICT
+
+  name: str = pydantic.Field(min_length=1, max_length=256)
+  description: str | None = None
+  parameters: dict[str, Any] | None = None
+  strict: bool | None = None
+
+
+class Tool(pydantic.BaseModel):
+  model_config = _STRICT
+
+  type: Literal["function"] = "function"
+  function: _Function
+
+
+class _CalledFunction(pydantic.BaseModel):
+  model_config = _STRICT
+
+  name: str = pydantic.Field(min_length=1)
+  arguments: str
+  """JSON text, as OpenAI sends it."""
+
+
+class _ToolCall(pydantic.BaseModel):
+  model_config = _STRICT
+
+  id: str | None = None
+  type: Literal["function"] = "function"
+  function: _CalledFunction
+
+
 class _Message(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="allow")
+  model_config = _STRICT
 
   role: Literal["system", "developer", "user", "assistant", "tool"]
-  content: str | list[dict[str, Any]] | None = None
-  tool_calls: list[dict[str, Any]] | None = None
+  content: str | list[_Part] | None = None
+  tool_calls: list[_ToolCall] | None = None
   tool_call_id: str | None = None
   name: str | None = None
+
+  @pydantic.model_validator(mode="after")
+  def _filled(self):
+    if self.role == "assistant":
+      if self.content is None and not self.tool_calls:
+        raise ValueError("an assistant message needs content or tool_calls")
+    elif self.content is None:
+      raise ValueError(f"a {self.role} message needs content")
+    elif self.tool_calls:
+      raise ValueError(f"only assistant messages carry tool_calls, not {self.role}")
+    if self.role == "tool" and not self.tool_call_id:
+      raise ValueError("a tool message needs the tool_call_id it answers")
+    return self
+
+
+class _NamedChoice(pydantic.BaseModel):
+  model_config = _STRICT
+
+  name: str
+
+
+class _ToolChoice(pydantic.BaseModel):
+  model_config = _STRICT
+
+  type: Literal["function"]
+  function: _NamedChoice
 
 
 class ChatRequest(_Request):
   messages: list[_Message] = pydantic.Field(min_length=1)
-  tools: list[dict[str, Any]] | None = None
-  tool_choice: str | dict[str, Any] | None = None
+  tools: list[Tool] | None = None
+  tool_choice: Literal["none", "auto", "required"] | _ToolChoice | None = None
   max_completion_tokens: int | None = pydantic.Field(None, ge=1)
   logprobs: bool = False
 
+  @pydantic.model_validator(mode="after")
+  def _offered(self):
+    if isinstance(self.tool_choice, _ToolChoice) and self.tool_choice.function.name not in {
+        t.function.name for t in self.tools or ()}:
+      raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                       "among the tools")
+    return self
+
   def plain_messages(self) -> list[dict]:
     return [m.model_dump(exclude_none=True) for m in self.messages]
+
+  def plain_tools(self) -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
 
 class CompletionRequest(_Request):

@@ -20,7 +20,8 @@ from rlx.serve.endpoint import Endpoint, Forced
 from rlx.serve.trajectories import EpisodeLog
 
 TOKENIZER = builtin_tokenizer()
-ARCH = ArchConfig(num_layers=1, vocab_size=TOKENIZER.vocab_size, hidden_size=32,
+# a vocabulary padded past the tokenizer's, as real checkpoints' often are
+ARCH = ArchConfig(num_layers=1, vocab_size=TOKENIZER.vocab_size + 24, hidden_size=32,
                   intermediate_size=48, num_heads=2, num_kv_heads=1, head_dim=16,
                   eos_token_ids=TOKENIZER.eos_ids)
 CALCULATOR = {"type": "function", "function": {
@@ -34,7 +35,7 @@ def served():
   model = init_model(ARCH, jax.random.key(0))
   engine = Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=64, decode_steps=8)
   endpoint = Endpoint(engine, TOKENIZER, model.params, max_n=4, max_tokens=24,
-                      max_request_bytes=64 << 10).start()
+                      max_request_bytes=1 << 20).start()
   stop = threading.Event()
   thread = threading.Thread(target=endpoint.batcher.serve, args=(stop.is_set,), daemon=True)
   thread.start()
@@ -114,38 +115,170 @@ def _post(endpoint, route, data: bytes, headers=None):
     return error.code, json.loads(error.read())
 
 
+def _chat(**fields):
+  return json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
+                     **fields}).encode()
+
+
+def _with(message: dict):
+  return json.dumps({"model": "policy", "messages": [message]}).encode()
+
+
+def _complete(**fields):
+  return json.dumps({"model": "policy", "prompt": [9, 10], **fields}).encode()
+
+
+def _tools(tools, **fields):
+  return _chat(tools=tools, **fields)
+
+
+USER = {"role": "user", "content": "x"}
+NESTED = b"[" * 100_000 + b"]" * 100_000
 MALFORMED = [
-    (b"{not json", 400),
-    (b"[1, 2]", 400),
+    # the body
+    (b"{not json", 400), (b"[1, 2]", 400), (b'"hi"', 400), (b"null", 400), (b"", 400),
+    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+     400),
+    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+     400),
+    (NESTED, 400),
+    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "metadata": '
+     + NESTED + b"}", 400),
+    (b"\xff\xfe{}", 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (16 << 20)}]}
+                ).encode(), 413),
+    # the model and the messages
+    (json.dumps({"messages": [USER]}).encode(), 400),
+    (json.dumps({"model": 5, "messages": [USER]}).encode(), 400),
+    (json.dumps({"model": "nobody", "messages": [USER]}).encode(), 404),
     (json.dumps({"model": "policy"}).encode(), 400),
     (json.dumps({"model": "policy", "messages": "hi"}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": 5}]}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
-                 "temperature": "hot"}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
-                 "n": 10 ** 6}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x"}],
-                 "max_tokens": -3}).encode(), 400),
-    (json.dumps({"model": "nobody", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * 300}]}).encode(), 400),
-    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * (16 << 20)}]}).encode(), 413),
-    (json.dumps({"model": "policy", "prompt": [10 ** 9]}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": []}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [5]}).encode(), 400),
+    (json.dumps({"model": "policy", "messages": [None]}).encode(), 400),
+    (_with({"role": "wizard", "content": "x"}), 400),
+    (_with({"content": "x"}), 400),
+    (_with({"role": "user", "content": 5}), 400),
+    (_with({"role": "user"}), 400),
+    (_with({"role": "system", "content": None}), 400),
+    (_with({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), 400),
+    (_with({"role": "user", "content": [{"type": "text", "text": 5}]}), 400),
+    (_with({"role": "user", "content": ["x"]}), 400),
+    (_with({"role": "tool", "content": "6"}), 400),
+    (_with({"role": "assistant"}), 400),
+    (_with({"role": "assistant", "tool_calls": "x"}), 400),
+    (_with({"role": "assistant", "tool_calls": [5]}), 400),
+    (_with({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}),
+     400),
+    (_with({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}), 400),
+    (_with({"role": "user", "content": "x", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}), 400),
+    (_with({"role": "user", "content": "x", "name": 5}), 400),
+    (json.dumps({"model": "policy", "messages": [{"role": "user", "content": "x" * 300}]}).encode(),
+     400),
+    # sampling
+    (_chat(temperature="hot"), 400), (_chat(temperature=3), 400), (_chat(temperature=-1), 400),
+    (_chat(temperature=True), 400), (_chat(top_p=0), 400), (_chat(top_p=1.5), 400),
+    (_chat(top_p="x"), 400), (_chat(top_k="abc"), 400), (_chat(top_k=-2), 400),
+    (_chat(top_k=1.5), 400), (_chat(top_k=[3]), 400),
+    (_chat(n=10 ** 6), 400), (_chat(n=0), 400), (_chat(n="2"), 400), (_chat(n=True), 400),
+    (_chat(n=None), 400), (_chat(max_tokens=-3), 400), (_chat(max_tokens=0), 400),
+    (_chat(max_tokens="10"), 400), (_chat(max_tokens=2.5), 400),
+    (_chat(max_completion_tokens=0), 400), (_chat(seed=2 ** 70), 400), (_chat(seed=-(2 ** 64)), 400),
+    (_chat(seed="1"), 400), (_chat(seed=1.5), 400), (_chat(stop=5), 400), (_chat(stop=[""]), 400),
+    (_chat(stop=["a", "b", "c", "d", "e"]), 400), (_chat(stop=[1]), 400),
+    (_chat(stream="yes"), 400), (_chat(stream=True), 400), (_chat(logprobs="yes"), 400),
+    (_chat(logprobs=True, top_logprobs=21), 400), (_chat(top_logprobs=2), 400),
+    # tools
+    (_tools("x"), 400), (_tools([5]), 400), (_tools([{"type": "function", "function": "calc"}]), 400),
+    (_tools([{"type": "function", "function": {"name": "c", "parameters": "x"}}]), 400),
+    (_tools([{"type": "function", "function": {"name": "c", "parameters": [1]}}]), 400),
+    (_tools([{"type": "function", "function": {"name": ""}}]), 400),
+    (_tools([{"type": "function", "function": {"name": 5}}]), 400),
+    (_tools([{"type": "function", "function": {"name": "c", "description": 5}}]), 400),
+    (_tools([{"type": "retrieval", "function": {"name": "c"}}]), 400),
+    (_tools([{"type": "function"}]), 400),
+    (_chat(tool_choice="sometimes"), 400),
+    (_chat(tool_choice={"type": "function", "function": {"name": "nope"}}), 400),
+    (_chat(tool_choice=5), 400),
+    # token ids in
+    (_complete(prompt=[10 ** 9]), 400), (_complete(prompt=[-1]), 400), (_complete(prompt=[]), 400),
+    (_complete(prompt=""), 400), (_complete(prompt=5), 400), (_complete(prompt=["a"]), 400),
+    (_complete(prompt=[1.5]), 400), (_complete(prompt=[True]), 400), (_complete(prompt=None), 400),
+    (_complete(prompt=[2 ** 40]), 400), (_complete(logprobs=3), 400), (_complete(echo="yes"), 400),
+    (_complete(return_token_ids=1), 400), (_complete(max_tokens=[1]), 400),
 ]
 
 
+def _serves(endpoint):
+  """One token sampled: the engine's thread still runs."""
+  code, answer = _post(endpoint, "/v1/completions", _complete(max_tokens=1))
+  return code == 200 and len(answer["choices"]) == 1
+
+
 def test_malformed_requests_get_openai_errors_and_the_server_keeps_answering(served):
+  assert len(MALFORMED) >= 60
   for body, status in MALFORMED:
-    route = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    route = "/v1/completions" if body.startswith(b'{"model": "policy", "prompt"') else (
+        "/v1/chat/completions")
     code, answer = _post(served, route, body)
-    assert code == status, (body[:80], answer)
-    assert set(answer["error"]) >= {"message", "type"} and answer["error"]["message"]
+    assert code == status, (body[:120], answer)
+    assert set(answer["error"]) >= {"message", "type", "param", "code"}
+    assert answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
+    assert _serves(served), body[:120]
+  assert served.batcher.closed is None
   code, answer = _post(served, "/v1/nowhere", b"{}")
   assert code == 404 and "error" in answer
   # a huge max_tokens is capped at the endpoint's limit, and it still answers
   huge = _client(served).chat.completions.create(
       model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=10 ** 9)
   assert huge.usage.completion_tokens <= 24
+
+
+def test_out_of_range_values_that_mean_something_are_served(served):
+  # top_k past the vocabulary (or 2**31, which took the server down) samples from all of it;
+  # any 64-bit seed draws, and the same seed draws the same
+  def ids(**fields):
+    code, answer = _post(served, "/v1/completions",
+                         _complete(**{"max_tokens": 8, "seed": 3, "return_token_ids": True, **fields}))
+    assert code == 200, answer
+    return answer["choices"][0]["token_ids"]
+
+  assert ids(top_k=2 ** 31) == ids(top_k=2 ** 62) == ids(top_k=-1) == ids(top_k=0) == ids()
+  assert ids(seed=2 ** 64 - 1) == ids(seed=2 ** 64 - 1) and ids(seed=-(2 ** 63))
+  tools = [{"type": "function", "function": {"name": "c", "parameters": {"type": "object"}}}]
+  code, _ = _post(served, "/v1/chat/completions", _tools(tools, max_tokens=2, tool_choice={
+      "type": "function", "function": {"name": "c"}}))
+  assert code == 200
+  assert _serves(served)
+
+
+def test_ids_the_model_sampled_go_back_in_and_stop_strings_cut_inside_tokens(served):
+  # the model's vocabulary is padded past the tokenizer's: ids it samples there are prompt ids
+  # too (token-in/token-out continuation); a stop string ends an answer wherever its characters
+  # fall, inside a token of several characters too
+  padded, inside = False, False
+  for seed in range(40):
+    code, answer = _post(served, "/v1/completions",
+                         _complete(max_tokens=16, seed=seed, return_token_ids=True))
+    sampled = answer["choices"][0]["token_ids"]
+    if any(t >= TOKENIZER.vocab_size for t in sampled):
+      code, again = _post(served, "/v1/completions", _complete(prompt=[9, 10] + sampled,
+                                                               max_tokens=2))
+      assert code == 200, again
+      padded = True
+    long = [t for t in sampled if len(TOKENIZER.decode([t])) > 1]
+    if long and not inside:
+      piece = TOKENIZER.decode([long[0]])
+      stop = piece[1]
+      text = answer["choices"][0]["text"]
+      code, cut = _post(served, "/v1/completions", _complete(max_tokens=16, seed=seed, stop=[stop]))
+      assert code == 200 and cut["choices"][0]["finish_reason"] == "stop", cut
+      assert cut["choices"][0]["text"] == text.split(stop, 1)[0]
+      inside = True
+    if padded and inside:
+      break
+  assert padded and inside
 
 
 class _Scripted:
