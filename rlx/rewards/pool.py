@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pathlib
 import queue
 import resource
 import signal
@@ -271,6 +272,8 @@ class RewardPool:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     self.reward, self.memory_mb, self.batch_size = reward, memory_mb, batch_size
     self.log_path = None if log_path is None else str(log_path)
+    if log_path is not None:  # a worker opens it first thing: its directory must be there
+      pathlib.Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     """Where the workers' reward functions print to (None: nowhere)."""
     self.num_workers, self.timeout_s = num_workers, timeout_s
     self.totals = {"reward/errors": 0, "reward/timeouts": 0}

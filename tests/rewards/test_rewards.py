@@ -317,7 +317,7 @@ def test_what_a_reward_prints_goes_to_the_log_file(tmp_path):
   (tmp_path / "chatty.py").write_text(
       "import sys\n\ndef score(response, row):\n"
       "  print('scoring', response)\n  print('warned', file=sys.stderr)\n  return 1.0\n")
-  log = tmp_path / "reward.log"
+  log = tmp_path / "not-made-yet" / "reward.log"  # a run's workdir (the advisor's probes')
   with rewards.RewardPool(f"{tmp_path}/chatty.py:score", num_workers=1, timeout_s=30,
                           log_path=log) as pool:
     scores, _, _, _ = pool.score(["a", "b"], ["", ""])
