@@ -173,10 +173,26 @@ def _set(node: Any, path: list[str], raw: str, key: str) -> Any:
     raise ConfigError(f"config.{key}={raw!r}: {e}") from e
 
 
+# what other trainers call fields rlx names otherwise (TRL, verl, OpenRLHF)
+_ALIASES = {
+    "lr": "optimizer.learning_rate", "learning_rate": "optimizer.learning_rate",
+    "max_steps": "trainer.steps", "num_steps": "trainer.steps", "total_steps": "trainer.steps",
+    "batch_size": "data.prompts_per_step", "train_batch_size": "data.prompts_per_step",
+    "num_generations": "rollout.group_size", "n_samples": "rollout.group_size",
+    "beta": "algorithm.kl_coef", "max_completion_length": "rollout.max_new_tokens",
+    "max_prompt_length": "rollout.max_prompt_len", "epochs": "trainer.ppo_epochs",
+    "seed": "trainer.seed", "model_name_or_path": "model.path", "output_dir": "--workdir",
+}
+
+
 def _unknown_key(cls: type, section: str, name: str, key: str) -> str:
   prefix = f"{section}." if section else ""
   valid = [f.name for f in dataclasses.fields(cls)]
   everywhere = leaf_keys(RunConfig)
+  alias = _ALIASES.get(name)
+  if alias is not None and alias != key:
+    where = alias if alias.startswith("--") else f"config.{alias}"
+    return f"unknown key config.{key}; rlx calls it {where}"
   close = [prefix + c for c in difflib.get_close_matches(name, valid, n=3, cutoff=0.6)]
   close += [k for k in difflib.get_close_matches(key, everywhere, n=3, cutoff=0.75) if k not in close]
   close += [k for k in everywhere if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1] and k not in close]
@@ -231,9 +247,22 @@ def _parse_value(raw: str, hint: Any, key: str) -> Any:
     try:
       value = json.loads(raw)
     except json.JSONDecodeError:
-      raise ConfigError(f"config.{key}={raw!r}: expected a JSON list, e.g. '[[\"embed\", \"fsdp\"]]'") from None
+      raise ConfigError(f"config.{key}={raw!r}: expected a JSON list, e.g. "
+                        f"'{json.dumps(_example(hint))}'") from None
     return _from_json(value, hint, key)
   raise ConfigError(f"config.{key}: overriding a {_type_name(hint)} from the command line is not supported")
+
+
+def _example(hint: Any) -> Any:
+  """A value of type ``hint`` to show in a message (its shape, not a recommendation)."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin is tuple:
+    if len(args) == 2 and args[1] is Ellipsis:
+      return [_example(args[0])]
+    return [_example(a) for a in args]
+  if origin in (typing.Union, types.UnionType):
+    return _example(next(a for a in args if a is not type(None)))
+  return {str: "text", int: 2, float: 0.5, bool: True}.get(hint, "...")
 
 
 def _from_json(value: Any, hint: Any, key: str) -> Any:

@@ -103,6 +103,12 @@ def test_overrides_are_typed():
     ("--config.rollout.top_k.x=3", "is a value, not a section"),
     ("--config.rollout.temperature=-1", "config.rollout.temperature: must be >= 0"),
     ("--config.model.arch.num_kv_heads=3", "must be a multiple of num_kv_heads=3"),
+    # a list's example has the field's own shape; other trainers' names point at rlx's
+    ("--config.rollout.stop_strings=</answer>", """expected a JSON list, e.g. '["text"]'"""),
+    ("--config.reward.extra=x", """e.g. '[["text", 0.5]]'"""),
+    ("--config.lr=1e-5", "unknown key config.lr; rlx calls it config.optimizer.learning_rate"),
+    ("--config.trainer.max_steps=9", "rlx calls it config.trainer.steps"),
+    ("--config.output_dir=x", "rlx calls it --workdir"),
 ])
 def test_bad_overrides_are_refused_naming_the_key(override, expected):
   with pytest.raises(ConfigError) as error:

@@ -122,6 +122,12 @@ class JsonlSource:
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
           problem = f"not valid JSON ({error})"
         if isinstance(problem, str):
+          if problem.startswith("missing field") and not self.offsets and not self.skipped:
+            # the first row lacks it: the config names the wrong field, and skipping rows
+            # without it would skip them all
+            raise DataError(f"{self.path}:{number}: {problem}; the first row has no such "
+                            "field, so set config.data.prompt_field (and answer_field) to "
+                            "the fields that hold the prompt and the reference answer")
           _refuse_or_count(self, f"{self.path}:{number}", problem, on_bad_row)
           continue
         self.offsets.append(start)

@@ -226,6 +226,16 @@ def base_reference(config: RunConfig, workdir: pathlib.Path) -> dict:
                                                 warmup_fingerprint(config) if warmed else None)}
 
 
+def _named(open_source, field: str, path: str, **options):
+  """``open_source(path)``, its refusal naming the config field that gave the path."""
+  try:
+    return open_source(path, **options)
+  except DataError as error:
+    if f"config.{field}" in str(error):
+      raise
+    raise DataError(f"config.{field}={path!r}: {error}") from None
+
+
 def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object, list[dict]]:
   """The training source and the held-out rows (tokenized): a built-in task's eval split, the
   rows of data.eval_source, or data.eval_fraction of the data file, held out."""
@@ -241,13 +251,13 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
         f"prompts (config.data.source={data.source!r} is not read)")
     data = dataclasses.replace(data, eval_source="")
   else:
-    source = open_source(data.source, **options)
+    source = _named(open_source, "data.source", data.source, **options)
   if source.skipped:
     say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
         f"the first: {source.first_skipped}")
   held = None
   if wanted and data.eval_source:
-    held = open_source(data.eval_source, **dict(options, split="eval"))
+    held = _named(open_source, "data.eval_source", data.eval_source, **dict(options, split="eval"))
   elif wanted and isinstance(source, TaskSource):
     held = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
                       eval_fraction=source.eval_fraction)

@@ -37,6 +37,24 @@ def test_malformed_rows_are_named_or_skipped(tmp_path, bad, message):
   assert len(source) == 3 and source.skipped == 1 and message in source.first_skipped
 
 
+def test_a_field_the_first_row_lacks_points_at_the_config_not_at_skipping(tmp_path):
+  # skipping rows without a misspelled prompt_field would skip every row
+  path = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}] * 3)
+  for on_bad_row in ("error", "skip"):
+    with pytest.raises(DataError) as error:
+      JsonlSource(path, prompt_field="questoin", on_bad_row=on_bad_row)
+    assert "config.data.prompt_field" in str(error.value)
+    assert "on_bad_row" not in str(error.value) and "'question'" in str(error.value)
+
+
+def test_a_missing_file_names_the_config_field_that_gave_it(tmp_path):
+  from rlx.trainer.run import _named
+
+  for field in ("data.source", "data.eval_source"):
+    with pytest.raises(DataError, match=f"config.{field}=.*missing.jsonl.*does not exist"):
+      _named(open_source, field, str(tmp_path / "missing.jsonl"))
+
+
 def test_parquet(tmp_path):
   pa = pytest.importorskip("pyarrow")
   import pyarrow.parquet as pq
