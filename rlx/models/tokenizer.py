@@ -26,7 +26,8 @@ class Tokenizer:
 
   def __init__(self, backend: tokenizers.Tokenizer, *, bos_token: str | None = None,
                eos_token: str | None = None, pad_token: str | None = None,
-               chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()):
+               chat_template: str | None = None, extra_eos_ids: Sequence[int] = (),
+               generation_config: dict[str, Any] | None = None):
     self.backend = backend
     self.bos_token, self.eos_token = bos_token, eos_token
     self.pad_token = pad_token if pad_token is not None else eos_token
@@ -37,6 +38,8 @@ class Tokenizer:
     ids = [self.eos_id] if self.eos_id is not None else []
     self.eos_ids = tuple(dict.fromkeys([*ids, *extra_eos_ids]))
     """Every id that ends a response: the eos token and the generation config's eos ids."""
+    self.generation_config = dict(generation_config or {})
+    """The model's ``generation_config.json`` as read (its published sampling defaults too)."""
 
   def _id(self, token: str | None) -> int | None:
     if token is None:
@@ -82,7 +85,20 @@ class Tokenizer:
     if self.chat_template is not None:
       config["chat_template"] = self.chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(self.exported_generation_config(),
+                                                                 indent=2))
     return directory
+
+  def exported_generation_config(self) -> dict[str, Any]:
+    """The generation config a saved model carries: the one read, its special ids updated to
+    this tokenizer's (every eos id, so that ``generate`` stops where rlx's rollouts stopped)."""
+    config = dict(self.generation_config)
+    if self.eos_ids:
+      config["eos_token_id"] = self.eos_ids[0] if len(self.eos_ids) == 1 else list(self.eos_ids)
+    for key, value in (("bos_token_id", self.bos_id), ("pad_token_id", self.pad_id)):
+      if value is not None:
+        config[key] = value
+    return config
 
   def encode_prompt(self, prompt: str | Sequence[dict[str, Any]], system: str = "",
                     template_kwargs: dict | None = None) -> list[int]:
@@ -144,15 +160,14 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     template = next((t["template"] for t in template if t.get("name") == "default"), None)
   if (directory / "chat_template.jinja").is_file():
     template = (directory / "chat_template.jinja").read_text()
-  extra_eos: list[int] = []
   generation_file = directory / "generation_config.json"
-  if generation_file.is_file():
-    eos = read_json(generation_file).get("eos_token_id")
-    extra_eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+  generation = read_json(generation_file) if generation_file.is_file() else {}
+  eos = generation.get("eos_token_id")
+  extra_eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
   return Tokenizer(backend, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")),
                    pad_token=_token_text(config.get("pad_token")), chat_template=template,
-                   extra_eos_ids=extra_eos)
+                   extra_eos_ids=extra_eos, generation_config=generation)
 
 
 BUILTIN_SPECIALS = ("<|pad|>", "<|eos|>")

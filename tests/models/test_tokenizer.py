@@ -100,3 +100,27 @@ def test_a_malformed_template_kwargs_value_is_refused():
   for bad in ("enable_thinking=false", "[1]"):
     with pytest.raises(ConfigError, match="data.chat_template_kwargs"):
       DataConfig(chat_template_kwargs=bad)
+
+
+def test_a_saved_model_keeps_its_generation_config(tokenizer_dir, tmp_path):
+  # export once wrote none: a model whose generate() stops at eos 2 or 0 came back stopping at
+  # 2 only, and lost its published sampling defaults
+  source = tmp_path / "source"
+  source.mkdir()
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (source / name).write_bytes((tokenizer_dir / name).read_bytes())
+  (source / "generation_config.json").write_text(json.dumps(
+      {"eos_token_id": [2, 0], "temperature": 0.7, "top_p": 0.8, "do_sample": True}))
+  saved = models.load_tokenizer(source).save_pretrained(tmp_path / "saved")
+  written = json.loads((saved / "generation_config.json").read_text())
+  assert written["eos_token_id"] == [2, 0]
+  assert (written["temperature"], written["top_p"], written["do_sample"]) == (0.7, 0.8, True)
+  assert models.load_tokenizer(saved).eos_ids == (2, 0)
+  transformers = pytest.importorskip("transformers")
+  loaded = transformers.GenerationConfig.from_pretrained(saved)
+  assert loaded.eos_token_id == [2, 0] and loaded.temperature == 0.7
+  # a model without one gets its eos and pad ids written
+  builtin = models.builtin_tokenizer()
+  written = json.loads((builtin.save_pretrained(tmp_path / "builtin") / "generation_config.json")
+                       .read_text())
+  assert written == {"eos_token_id": builtin.eos_id, "pad_token_id": builtin.pad_id}
