@@ -135,6 +135,19 @@ def check(config: RunConfig) -> RunConfig:
   _check(mesh.generators == 1 or mesh.role != "both", "mesh.generators",
          "counts generator jobs of a split run as jobs (mesh.role=learner or generator)")
   env = config.env
+  if mesh.admission == "continuous":
+    _check(mesh.mode == "split" and mesh.role == "both", "mesh.admission",
+           "'continuous' streams the generator of split in one process: set "
+           "config.mesh.mode=split (role=both), or admission=batch")
+    _check(not mesh.multihost, "mesh.admission",
+           "'continuous' needs a generator of one process (each would admit by its own clock); "
+           "set mesh.admission=batch")
+    _check(mesh.inflight_updates, "mesh.admission", "'continuous' never drains, so new weights "
+           "reach it only in flight: set mesh.inflight_updates=true, or admission=batch")
+    _check(not env.agent, "mesh.admission", "'continuous' does not stream agent programs "
+           "(env.agent): set mesh.admission=batch")
+    _check(not env.name, "mesh.admission", "'continuous' streams single-turn prompts; for "
+           "env.name episodes set mesh.admission=batch")
   if env.name:
     _check(env.max_tokens <= config.rollout.max_new_tokens, "env.max_tokens",
            f"must fit in rollout.max_new_tokens={config.rollout.max_new_tokens}, the room the "

@@ -31,6 +31,10 @@ class MeshConfig:
   """Split mode: the learner never trains on data more than this many policy versions old; 0 is synchronous."""
   inflight_updates: bool = True
   """Split mode: a newly published policy version reaches sequences still decoding, swapped in between decode chunks without draining (partial rollouts); each token keeps the version that sampled it and its behaviour log-prob, and a batch's staleness is its oldest token's. A generator job of several processes takes new weights between batches only. false: weights change only between draws."""
+  admission: Literal["batch", "continuous"] = "batch"
+  """Split mode: 'batch' samples a batch at a time (it is done when its slowest sample is); 'continuous' runs generation as one stream, admitting new prompts into the slots that finished or parked samples leave and handing groups over as they complete (rlx.trainer.stream); needs inflight_updates, one process, and no env.agent."""
+  groups_in_flight: int = 0
+  """Split mode with admission='continuous': the most groups admitted and not yet handed over; 0: twice the groups the slots hold, or one batch if that is more."""
   lag_threshold: int | None = None
   """Split mode: a batch holding a rollout more than this many versions old is expired (dropped and counted), and when the mean lag over control_window batches exceeds it the controller lowers the effective staleness bound below max_staleness, raising it again when healthy (rlx.trainer.control); None disables both."""
   control_window: int = 4
@@ -76,6 +80,7 @@ class MeshConfig:
     _check(0 <= self.generator_id < self.generators, "mesh.generator_id",
            f"must be in 0 .. mesh.generators - 1 = {self.generators - 1}")
     _check(self.job_timeout_s > 0, "mesh.job_timeout_s", "must be > 0 seconds")
+    _check(self.groups_in_flight >= 0, "mesh.groups_in_flight", "must be >= 0 (0: sized from the slots)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

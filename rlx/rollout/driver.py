@@ -34,6 +34,11 @@ from rlx.rollout.engine import DecodeState, Engine, Prefix, SamplingParams, np_s
 Weights = Callable[[], "tuple[Params, int] | None"]
 """Newer weights for an in-flight update: (params, version), or None to keep those in use."""
 
+Supply = Callable[[bool], "Sequence[Sequence[int]] | None"]
+"""More prompts for a stream (``stream``): called between decode chunks with whether nothing
+is in flight (then it must block until it has a prompt, or close); returns the prompts to
+admit (maybe none), or None: no more will come."""
+
 
 @dataclasses.dataclass
 class Completion:
@@ -141,7 +146,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
              batching: Literal["continuous", "static"] = "continuous",
              first_prompt_index: int = 0,
              on_finished: Callable[[Completion], None] | None = None,
-             weights: Weights | None = None) -> list[Completion]:
+             weights: Weights | None = None, supply: Supply | None = None,
+             stats: dict | None = None) -> list[Completion]:
   """Samples ``n`` responses to each prompt.
 
   Args:
@@ -166,9 +172,14 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
     weights: asked before every decode chunk; a (params, version) it returns whose version
       differs from the one in use replaces it from that chunk on (an in-flight update, see
       the module docstring). None from it: keep the current ones.
+    supply: makes the call a stream (continuous admission): asked between decode chunks for
+      more prompts (see ``Supply``), which take the slots that free; it runs until ``supply``
+      closes and every request is done. Completions then go only to ``on_finished`` (the
+      call returns []); prompt indices count on from ``prompts`` across what it admits.
+    stats: a dict to which the slots' use is added as it runs (``_Run.stats``).
   """
   prompts = [list(map(int, p)) for p in prompts]
-  if not prompts:
+  if not prompts and supply is None:
     return []
   if any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
@@ -179,6 +190,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
     if params is None:
       raise ValueError("generate(engine, ...) needs params=")
   else:
+    if supply is not None:
+      raise ValueError("a stream (supply=) needs an Engine, sized for what it will admit")
     slots = max_slots or min(64, _power_of_two(len(prompts) * n))
     prompt_len = _power_of_two(max(map(len, prompts)), 8)
     engine = _engine_for(model_or_engine.transformer, slots, prompt_len + max_new_tokens, prompt_len)
@@ -188,7 +201,15 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
   for p in prompts:
     engine.prompt_bucket(len(p))  # refuses prompts that are too long
   return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
-              policy_version, batching, first_prompt_index, on_finished, weights).run()
+              policy_version, batching, first_prompt_index, on_finished, weights, supply=supply,
+              stats=stats).run()
+
+
+@jax.jit
+def _request_keys(base: jax.Array, prompts: jax.Array, samples: jax.Array) -> jax.Array:
+  """The key of each request: sample ``samples[i]`` of prompt ``prompts[i]``."""
+  return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(
+      prompts, samples)
 
 
 @jax.jit
@@ -204,20 +225,19 @@ class _Run:
 
   def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                stop, seed, policy_version, batching, first_prompt_index=0, on_finished=None,
-               weights=None):
-    self.engine, self.params, self.prompts, self.n = engine, params, prompts, n
-    self.on_finished, self.weights = on_finished, weights
+               weights=None, supply: Supply | None = None, stats: dict | None = None):
+    self.engine, self.params, self.prompts, self.n = engine, params, list(prompts), n
+    self.on_finished, self.weights, self.supply = on_finished, weights, supply
+    self.closed = supply is None
+    """Whether no more prompts will come (always, without ``supply``)."""
+    self.done = 0  # requests finished
     self.policy_version, self.batching = policy_version, batching
     """The version of ``params``: the one in use now."""
     self.swaps = 0  # in-flight weight updates taken
     self.max_new_tokens = max_new_tokens
     self.sampling_row = (float(temperature), int(top_k), float(top_p), int(max_new_tokens),
                          np_stop_ids(stop, engine.max_stop_tokens))
-    base = jax.random.key(seed)
-    indices = np.arange(len(prompts) * n)
-    self.request_keys = jax.vmap(
-        lambda i: jax.random.fold_in(jax.random.fold_in(base, first_prompt_index + i // n),
-                                     i % n))(indices)
+    self.base_key, self.first_prompt_index = jax.random.key(seed), first_prompt_index
     self.pending = collections.deque(range(len(prompts)))  # prompts not yet prefilled
     # [prefix, row, prompt_index, next sample index, the version that computed the prefix]
     self.prefixes = collections.deque()
@@ -228,19 +248,72 @@ class _Run:
     self.firsts: list = []  # (slots, first tokens sampled at insert, their version), not read
     # While requests wait, a chunk ends once this many slots have freed, to refill them.
     self.refill_at = max(1, engine.max_slots // 16)
+    self.stats = {} if stats is None else stats
+    """The slots' use, added to as it runs (a caller's dict, which it reads meanwhile):
+    ``slot_steps`` (decode steps x slots dispatched), ``busy_steps`` (the steps of those that
+    produced a token: the occupancy is their ratio) and ``parked_s`` (seconds every slot
+    waited on an environment)."""
+    for key in ("slot_steps", "busy_steps", "parked_s"):
+      self.stats.setdefault(key, 0)
 
   def run(self) -> list[Completion]:
+    """Runs until every request is done (and, with ``supply``, it closed); returns the
+    completions in prompt order (none with ``supply``: they went to ``on_finished``)."""
     state = self.engine.init_decode_state()
-    total = len(self.prompts) * self.n
-    while len(self.results) < total:
-      free = [s for s, o in enumerate(self.owner) if o is None]
-      if free and (self.batching == "continuous" or len(free) == self.engine.max_slots):
-        state = self._fill(state, free)
-      owned = [s for s, o in enumerate(self.owner) if o is not None]
-      if owned:
-        waiting = self.batching == "continuous" and bool(self.pending or self.prefixes)
-        state, _ = self._decode(state, owned, waiting)
+    while self._more():
+      state = self._step(state)
+    if self.supply is not None:
+      return []
     return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
+
+  def _more(self) -> bool:
+    """Asks ``supply`` for more prompts (blocking it when nothing is in flight); whether any
+    request is left to run."""
+    if not self.closed:
+      idle = all(o is None for o in self.owner) and not self.pending and not self.prefixes
+      more = self.supply(idle)
+      if more is None:
+        self.closed = True
+      else:
+        more = [list(map(int, p)) for p in more]
+        for prompt in more:
+          self._admissible(prompt)
+        start = len(self.prompts)
+        self.prompts.extend(more)
+        self.pending.extend(range(start, len(self.prompts)))
+    return self.done < len(self.prompts) * self.n
+
+  def _admissible(self, prompt: list[int]) -> None:
+    """Refuses a streamed prompt this engine cannot run."""
+    if not prompt:
+      raise ValueError("every prompt needs at least one token")
+    self.engine.prompt_bucket(len(prompt))
+
+  def _step(self, state):
+    """Fills the free slots, then decodes one chunk."""
+    free = [s for s, o in enumerate(self.owner) if o is None]
+    if free and (self.batching == "continuous" or len(free) == self.engine.max_slots):
+      state = self._fill(state, free)
+    owned = [s for s, o in enumerate(self.owner) if o is not None]
+    if owned:
+      waiting = self.batching == "continuous" and bool(self.pending or self.prefixes
+                                                       or not self.closed)
+      state, _ = self._decode(state, owned, waiting)
+    return state
+
+  def _keys(self, requests: list[tuple[int, int]]) -> jax.Array:
+    """The PRNG keys of requests (prompt index, sample index)."""
+    prompts = np.array([self.first_prompt_index + p for p, _ in requests], np.int32)
+    return _request_keys(self.base_key, prompts, np.array([s for _, s in requests], np.int32))
+
+  def _complete(self, key: tuple[int, int], slot: int, completion: Completion) -> None:
+    """A request is done: its slot frees and it goes to ``on_finished``."""
+    self.done += 1
+    if self.supply is None:  # a stream keeps nothing: its consumer has it
+      self.results[key] = completion
+    self.owner[slot] = None
+    if self.on_finished is not None:
+      self.on_finished(completion)
 
   def _decode(self, state, slots: list[int], waiting: bool):
     """One ``generate`` chunk over the decoding ``slots`` (ending early to refill when requests
@@ -254,6 +327,8 @@ class _Run:
     # the chunk's tokens.
     firsts, chunk = jax.device_get((self.firsts, chunk))
     self.firsts = []
+    self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * self.engine.max_slots
+    self.stats["busy_steps"] += int(chunk.emitted.sum())
     for placed, first, version in firsts:
       for i, slot in enumerate(placed):
         self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i], version)
@@ -284,6 +359,7 @@ class _Run:
       self.prefixes.append([prefix, row, p, 0, self.policy_version])
 
   def _fill(self, state, free: list[int]):
+    self._refresh()  # new prompts start from the newest weights
     by_prefix: dict[int, tuple[Prefix, list]] = {}
     while free and (self.prefixes or self.pending):
       if not self.prefixes:
@@ -308,7 +384,7 @@ class _Run:
     pad = count - len(inserts)
     slots = np.array([s for s, _, _ in inserts] + [self.engine.max_slots] * pad, np.int32)
     rows = np.array([r for _, r, _ in inserts] + [0] * pad, np.int32)
-    keys = self.request_keys[np.array([k for _, _, k in inserts] + [0] * pad)]
+    keys = self._keys([divmod(k, self.n) for _, _, k in inserts] + [(0, 0)] * pad)
     temperature, top_k, top_p, max_new, stop_ids = self.sampling_row
     sampling = SamplingParams(
         temperature=np.full((count,), temperature, np.float32), top_k=np.full((count,), top_k, np.int32),
@@ -346,7 +422,4 @@ class _Run:
     completion.policy_logprobs.extend(policy_logprobs.tolist())
     if finished:
       completion.finish_reason = "stop" if stopped else "length"
-      self.results[(p, sample)] = self.partial.pop((p, sample))
-      self.owner[slot] = None
-      if self.on_finished is not None:
-        self.on_finished(completion)
+      self._complete((p, sample), slot, self.partial.pop((p, sample)))

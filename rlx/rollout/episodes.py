@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from rlx.models.transformer import Params
-from rlx.rollout.driver import Completion, Weights, _first_tokens, _Run
+from rlx.rollout.driver import Completion, Supply, Weights, _first_tokens, _Run
 from rlx.rollout.engine import Engine, SamplingParams
 
 Respond = Callable[[int, int, list[int], str], concurrent.futures.Future]
@@ -49,7 +49,8 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
                       stop_token_ids: Sequence[int], seed: int = 0, policy_version: int = 0,
                       first_prompt_index: int = 0, step_timeout_s: float = 30.0,
                       on_finished: Callable[[Completion], None] | None = None,
-                      stats: dict | None = None, weights: Weights | None = None) -> list[Completion]:
+                      stats: dict | None = None, weights: Weights | None = None,
+                      supply: Supply | None = None) -> list[Completion]:
   """``n`` episodes from each prompt (see the module docstring).
 
   Args:
@@ -66,58 +67,51 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
     The rest as in ``rollout.generate``.
   """
   prompts = [list(map(int, p)) for p in prompts]
-  if not prompts:
+  if not prompts and supply is None:
     return []
-  room = engine.max_len - max(map(len, prompts))
-  if max_tokens > room:
-    raise ValueError(f"max_tokens={max_tokens} does not fit in the engine's max_len="
-                     f"{engine.max_len} after a prompt of {max(map(len, prompts))} tokens")
-  for p in prompts:
-    engine.prompt_bucket(len(p))
   run = EpisodeRun(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                    tuple(stop_token_ids), seed, policy_version, "continuous", first_prompt_index,
                    on_finished, weights, respond=respond, max_tokens=max_tokens,
-                   step_timeout_s=step_timeout_s)
-  completions = run.run()
-  if stats is not None:
-    for key, value in run.stats.items():
-      stats[key] = stats.get(key, 0) + value
-  return completions
+                   step_timeout_s=step_timeout_s, supply=supply, stats=stats)
+  for p in prompts:
+    run._admissible(p)
+  return run.run()
 
 
 class EpisodeRun(_Run):
   """``_Run`` whose slots park at the end of a turn instead of freeing."""
 
-  def __init__(self, *args, respond: Respond, max_tokens: int, step_timeout_s: float):
-    super().__init__(*args)
+  def __init__(self, *args, respond: Respond, max_tokens: int, step_timeout_s: float, **kwargs):
+    super().__init__(*args, **kwargs)
     self.respond, self.max_tokens, self.step_timeout_s = respond, max_tokens, step_timeout_s
     self.parked: dict[int, _Parked] = {}
     self.turn_start: dict[tuple[int, int], int] = {}
-    self.stats = {"slot_steps": 0, "busy_steps": 0, "parked_s": 0.0}
 
-  def run(self) -> list[Completion]:
-    state = self.engine.init_decode_state()
-    total = len(self.prompts) * self.n
-    while len(self.results) < total:
-      state = self._resume(state)
-      free = [s for s, o in enumerate(self.owner) if o is None]
-      if free:
-        state = self._fill(state, free)
-      decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.parked]
-      if decoding:
-        state, chunk = self._decode(state, decoding,
-                                    bool(self.pending or self.prefixes or self.parked))
-        ran = int(chunk.emitted.any(axis=1).sum())
-        self.stats["slot_steps"] += ran * self.engine.max_slots
-        self.stats["busy_steps"] += int(chunk.emitted.sum())
-      elif self.parked:  # every slot waits for its environment
-        oldest = min(p.since for p in self.parked.values())
-        began = time.monotonic()
-        concurrent.futures.wait([p.future for p in self.parked.values()],
-                                timeout=max(oldest + self.step_timeout_s - time.monotonic(), 0.01),
-                                return_when=concurrent.futures.FIRST_COMPLETED)
-        self.stats["parked_s"] += time.monotonic() - began
-    return [self.results[(p, s)] for p in range(len(self.prompts)) for s in range(self.n)]
+  def _admissible(self, prompt: list[int]) -> None:
+    super()._admissible(prompt)
+    if self.max_tokens > self.engine.max_len - len(prompt):
+      raise ValueError(f"max_tokens={self.max_tokens} does not fit in the engine's max_len="
+                       f"{self.engine.max_len} after a prompt of {len(prompt)} tokens")
+
+  def _step(self, state):
+    """Resumes the slots whose environment answered, fills the free ones, then decodes one
+    chunk; when every slot waits on its environment, waits for the first reply."""
+    state = self._resume(state)
+    free = [s for s, o in enumerate(self.owner) if o is None]
+    if free:
+      state = self._fill(state, free)
+    decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.parked]
+    if decoding:
+      state, _ = self._decode(state, decoding, bool(self.pending or self.prefixes or self.parked
+                                                    or not self.closed))
+    elif self.parked:  # every slot waits for its environment
+      oldest = min(p.since for p in self.parked.values())
+      began = time.monotonic()
+      concurrent.futures.wait([p.future for p in self.parked.values()],
+                              timeout=max(oldest + self.step_timeout_s - time.monotonic(), 0.01),
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+      self.stats["parked_s"] += time.monotonic() - began
+    return state
 
   def _append(self, slot: int, tokens, logprobs, policy_logprobs, finished, stopped,
               version: int) -> None:
@@ -144,10 +138,7 @@ class EpisodeRun(_Run):
     key = self.owner[slot]
     completion = self.partial.pop(key)
     completion.finish_reason = "length" if truncated else "stop"
-    self.results[key] = completion
-    self.owner[slot] = None
-    if self.on_finished is not None:
-      self.on_finished(completion)
+    self._complete(key, slot, completion)
 
   def _resume(self, state):
     """Ends the episodes whose environment said done (or did not answer in time) and appends
@@ -195,7 +186,7 @@ class EpisodeRun(_Run):
       completion.turns += 1
       self.turn_start[key] = len(completion.response_tokens)
       max_new[i] = min(turn_max, self.max_tokens - len(completion.response_tokens))
-      request = self.request_keys[key[0] * self.n + key[1]]
+      request = self._keys([key])[0]
       keys.append(jax.random.fold_in(request, 1_000_000 + completion.turns))
       self.index[slot] += len(row)
     keys += [keys[0]] * (count - len(replies))

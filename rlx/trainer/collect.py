@@ -128,6 +128,33 @@ def _component_key(name: str) -> str:
   return f"reward/{name}" if name not in own else f"reward/component_{name}"
 
 
+def exhausted(run: Run, draws: int, kept: int, counts: dict, sampled: int,
+              agent: dict | None = None) -> Exception:
+  """Why ``draws`` draws kept only ``kept`` groups of a batch: every agent episode failed,
+  every reward call failed, or dynamic sampling found almost no group with varied rewards;
+  ``counts``: the draws' reward counts, ``sampled``: the samples they drew."""
+  config = run.config
+  wanted = config.data.prompts_per_step // jax.process_count()
+  if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
+    return RuntimeError(
+        f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "
+        f"in {draws} draws: {int(agent.get('agent:program_errors', 0))} raised, "
+        f"{int(agent.get('agent:program_timeouts', 0))} ran past env.agent_timeout_s, "
+        f"{int(agent.get('agent:silent_episodes', 0))} never called the endpoint; the first "
+        f"error: {run.agent_error}")
+  failed = counts.get("reward/errors", 0) + counts.get("reward/timeouts", 0)
+  if failed >= sampled:
+    return RewardFailedError(
+        f"every reward call of {draws} draws failed, so no group has varied rewards; the "
+        f"first error: {run.pool.first_error}. Fix the reward function "
+        f"(config.reward.name={config.reward.name!r}) or the data's fields it reads")
+  return DynamicSamplingError(
+      f"dynamic sampling kept {kept} of {wanted} groups after "
+      f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
+      "raise config.rollout.group_size or config.algorithm.dynamic_sampling_max_draws, or set "
+      "config.algorithm.dynamic_sampling=false")
+
+
 @dataclasses.dataclass
 class Draw:
   """A full batch of scored groups (this process's share of it), and what it cost."""
@@ -178,24 +205,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
   temperature = config.rollout.temperature if temperature is None else temperature
   while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
-      if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
-        raise RuntimeError(
-            f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "
-            f"in {draws} draws: {int(agent.get('agent:program_errors', 0))} raised, "
-            f"{int(agent.get('agent:program_timeouts', 0))} ran past env.agent_timeout_s, "
-            f"{int(agent.get('agent:silent_episodes', 0))} never called the endpoint; the first "
-            f"error: {run.agent_error}")
-      failed = counts.get("reward/errors", 0) + counts.get("reward/timeouts", 0)
-      if failed >= sampled:
-        raise RewardFailedError(
-            f"every reward call of {draws} draws failed, so no group has varied rewards; the "
-            f"first error: {run.pool.first_error}. Fix the reward function "
-            f"(config.reward.name={config.reward.name!r}) or the data's fields it reads")
-      raise DynamicSamplingError(
-          f"dynamic sampling kept {len(completions) // group} of {wanted // group} groups after "
-          f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
-          "raise config.rollout.group_size or config.algorithm.dynamic_sampling_max_draws, or set "
-          "config.algorithm.dynamic_sampling=false")
+      raise exhausted(run, draws, len(completions) // group, counts, sampled, agent)
     rows, first = distributed.local_share(next(run.stream), "prompts per step")
     params, version = params_fn()
     drawn, scored = generate_and_score(

@@ -47,6 +47,7 @@ from rlx.trainer.run import Run
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 from rlx.trainer.produce import Opened, Produced, Weights, produce
+from rlx.trainer.stream import stream_produce
 
 
 class ThreadGate:
@@ -63,10 +64,16 @@ class ThreadGate:
     self._progress = threading.Condition()
     self._halted = False
 
-  def wait(self, index: int) -> Opened | None:
+  def wait(self, index: int, timeout: float | None = None) -> Opened | None | bool:
+    """Blocks until batch ``index`` may start (None: stop); with ``timeout``, False once
+    that many seconds passed without it opening (0: only look)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     with self._progress:
       while not control.may_start(index, self.finished, self.k) and not self._halted:
-        self._progress.wait(timeout=0.5)
+        left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+        if left <= 0:
+          return False
+        self._progress.wait(timeout=left)
       return None if self._halted else Opened(self.setting, self.temperature)
 
   def finish(self) -> None:
@@ -114,9 +121,13 @@ class Generator(threading.Thread):
 
   def run(self) -> None:
     try:
-      produce(self.job, self.gate, self.weights, self, first=self.first_step,
-              mismatch=self._mismatch, mismatch_every=self.mismatch_every, delay_s=self.delay_s,
-              collect_fn=self.collect_fn)
+      if self.job.config.mesh.admission == "continuous":
+        stream_produce(self.job, self.gate, self.weights, self, first=self.first_step,
+                       mismatch=self._mismatch, mismatch_every=self.mismatch_every)
+      else:
+        produce(self.job, self.gate, self.weights, self, first=self.first_step,
+                mismatch=self._mismatch, mismatch_every=self.mismatch_every,
+                delay_s=self.delay_s, collect_fn=self.collect_fn)
     except BaseException as error:  # noqa: BLE001 - handed to the learner, which raises it
       self._hand_over(error)
 

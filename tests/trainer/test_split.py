@@ -76,7 +76,7 @@ class _Versions:
 
 def _job(k, sync):
   return types.SimpleNamespace(sync=sync, config=types.SimpleNamespace(
-      mesh=types.SimpleNamespace(max_staleness=k, inflight_updates=True),
+      mesh=types.SimpleNamespace(max_staleness=k, inflight_updates=True, admission="batch"),
       trainer=types.SimpleNamespace(seed=0)))
 
 

@@ -1,0 +1,293 @@
+"""Continuous admission: split mode's producer as one stream of groups, with no batch barrier.
+
+    stream_produce(run, gate, weights, sink, first=index)      # mesh.admission='continuous'
+
+``produce`` (``rlx.trainer.produce``) works batch by batch: a batch is done when its slowest
+sample is, and the slots that free meanwhile idle until the next one starts. Here the engine
+runs one stream (``rollout.generate(..., supply=)``): between decode chunks it asks for more
+prompts, and a new group takes the slots that finished or parked samples leave. Groups are
+handed over as they complete, ``data.prompts_per_step`` at a time, each batch to the sink as
+``produce`` hands it (same ``Produced``, same gate and sink), so the learner loop cannot tell
+the two apart.
+
+**Order and age.** Prompts are admitted in the data stream's order, and the engine gives
+slots first come, first served: a group's samples start before any later group's. A batch is
+the first ``prompts_per_step`` groups to *complete* (all samples scored), so a slow group does
+not hold a batch back; it goes in a later one. It cannot starve: it holds its slots from
+admission, and every sample ends within ``rollout.max_new_tokens`` (an episode: its
+``env.max_tokens``, each environment step within ``env.step_timeout_s``), so it completes
+within a bounded time. Its age is judged where every batch's is: its oldest token's version
+against ``mesh.max_staleness`` (``control.Controller.verdict``), and past that bound the
+learner drops it, counted.
+
+**Gate and bound.** A group is admitted only for a batch the gate has opened
+(``control.may_start``): the batch it would complete, counting the groups in flight and
+ready ahead of it; and at most ``mesh.groups_in_flight`` groups (admitted, not yet handed
+over) at once, which keeps the slots full without running far ahead of the learner.
+
+**Weights.** New versions reach the stream between decode chunks (in-flight updates; the
+admission needs ``mesh.inflight_updates``): a prompt admitted later is prefilled by the
+version of its time, and every token keeps the version that sampled it.
+
+**Dynamic sampling.** A completed group whose rewards are all equal is dropped (counted) when
+``algorithm.dynamic``, and the stream simply admits another: there are no redraws. Once it
+has dropped ``algorithm.dynamic_sampling_max_draws`` batches' worth of groups without
+handing a batch over, it stops with the cause, as batch admission does.
+
+**Temperature.** One stream samples at one temperature. When the entropy controller changes
+it, admission stops, the groups in flight finish and are handed over, a partial batch left
+at the old temperature is dropped (counted), and a new stream starts at the new one.
+
+What it cannot do: several processes (each would admit by its own clock, and their programs
+would diverge), and agent programs through the endpoint (``env.agent``: each request is its
+own); the config refuses both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from rlx import algorithms, rollout
+from rlx.rollout import Completion
+from rlx.trainer.collect import Draw, _component_key, _Scorer, exhausted
+from rlx.trainer.produce import Produced
+from rlx.trainer.run import Run
+
+POLL_S = 0.02
+"""How often an idle stream looks at its gate and its scorer."""
+
+
+def groups_in_flight(config) -> int:
+  """The bound on groups admitted and not yet handed over: ``mesh.groups_in_flight``, or
+  (0) enough to fill every slot twice over and one batch, whichever is more."""
+  if config.mesh.groups_in_flight:
+    return config.mesh.groups_in_flight
+  slots_worth = -(-config.rollout.max_slots // config.rollout.group_size)
+  return max(2 * slots_worth, config.data.prompts_per_step)
+
+
+@dataclasses.dataclass
+class _Group:
+  row: dict
+  index: int
+  """Its prompt's index in the stream (the completions' ``prompt_index``)."""
+  setting: int
+  born: float
+  completions: list
+  rewards: np.ndarray
+  correct: np.ndarray
+  components: dict = dataclasses.field(default_factory=dict)
+  scored: int = 0
+
+
+class _Tally:
+  """What the groups completed since the last hand-over showed (every one, kept or not)."""
+
+  def __init__(self):
+    self.groups = self.dropped = self.alike = 0
+    self.samples, self.reward, self.correct = 0, 0.0, 0.0
+    self.counts: dict[str, int] = {}
+    self.parts: dict[str, list[float]] = {}
+
+
+class Streamer:
+  """The producer loop with continuous admission (see the module docstring)."""
+
+  def __init__(self, run: Run, gate, weights, sink, *, first: int = 0, mismatch=None,
+               mismatch_every: int = 0):
+    self.run, self.gate, self.weights, self.sink = run, gate, weights, sink
+    self.config = config = run.config
+    self.size, self.per_batch = config.rollout.group_size, config.data.prompts_per_step
+    self.bound = groups_in_flight(config)
+    self.index = first
+    """The next batch to hand over."""
+    self.mismatch, self.mismatch_every = mismatch, mismatch_every
+    self.rows: list[dict] = []  # rows drawn from the data stream, not yet admitted
+    self.flight: dict[int, _Group] = {}  # admitted, not complete
+    self.ready: list[_Group] = []  # complete and kept, in completion order
+    self.tally = _Tally()
+    self.halted = False
+    self.temperature = config.rollout.temperature
+    self.retemper: float | None = None  # the temperature the next stream runs at
+    self.slots: dict = {}  # the engine's running totals of its slots' use
+    self.slots_then: dict = {}  # ... at the last hand-over
+    self.since = time.perf_counter()  # the last hand-over
+    self.waited = 0.0  # seconds at the gate since then
+    self.synced, self.swaps = weights.seconds, weights.swaps
+    self.admitted = 0  # prompts admitted over the run (they seed the draws)
+
+  def run_stream(self) -> int:
+    """Streams until the gate says stop; returns the next batch index."""
+    config, r = self.config, self.config.rollout
+    while not self.halted:
+      self.weights.refresh(force=True)
+      self.group_rows: list[dict] = []
+      self.scorer = _Scorer(self.run, self.group_rows)
+      self.seen = 0
+      self.offset = self.admitted  # prompt indices of this stream count from 0
+      try:
+        rollout.generate(
+            self.run.engine, [], params=self.weights.params, n=self.size,
+            max_new_tokens=r.max_new_tokens, temperature=self.temperature, top_p=r.top_p,
+            top_k=r.top_k, stop_token_ids=self.run.tokenizer.eos_ids,
+            seed=config.trainer.seed * 1_000_003, first_prompt_index=self.offset,
+            policy_version=self.weights.version, weights=self.weights, supply=self._supply,
+            on_finished=self._finished, stats=self.slots)
+      finally:
+        parts = self.scorer.finish()
+      self._take(parts)  # what completed while the stream drained
+      self._hand_over_ready()
+      if self.retemper is not None:
+        dropped = len(self.ready)
+        self.ready.clear()  # a partial batch at the old temperature
+        self.tally.dropped += dropped
+        self.temperature, self.retemper = self.retemper, None
+    return self.index
+
+  # --- the engine's side: called between decode chunks -------------------------------------
+
+  def _finished(self, completion: Completion) -> None:
+    completion.cut_at_stop_strings(self.config.rollout.stop_strings, self.run.tokenizer.decode)
+    self.scorer.submit(completion)
+
+  def _supply(self, idle: bool) -> list[list[int]] | None:
+    while True:
+      self._take(self.scorer.parts)
+      self._hand_over_ready()
+      if self.halted or self.retemper is not None:
+        return None
+      admitted = self._admit()
+      if admitted is None:
+        return None
+      if admitted or not idle:
+        return admitted
+      began = time.perf_counter()  # nothing in flight, nothing admissible: wait a little
+      time.sleep(POLL_S)
+      self.waited += time.perf_counter() - began
+
+  def _admit(self) -> list[list[int]] | None:
+    """The prompts of the groups the gate and the bound let in now; None: stop."""
+    prompts = []
+    while len(self.flight) + len(self.ready) < self.bound:
+      target = self.index + (len(self.flight) + len(self.ready)) // self.per_batch
+      opened = self.gate.wait(target, timeout=0.0)
+      if opened is False:
+        break
+      if opened is None:
+        self.halted = True
+        return None
+      temperature = self.config.rollout.temperature if opened.temperature is None \
+          else opened.temperature
+      if temperature != self.temperature:
+        self.retemper = temperature
+        return None if not prompts else prompts
+      if not self.rows:
+        self.rows = list(next(self.run.stream))
+      row = self.rows.pop(0)
+      local = self.admitted - self.offset
+      self.flight[local] = _Group(
+          row, local, opened.setting, time.time(), [None] * self.size,
+          np.zeros(self.size, np.float32), np.zeros(self.size, bool))
+      self.group_rows.append(row)
+      self.admitted += 1
+      prompts.append(row["prompt_tokens"])
+    return prompts
+
+  # --- groups complete, batches go out -----------------------------------------------------
+
+  def _take(self, parts: list) -> None:
+    """Files the scores the scorer produced since the last look into their groups."""
+    fresh, self.seen = parts[self.seen:], len(parts)
+    for batch, scored in fresh:
+      for i, completion in enumerate(batch):
+        group = self.flight[completion.prompt_index]
+        s = completion.sample_index
+        group.completions[s] = completion
+        group.rewards[s], group.correct[s] = scored.rewards[i], scored.correct[i]
+        for name, values in scored.components.items():
+          group.components.setdefault(name, np.full(self.size, np.nan, np.float32))[s] = values[i]
+        group.scored += 1
+        if group.scored == self.size:
+          self._complete(self.flight.pop(completion.prompt_index))
+      for key, value in scored.counts.items():
+        self.tally.counts[key] = self.tally.counts.get(key, 0) + value
+
+  def _complete(self, group: _Group) -> None:
+    tally = self.tally
+    tally.groups += 1
+    tally.samples += self.size
+    tally.reward += float(group.rewards.sum())
+    tally.correct += float(group.correct.sum())
+    for name, values in group.components.items():
+      given = values[~np.isnan(values)]
+      part = tally.parts.setdefault(name, [0.0, 0])
+      part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
+    varied = bool(np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(group.rewards),
+                                                              self.size)).all())
+    tally.alike += not varied
+    if self.config.algorithm.dynamic and not varied:
+      tally.dropped += 1
+      limit = self.config.algorithm.dynamic_sampling_max_draws * self.per_batch
+      if tally.dropped >= limit:  # as many groups as that many draws of a batch, all alike
+        raise exhausted(self.run, tally.groups // self.per_batch, len(self.ready),
+                        tally.counts, tally.samples)
+      return
+    self.ready.append(group)
+    self._hand_over_ready()
+
+  def _hand_over_ready(self) -> None:
+    while len(self.ready) >= self.per_batch and not self.halted:
+      groups, self.ready = self.ready[:self.per_batch], self.ready[self.per_batch:]
+      self.sink.put(self._produced(groups))
+      self.index += 1
+
+  def _produced(self, groups: list[_Group]) -> Produced:
+    tally, self.tally = self.tally, _Tally()
+    completions = [c for g in groups for c in g.completions]
+    spans = [c.newest_version - c.policy_version for c in completions]
+    slots = {key: value - self.slots_then.get(key, 0) for key, value in self.slots.items()}
+    self.slots_then = dict(self.slots)
+    counts = {key: int(value) for key, value in tally.counts.items()}
+    for name, (total, count) in tally.parts.items():
+      if count:
+        counts[_component_key(name)] = total / count
+    sampled = max(tally.samples, 1)
+    counts.update({
+        "rollout/dropped_groups": tally.dropped, "rollout/draws": 1,
+        "reward/mean": tally.reward / sampled, "reward/accuracy": tally.correct / sampled,
+        "advantage/zero_groups_frac": tally.alike / max(tally.groups, 1),
+        "reward/error_frac": (counts.get("reward/errors", 0)
+                              + counts.get("reward/timeouts", 0)) / sampled,
+        "rollout/mixed_version_frac": float(np.mean([s > 0 for s in spans])),
+        "rollout/version_span_max": int(max(spans)),
+        "rollout/version_span_mean": float(np.mean(spans)),
+        "rollout/groups_in_flight": len(self.flight),
+        "rollout/slot_occupancy": slots.get("busy_steps", 0) / max(slots.get("slot_steps", 0), 1),
+    })
+    now = time.perf_counter()
+    busy, self.since = now - self.since - self.waited, now
+    draw = Draw(completions, np.concatenate([g.rewards for g in groups]),
+                np.concatenate([g.correct for g in groups]), counts, busy,
+                self.run.stream.get_state(), self.temperature, min(g.born for g in groups))
+    if self.mismatch is not None and self.mismatch_every and self.index % self.mismatch_every == 0:
+      measured = self.mismatch(self.weights.params, completions, self.weights.version,
+                               self.temperature)
+      if measured is not None:
+        counts["rollout/mismatch_kl"] = measured[0]
+    produced = Produced(self.index, draw, min(g.setting for g in groups),
+                        sync_seconds=self.weights.seconds - self.synced,
+                        waited_seconds=self.waited, busy_seconds=busy,
+                        weight_swaps=self.weights.swaps - self.swaps)
+    self.synced, self.swaps, self.waited = self.weights.seconds, self.weights.swaps, 0.0
+    return produced
+
+
+def stream_produce(run: Run, gate, weights, sink, *, first: int = 0, mismatch=None,
+                   mismatch_every: int = 0) -> int:
+  """``produce`` with continuous admission (the module docstring); returns the next index."""
+  return Streamer(run, gate, weights, sink, first=first, mismatch=mismatch,
+                  mismatch_every=mismatch_every).run_stream()

@@ -1,0 +1,137 @@
+"""Continuous admission (``rlx.trainer.stream``): the real generator thread streaming a tiny
+engine, against a fake learner in the test's thread. Every group is handed over whole and
+once; with k = 0 every token is the version the learner trains at (the gate holds new
+prompts back), with k = 2 the stream works ahead and new versions reach sequences in flight;
+a task where every group is alike stops with the cause instead of streaming forever."""
+
+import threading
+import zlib
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from rlx.models import builtin_tokenizer, init_model
+from rlx.rewards import Scored
+from rlx.rollout import Engine
+from rlx.trainer import control
+from rlx.trainer.common import DynamicSamplingError
+from rlx.trainer.split import Generator
+from tests.trainer import tiny
+
+PER_BATCH, GROUP = 2, 2
+
+
+class _Stream:
+  """The prompt stream: batch after batch of rows with prompts no other row has."""
+
+  def __init__(self):
+    self.rows = 0
+
+  def __next__(self):
+    batch = [{"prompt_tokens": [5, 10 + self.rows + i // 90, 10 + (self.rows + i) % 90],
+              "id": self.rows + i} for i in range(PER_BATCH)]
+    self.rows += PER_BATCH
+    return batch
+
+  def get_state(self):
+    return {"next_index": self.rows}
+
+
+class _Sync:
+  """The weight sync: the learner publishes a version (scaled params) after every batch."""
+
+  def __init__(self, params):
+    self.params, self.version, self.lock = params, 0, threading.Lock()
+
+  def publish(self, version):
+    with self.lock:
+      self.version = version
+
+  def latest(self, newer_than=-1):
+    with self.lock:
+      version = self.version
+    if version <= newer_than:
+      return None
+    return jax.tree.map(lambda p: p * (1 + 0.05 * version), self.params), version
+
+
+def _job(k: int, reward):
+  config = tiny.config("dapo_split", "--config.mesh.admission=continuous",
+                       f"--config.mesh.max_staleness={k}", "--config.rollout.decode_steps=2",
+                       "--config.algorithm.dynamic_sampling_max_draws=8")
+  model = init_model(config.model.arch, jax.random.key(0))
+  engine = Engine(model.transformer, max_slots=4, max_len=24, max_prompt_len=8, decode_steps=2)
+  tokenizer = builtin_tokenizer()
+
+  def score(texts, rows):
+    rewards = np.array([reward(t, r) for t, r in zip(texts, rows)], np.float32)
+    return Scored(rewards, rewards > 0, {"reward/errors": 0, "reward/timeouts": 0}, {})
+
+  return types.SimpleNamespace(config=config, engine=engine, tokenizer=tokenizer,
+                               stream=_Stream(), pool=types.SimpleNamespace(score=score),
+                               sync=_Sync(model.params))
+
+
+def _learn(job, k: int, batches: int):
+  """Trains on ``batches`` batches as the learner loop would (publish, then finish); returns
+  them with the version each was trained at."""
+  generator = Generator(job, first_step=0)
+  generator.start()
+  seen = []
+  try:
+    for version in range(batches):
+      produced = generator.next(timeout=60)
+      seen.append((version, produced))
+      job.sync.publish(version + 1)
+      generator.gate.finish()
+  finally:
+    generator.stop()
+    generator.join(timeout=30)
+  assert not generator.is_alive()
+  return seen
+
+
+def _varied(text, row):  # rewards differ unless the samples do not
+  return float(zlib.crc32(text.encode()) % 997)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_groups_are_handed_over_whole_once_and_within_the_gate(k):
+  seen = _learn(_job(k, _varied), k, batches=6)
+  handed = []
+  for version, produced in seen:
+    draw = produced.draw
+    assert len(draw.completions) == PER_BATCH * GROUP and len(draw.rewards) == PER_BATCH * GROUP
+    for g in range(PER_BATCH):
+      group = draw.completions[g * GROUP:(g + 1) * GROUP]
+      assert [c.sample_index for c in group] == list(range(GROUP))
+      assert len({tuple(c.prompt_tokens) for c in group}) == 1
+      assert np.ptp(draw.rewards[g * GROUP:(g + 1) * GROUP]) > 0  # dynamic sampling kept it
+      handed.append(tuple(group[0].prompt_tokens))
+    for c in draw.completions:
+      assert c.versions() == sorted(c.versions()) and len(c.versions()) == len(c.response_tokens)
+    _, lag_max = control.lag([c.policy_version for c in draw.completions], version)
+    if k == 0:  # synchronous: nothing is admitted for a batch before the learner is done
+      assert {v for c in draw.completions for v in c.versions()} == {version}
+    assert 0 <= lag_max
+    assert 0 <= draw.counts["rollout/slot_occupancy"] <= 1
+    assert draw.counts["rollout/version_span_max"] >= 0
+  assert len(set(handed)) == len(handed)  # no group twice
+  if k:  # it worked ahead: some batch holds rows sampled before the version it trains at, and
+    # new versions reached sequences in flight; the slots were busy
+    assert any(min(c.policy_version for c in p.draw.completions) < v for v, p in seen)
+    assert any(p.draw.counts["rollout/version_span_max"] >= 1 for _, p in seen)
+    assert np.mean([p.draw.counts["rollout/slot_occupancy"] for _, p in seen]) > 0.5
+
+
+def test_a_task_where_every_group_is_alike_stops_with_the_cause():
+  generator = Generator(_job(1, lambda text, row: 0.0), first_step=0)
+  generator.start()
+  try:
+    with pytest.raises(DynamicSamplingError, match="dynamic sampling kept 0 of 2 groups"):
+      generator.next(timeout=60)
+  finally:
+    generator.stop()
+    generator.join(timeout=30)
