@@ -123,10 +123,12 @@ class MetricsSink:
     partial.write_text("".join(line + "\n" for line in kept))
     partial.replace(self.jsonl_path)
 
-  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | int]:
-    """Records one step; returns the metrics as Python scalars."""
+  def write(self, step: int, metrics: Mapping[str, Any], force: bool = False
+            ) -> dict[str, float | int]:
+    """Records one step (``force``: even off the ``logging.every_steps`` schedule: the last
+    one); returns the metrics as Python scalars."""
     values = {key: _scalar(value) for key, value in sorted(metrics.items())}
-    if not self.write_files or step % self.config.every_steps:
+    if not self.write_files or (step % self.config.every_steps and not force):
       return values
     if self._jsonl is not None:
       record = {"step": step, "time/timestamp": round(time.time(), 3),  # for plots by wall clock

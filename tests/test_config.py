@@ -200,6 +200,8 @@ def test_main_trains_the_default_split_config_and_says_where_results_are(tmp_pat
   assert json.loads((workdir / "eval_initial.json").read_text())["step"] == 0  # the baseline
   evaluated = json.loads((workdir / "eval_final.json").read_text())
   assert evaluated["step"] == 2 and 0 <= evaluated["eval/accuracy"] <= 1
+  last = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+  assert last["step"] == 2 and last["eval/accuracy"] == evaluated["eval/accuracy"]  # logged too
   # what the model generated, readable: every step, the first 2 groups (2 samples each)
   samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
   assert [(s["step"], s["group"]) for s in samples] == [(1, 0), (1, 0), (1, 1), (1, 1),

@@ -93,11 +93,12 @@ def _what_changed(run: Run) -> str:
 
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
-           say: Say, save_meta: dict | None = None) -> dict:
+           say: Say, save_meta: dict | None = None, final: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
-  after RL}`` (skipped after a stop signal, so that a stop takes seconds). The final
-  evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
+  after RL, "final": the final evaluation's figures}`` (skipped after a stop signal, so that
+  a stop takes seconds). ``final``: that evaluation, when the loop's last step ran it (the
+  same weights are not evaluated twice). The final evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
   ``WORKDIR/eval_final.json``, and the final policy to ``WORKDIR/hf/final`` (Hugging Face
   format, what ``python -m rlx.serve --model`` and ``transformers`` load)."""
   seconds = run.seconds
@@ -116,13 +117,14 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
              if saved is not None else "no checkpoint to save yet")
     say(f"rlx: stopped by {stop.received} after step {step}: {where}; the final evaluation is "
         "skipped; rerun the same command to resume")
-    accuracy_after = None
+    accuracy_after, final = None, {}
   else:
     if run.model is not None:  # a run without a model (a test's stand-in) has none to export
       exported = learner.export(run.workdir / "hf" / "final", run.tokenizer)
       kind = "a PEFT adapter" if learner.base is not None else "Hugging Face format"
       say(f"rlx: final policy (step {step}) in {kind}: {', '.join(map(str, exported))}")
-    final = evaluate(run, learner.generation_params())
+    if final is None:
+      final = evaluate(run, learner.generation_params())
     accuracy_after = final.get("eval/accuracy")
     if final and distributed.lead():  # every held-out figure of the final policy, kept
       (run.workdir / "eval_final.json").write_text(json.dumps(dict(final, step=step), indent=1))
@@ -130,7 +132,7 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
               if name.startswith("eval/pass@")}
     if passes:
       say("rlx: held-out after RL, sampled: " + ", ".join(f"{k} {v:.1%}" for k, v in passes.items()))
-  return {"seconds": dict(seconds), "eval_accuracy_after": accuracy_after}
+  return {"seconds": dict(seconds), "eval_accuracy_after": accuracy_after, "final": final}
 
 
 class Learner:

@@ -124,6 +124,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                      resume_step=start, write=distributed.lead(), run_name=config.name,
                      run_config=json.loads(cli.to_json(config)))
   data_state = run.stream.get_state()
+  final = None  # the final evaluation, when the last step ran it
   learned_tokens, learning_seconds = 0.0, 0.0
   failing = 0  # steps in a row on which every reward call failed
   health = Health(config)  # a warning line when the run is not learning
@@ -215,16 +216,22 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                 {"step": step, "policy_version": learner.version,
                  "data_state": zlib.crc32(json.dumps(data_state, sort_keys=True).encode())},
                 f"the loop's state after step {step}")
-          if evaluation_due(config, step, stopping):
-            metrics.update(evaluate(run, learner.generation_params()))
-          sink.write(step, metrics)
+          last = step == config.trainer.steps and not stopping
+          if evaluation_due(config, step, stopping) or last:
+            # the last step's evaluation is the final one: logged with its step, run once
+            evaluated = evaluate(run, learner.generation_params())
+            metrics.update(evaluated)
+            final = evaluated if last else None
+          sink.write(step, metrics, force=last)
           if learner.checkpoint_due(step, stopping):
             learner.save(step, data_state, **meta())
           _export(run, learner, step)
       finally:
         source.close()
       ended = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
-                     say=say, save_meta=meta())
+                     say=say, save_meta=meta(), final=final)
+      if final is None and ended["final"]:  # the loop ended early: the final evaluation too
+        sink.write(step, ended["final"], force=True)
   finally:
     run.close()
   return Summary(steps=step, stopped=stop.agreed, seconds=ended["seconds"],

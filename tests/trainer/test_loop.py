@@ -3,6 +3,7 @@ train / drop / expire verdicts, controller retunes reaching the source and the l
 stop signal, the data running out, and a checkpoint-resume that continues the source's and
 the controller's state."""
 
+import json
 import os
 import signal
 import time
@@ -293,3 +294,26 @@ def test_a_data_error_mid_run_saves_the_last_completed_step_first(tmp_path):
     _loop(tmp_path / "other", [], "--config.trainer.steps=10", learner=learner,
           source=FailingSource([(0, 0)] * 10, at=0))
   assert not learner.saves
+
+
+@pytest.mark.parametrize("steps, script, logged", [
+    (4, [(0, 0)] * 4, [2, 4]),  # the last step is on the schedule: its evaluation is the final one
+    (3, [(0, 0)] * 3, [2, 3]),  # off it: the last step evaluates anyway, and once
+    (6, [(0, 0)] * 3, [2, 3]),  # the data ran out at step 3: the final evaluation is logged
+])
+def test_the_final_evaluation_is_a_step_metric_run_once(tmp_path, monkeypatch, steps, script,
+                                                        logged):
+  calls = []
+
+  def evaluate(run, params):
+    calls.append(len(calls))
+    return {"eval/accuracy": 0.1 * len(calls)}
+
+  monkeypatch.setattr("rlx.trainer.loop.evaluate", evaluate)
+  monkeypatch.setattr("rlx.trainer.learner.evaluate", evaluate)
+  summary, *_ = _loop(tmp_path, script, f"--config.trainer.steps={steps}",
+                      "--config.trainer.eval_every=2")
+  rows = [row for row in tiny.metrics(tmp_path) if "eval/accuracy" in row]
+  assert [row["step"] for row in rows] == logged and len(calls) == len(logged)
+  assert summary.eval_accuracy_after == rows[-1]["eval/accuracy"] == 0.1 * len(calls)
+  assert json.loads((tmp_path / "eval_final.json").read_text())["eval/accuracy"] == 0.1 * len(calls)
