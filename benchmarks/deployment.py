@@ -12,6 +12,8 @@ on the same two CPU cores, one arm after the other:
   (each runs on one core of its own); each samples half of every batch, and both join
   one data-parallel update over gloo.
 - ``split``: one process, 2 devices (one generates, one learns), both cores, a thread each.
+- ``stream``: ``split`` with continuous admission (``mesh.admission=continuous``): one
+  generation stream, new prompts taking the slots finished samples leave.
 - ``jobs``: a learner process and a generator process (``mesh.role``), 1 device each,
   each pinned to its own core with ``taskset`` when it exists; they share the workdir.
 
@@ -68,9 +70,11 @@ def _processes(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> list[l
   if arm == "colocated":
     return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=colocated",
                                       "--config.mesh.cpu_devices=2", *warm)]
-  if arm == "split":
+  if arm in ("split", "stream"):
+    admission = "continuous" if arm == "stream" else "batch"
     return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=split",
-                                      "--config.mesh.cpu_devices=2", *warm)]
+                                      "--config.mesh.cpu_devices=2",
+                                      f"--config.mesh.admission={admission}", *warm)]
   if arm == "processes":
     with socket.socket() as s:
       s.bind(("localhost", 0))
@@ -117,7 +121,7 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
       "final_reward_mean": round(statistics.mean(r["reward/mean"] for r in tail), 4),
       "final_train_accuracy": round(statistics.mean(r["reward/accuracy"] for r in tail), 4),
   }
-  if arm == "split":
+  if arm in ("split", "stream"):
     report["generation_busy_frac"] = round(rows[-1]["time/generation_busy_frac"], 3)
     report["learning_busy_frac"] = round(rows[-1]["time/learning_busy_frac"], 3)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
@@ -128,8 +132,8 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
     report["generator_sync_s_median"] = round(
         statistics.median(r["time/generator_sync_s"] for r in steady), 5)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
-  if "rollout/slot_occupancy" in rows[-1]:  # multi-turn episodes: means over the steps
-    for key in ("rollout/slot_occupancy", "agent/turns_mean", "agent/tool_calls_mean",
+  if "rollout/slot_occupancy" in rows[-1]:  # episodes, or a stream: means over the steps
+    for key in ("rollout/slot_occupancy", "rollout/version_span_mean", "rollout/groups_in_flight", "agent/turns_mean", "agent/tool_calls_mean",
                 "time/all_slots_parked_s", "agent/tool_latency_p50_s",
                 "agent/tool_latency_p90_s"):
       values = [r[key] for r in steady if key in r]
@@ -146,7 +150,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--config", default="configs/dapo_split.py",
                       help="the config every arm runs (its mesh mode is the arm's)")
-  arms = ["colocated", "processes", "split", "jobs"]
+  arms = ["colocated", "processes", "split", "stream", "jobs"]
   parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")

@@ -4,14 +4,17 @@ Validates the config, writes ``DIR/config.json``, starts JAX (fake CPU devices
 on a CPU machine, the multi-process runtime when ``mesh.multihost``), and runs
 the loop of ``mesh.mode`` (colocated or split); a workdir with a checkpoint
 resumes. At the end it prints the held-out accuracy before and after RL and
-where the metrics and checkpoints are.
+where the metrics and checkpoints are. ``kill -USR1 PID`` prints every thread's stack to
+stderr (what a run that seems stuck is doing) and lets it go on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import pathlib
+import signal
 import sys
 import time
 
@@ -106,7 +109,15 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
     say(f"rlx: generator job: {summary.written} rollout file(s) in {minutes:.1f} min"
         + (" (stopped; rerun the same command to resume)" if summary.stopped else ""))
     return EXIT_STOPPED if summary.stopped else 0
-  say(f"rlx: {summary.steps} steps in {minutes:.1f} min"
+  first = summary.first_step  # this process's steps, after a resume
+  if not first:
+    ran = f"{summary.steps} steps"
+  elif summary.steps > first:
+    ran = (f"steps {first + 1}..{summary.steps} ({summary.steps - first} after resuming at "
+           f"step {first})")
+  else:
+    ran = f"no step after resuming at step {first}"
+  say(f"rlx: {ran} in {minutes:.1f} min"
       + (" (stopped early; rerun the same command to resume)" if summary.stopped else ""))
   seconds = summary.seconds
   say(f"rlx: time: start-up {seconds['start-up']:.0f}s, warm-up {seconds['warm-up']:.0f}s, "
@@ -171,4 +182,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+  if hasattr(signal, "SIGUSR1"):  # every thread's stack on demand, the run going on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
   sys.exit(main())

@@ -72,10 +72,20 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
     (run.workdir / "eval_initial.json").write_text(json.dumps(dict(initial, step=0), indent=1))
   if accuracy_before is not None:
     say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  elif start is not None:  # resumed: the run's first start measured it
+    accuracy_before = _initial_accuracy(run.workdir)
   evals = run.seconds.setdefault("evals", 0.0)
   run.seconds["start-up"] = time.perf_counter() - started - run.seconds["warm-up"] - evals
   run.seconds["loop started"], run.seconds["evals before loop"] = time.perf_counter(), evals
   return run, learner, start, accuracy_before
+
+
+def _initial_accuracy(workdir: pathlib.Path) -> float | None:
+  """The held-out accuracy before RL that the run's first start wrote, if it did."""
+  try:
+    return json.loads((workdir / "eval_initial.json").read_text()).get("eval/accuracy")
+  except (OSError, ValueError, AttributeError):
+    return None
 
 
 def _what_changed(run: Run) -> str:

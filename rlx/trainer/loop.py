@@ -109,6 +109,8 @@ class Summary:
   dropped_batches: int = 0
   expired_batches: int = 0
   control_events: tuple[str, ...] = ()
+  first_step: int = 0
+  """The step it resumed from (0: a fresh run): this process ran the steps after it."""
 
 
 def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: control.Controller,
@@ -239,7 +241,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                  eval_accuracy_after=ended["eval_accuracy_after"],
                  metrics=str(sink.jsonl_path), checkpoints=str(learner.checkpointer.directory),
                  dropped_batches=counts[control.DROP], expired_batches=counts[control.EXPIRE],
-                 control_events=tuple(str(event) for event in controller.events))
+                 control_events=tuple(str(event) for event in controller.events),
+                 first_step=start or 0)
 
 
 def _save_before_failing(learner: Learner, step: int, start: int | None, data_state: dict,

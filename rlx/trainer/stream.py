@@ -156,6 +156,8 @@ class Streamer:
 
   def _supply(self, idle: bool) -> list[list[int]] | None:
     while True:
+      if self.scorer.error is not None:  # its groups would never complete
+        raise self.scorer.error
       self._take(self.scorer.parts)
       self._hand_over_ready()
       if self.halted or self.retemper is not None:

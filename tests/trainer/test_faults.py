@@ -63,6 +63,10 @@ def test_a_stop_signal_to_the_process_group_saves_exits_75_and_the_rerun_finishe
   assert rerun.returncode == 0, rerun.stdout + rerun.stderr
   assert f"resumed from {tmp_path / 'checkpoints'} at step {stopped_at}" in rerun.stdout
   assert _steps(tmp_path) == list(range(1, steps + 1))  # every step exactly once
+  # the summary counts this process's steps, and the baseline the first start measured
+  assert (f"steps {stopped_at + 1}..{steps} ({steps - stopped_at} after resuming at step "
+          f"{stopped_at}) in") in rerun.stdout, rerun.stdout
+  assert "held-out accuracy: before RL" in rerun.stdout and "n/a" not in rerun.stdout
 
 
 def test_the_newest_checkpoint_unreadable_resumes_from_the_previous_one(tmp_path):

@@ -135,3 +135,18 @@ def test_a_task_where_every_group_is_alike_stops_with_the_cause():
   finally:
     generator.stop()
     generator.join(timeout=30)
+
+
+def test_a_reward_that_raises_stops_the_stream_with_its_error():
+  def broken(text, row):
+    raise KeyError("anwser")
+
+  generator = Generator(_job(1, broken), first_step=0)
+  generator.start()
+  try:
+    with pytest.raises(KeyError, match="anwser"):
+      generator.next(timeout=60)
+  finally:
+    generator.stop()
+    generator.join(timeout=30)
+  assert not generator.is_alive()
