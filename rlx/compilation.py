@@ -1,28 +1,79 @@
-"""Compile once per machine: JAX's persistent compilation cache, and the time this process
-spent compiling (or loading compiled programs from the cache)."""
+"""Compile once per machine: JAX's persistent compilation cache, the time this process
+spent compiling (or loading compiled programs from the cache), and a line while a long
+compile runs (``report_progress``), so that a start that compiles for minutes says so."""
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import threading
+import time
+from collections.abc import Callable
 
 _lock = threading.Lock()
 _totals = {"seconds": 0.0, "programs": 0, "from_cache": 0}
 _listening = False
 _directory: pathlib.Path | None = None
+_compiling: tuple[str, float] | None = None  # the program being compiled, since when
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
+  global _compiling
   if event == "/jax/core/compile/backend_compile_duration":
     with _lock:
       _totals["seconds"] += duration
       _totals["programs"] += 1
+      _compiling = None
+
+
+class _Compiles(logging.Filter):
+  """On JAX's lowering logger: notes the name of each program it starts compiling (a debug
+  record it would not print), and drops its debug records, so that nothing more is printed
+  than before."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    global _compiling
+    if record.levelno > logging.DEBUG:
+      return True
+    if str(record.msg).startswith("Compiling %s") and record.args:
+      with _lock:
+        _compiling = (str(record.args[0]), time.monotonic())
+    return False
+
+
+def report_progress(say: Callable[[str], None], after_s: float = 10.0,
+                    every_s: float = 15.0) -> None:
+  """From now on, a compile that runs past ``after_s`` seconds says which program it is and
+  how many were compiled before it, every ``every_s`` seconds (from a daemon thread)."""
+  lowering = logging.getLogger("jax._src.interpreters.pxla")
+  if not any(isinstance(f, _Compiles) for f in lowering.filters):
+    lowering.addFilter(_Compiles())
+    if lowering.getEffectiveLevel() > logging.DEBUG:
+      lowering.setLevel(logging.DEBUG)
+
+  def watch() -> None:
+    told = None
+    while True:
+      time.sleep(1.0)
+      with _lock:
+        current, done = _compiling, _totals["programs"]
+      if current is None or time.monotonic() - current[1] < after_s:
+        continue
+      if told is not None and told[0] == current and time.monotonic() - told[1] < every_s:
+        continue
+      told = (current, time.monotonic())
+      say(f"rlx: compiling {current[0]} ({time.monotonic() - current[1]:.0f}s so far; {done} "
+          "programs compiled before it)")
+
+  threading.Thread(target=watch, name="rlx-compile-progress", daemon=True).start()
 
 
 def _on_event(event: str, **_) -> None:
+  global _compiling
   if event == "/jax/compilation_cache/cache_hits":
     with _lock:
       _totals["from_cache"] += 1
+      _compiling = None  # loaded, not compiled
 
 
 def start(cache_dir: str) -> pathlib.Path | None:

@@ -65,6 +65,8 @@ def start_jax(config: RunConfig):
   from rlx import compilation
 
   compilation.start(cache)
+  if jax.process_index() == 0:
+    compilation.report_progress(lambda line: print(line, flush=True))
   return jax
 
 

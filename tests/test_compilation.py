@@ -54,3 +54,29 @@ def test_a_multi_process_cpu_job_compiles_without_the_cache(monkeypatch, capsys)
   monkeypatch.setattr(compilation, "start", seen.append)
   main.start_jax(config)
   assert seen == ["/tmp/rlx-test-cache"]
+
+
+SLOW = """
+import sys
+import jax, jax.numpy as jnp
+from rlx import compilation
+compilation.start("")
+compilation.report_progress(lambda line: print(line, flush=True), after_s=0.0)
+
+def slow_to_compile(x):
+  for i in range(4000):
+    x = jnp.sin(x * 1.0001 + i)
+  return x
+
+jax.jit(slow_to_compile)(jnp.ones((4,))).block_until_ready()
+"""
+
+
+def test_a_long_compile_says_which_program_it_is():
+  out = subprocess.run([sys.executable, "-c", SLOW], capture_output=True, text=True, check=True,
+                       timeout=300)
+  lines = [line for line in out.stdout.splitlines() if line.startswith("rlx: compiling ")]
+  assert lines and "slow_to_compile" in lines[0], out.stdout
+  assert "programs compiled before it" in lines[0]
+  # JAX's own debug record of the compile is used, never printed
+  assert "with global shapes" not in out.stdout + out.stderr

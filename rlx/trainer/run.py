@@ -367,7 +367,7 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   started = time.perf_counter()
   model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate,
-                          episodes=config.env.enabled)
+                          episodes=config.env.enabled, say=say)
   if not (all(map(math.isfinite, losses)) and _finite(model.params)):
     bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     raise NonFiniteError(

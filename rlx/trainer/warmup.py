@@ -9,6 +9,7 @@ results) are context and not trained on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import jax
@@ -56,9 +57,10 @@ def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer,
 
 
 def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, steps: int,
-            learning_rate: float, episodes: bool = False) -> tuple[Model, list[float]]:
+            learning_rate: float, episodes: bool = False, say=None,
+            every_s: float = 15.0) -> tuple[Model, list[float]]:
   """``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the model and
-  the loss of every step."""
+  the loss of every step. ``say``: told where it is at most every ``every_s`` seconds."""
   optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, max(steps // 10, 1), max(steps, 2)), weight_decay=0.0)
   transformer = model.transformer
@@ -77,9 +79,16 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   opt_state = optimizer.init(params)
   losses = []
   batches = sft_batches(rows, tokenizer, episodes)
-  for _ in range(steps):
+  started = told = time.perf_counter()
+  for done in range(1, steps + 1):
     arrays = next(batches)
     params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
                                    arrays["response_mask"])
     losses.append(float(loss))
+    now = time.perf_counter()
+    if say is not None and now - told >= every_s and done < steps:
+      told = now
+      left = (now - started) / done * (steps - done)
+      say(f"rlx: supervised warm-up: step {done}/{steps}, loss per token {losses[-1]:.3f} "
+          f"({now - started:.0f}s, about {left:.0f}s left)")
   return model.replace(params=params), losses
