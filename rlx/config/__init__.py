@@ -146,8 +146,6 @@ def check(config: RunConfig) -> RunConfig:
            "reach it only in flight: set mesh.inflight_updates=true, or admission=batch")
     _check(not env.agent, "mesh.admission", "'continuous' does not stream agent programs "
            "(env.agent): set mesh.admission=batch")
-    _check(not env.name, "mesh.admission", "'continuous' streams single-turn prompts; for "
-           "env.name episodes set mesh.admission=batch")
   if env.name:
     _check(env.max_tokens <= config.rollout.max_new_tokens, "env.max_tokens",
            f"must fit in rollout.max_new_tokens={config.rollout.max_new_tokens}, the room the "

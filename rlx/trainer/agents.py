@@ -47,25 +47,33 @@ class _Episodes:
 
   def __init__(self, run, rows: Sequence[dict], n: int):
     config = run.config
-    self.run, self.rows, self.n = run, rows, n
-    factory = load_factory(config.env.name)
-    fmt = tool_format(config, run.tokenizer)
+    self.run, self.rows, self.n = run, [], n
+    self.factory = load_factory(config.env.name)
+    self.format = tool_format(config, run.tokenizer)
     self.episodes: dict[tuple[int, int], Episode] = {}
     self.prompts: list[list[int]] = []
-    toolboxes: dict[tuple, Toolbox | None] = {}
-    for p, row in enumerate(rows):
+    self.toolboxes: dict[tuple, Toolbox | None] = {}
+    self.pool = concurrent.futures.ThreadPoolExecutor(
+        max(4, 2 * config.env.tool_workers), thread_name_prefix="rlx-env")
+    self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
+    self.add(rows)
+
+  def add(self, rows: Sequence[dict]) -> list[list[int]]:
+    """Starts the episodes of more rows (prompt indices counting on); returns their prompts."""
+    config, start = self.run.config, len(self.prompts)
+    for p, row in enumerate(rows, start):
       first = None
-      for s in range(n):
-        env = check_env(factory(dict(row)), config.env.name)
+      for s in range(self.n):
+        env = check_env(self.factory(dict(row)), config.env.name)
         tools = tools_of(env)
         names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
                       for t in tools)
         signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
-        if signature not in toolboxes:
-          toolboxes[signature] = Toolbox.of(tools) if tools else None
-        toolbox = toolboxes[signature]
-        renderer = Renderer(run.tokenizer, fmt, toolbox.schemas if toolbox else ())
-        episode = Episode(env, renderer, run.tools, toolbox, format=fmt,
+        if signature not in self.toolboxes:
+          self.toolboxes[signature] = Toolbox.of(tools) if tools else None
+        toolbox = self.toolboxes[signature]
+        renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
+        episode = Episode(env, renderer, self.run.tools, toolbox, format=self.format,
                           max_turns=config.env.max_turns)
         prompt = episode.start()
         if first is None:
@@ -78,10 +86,15 @@ class _Episodes:
         raise ValueError(f"{row.get('where', 'a row')}: the first messages with the tools' schemas "
                          f"are {len(first)} tokens, more than rollout.max_prompt_len="
                          f"{config.rollout.max_prompt_len}; raise it")
+      self.rows.append(row)
       self.prompts.append(first)
-    self.pool = concurrent.futures.ThreadPoolExecutor(
-        max(4, 2 * config.env.tool_workers), thread_name_prefix="rlx-env")
-    self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
+    return self.prompts[start:]
+
+  def forget(self, p: int) -> list[Episode]:
+    """The episodes of prompt ``p``, no longer kept (a stream's finished group)."""
+    for s in range(self.n):
+      self.replies.pop((p, s), None)
+    return [self.episodes.pop((p, s)) for s in range(self.n)]
 
   def respond(self, p: int, s: int, tokens: list[int], reason: str) -> concurrent.futures.Future:
     episode = self.episodes[(p, s)]

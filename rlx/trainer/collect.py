@@ -65,8 +65,12 @@ class _Scorer:
   """Scores completions in a thread as generation hands them over, in batches of whatever
   has finished since the last call of the pool."""
 
-  def __init__(self, run: Run, rows: list[dict]):
+  def __init__(self, run: Run, rows: list[dict], describe=None, direct=None):
+    """``describe(completion)``: the (text, row) the reward function sees (default: the
+    decoded response and its prompt's row); ``direct(completion)``: its (reward, correct)
+    when it has them already (an environment rewarded its episode), else None."""
     self.run, self.rows = run, rows
+    self.describe, self.direct = describe, direct
     self.queue: queue.Queue[Completion | None] = queue.Queue()
     self.parts: list[tuple[list[Completion], Scored]] = []
     self.error: BaseException | None = None
@@ -90,11 +94,31 @@ class _Scorer:
       if not batch or self.error is not None:
         continue
       try:
-        texts = [self.run.tokenizer.decode(c.response_tokens) for c in batch]
-        self.parts.append((batch, self.run.pool.score(
-            texts, [self.rows[c.prompt_index] for c in batch])))
+        self.parts.append((batch, self._score(batch)))
       except BaseException as error:  # noqa: BLE001 - raised in the generating thread
         self.error = error
+
+  def _score(self, batch: list[Completion]) -> Scored:
+    given = [None if self.direct is None else self.direct(c) for c in batch]
+    asked = [i for i, g in enumerate(given) if g is None]
+    described = [self.describe(batch[i]) if self.describe is not None else
+                 (self.run.tokenizer.decode(batch[i].response_tokens),
+                  self.rows[batch[i].prompt_index]) for i in asked]
+    if len(asked) == len(batch):
+      return self.run.pool.score([t for t, _ in described], [r for _, r in described])
+    rewards, correct = np.zeros(len(batch), np.float32), np.zeros(len(batch), bool)
+    for i, g in enumerate(given):
+      if g is not None:
+        rewards[i], correct[i] = g
+    counts: dict = {"reward/errors": 0, "reward/timeouts": 0}
+    components: dict = {}
+    if asked:
+      scored = self.run.pool.score([t for t, _ in described], [r for _, r in described])
+      rewards[asked], correct[asked] = scored.rewards, scored.correct
+      counts = dict(scored.counts)
+      for name, values in scored.components.items():
+        components.setdefault(name, np.full(len(batch), np.nan, np.float32))[asked] = values
+    return Scored(rewards, correct, counts, components)
 
   def finish(self) -> list[tuple[list[Completion], Scored]]:
     self.queue.put(None)

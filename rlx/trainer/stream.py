@@ -38,6 +38,10 @@ handing a batch over, it stops with the cause, as batch admission does.
 it, admission stops, the groups in flight finish and are handed over, a partial batch left
 at the old temperature is dropped (counted), and a new stream starts at the new one.
 
+Multi-turn episodes (``env.name``) stream the same way: a group's episodes start when it is
+admitted, a parked episode keeps its slot while its environment works and the free slots take
+new groups, and a group completes when its last episode ends.
+
 What it cannot do: several processes (each would admit by its own clock, and their programs
 would diverge), and agent programs through the endpoint (``env.agent``: each request is its
 own); the config refuses both.
@@ -52,7 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlx import algorithms, rollout
+from rlx.envs.calls import turn_stop_ids
 from rlx.rollout import Completion
+from rlx.trainer.agents import _Episodes, agent_metrics, episode_sums, tool_format, write_samples
 from rlx.trainer.collect import Draw, _component_key, _Scorer, exhausted
 from rlx.trainer.produce import Produced
 from rlx.trainer.run import Run
@@ -92,6 +98,8 @@ class _Tally:
     self.samples, self.reward, self.correct = 0, 0.0, 0.0
     self.counts: dict[str, int] = {}
     self.parts: dict[str, list[float]] = {}
+    self.agent: dict[str, float] = {}  # episodes' statistics, summed (agents.episode_sums)
+    self.latencies: list = []  # their tool calls' (name, seconds)
 
 
 class Streamer:
@@ -126,19 +134,33 @@ class Streamer:
     while not self.halted:
       self.weights.refresh(force=True)
       self.group_rows: list[dict] = []
-      self.scorer = _Scorer(self.run, self.group_rows)
       self.seen = 0
       self.offset = self.admitted  # prompt indices of this stream count from 0
+      common = dict(params=self.weights.params, n=self.size, temperature=self.temperature,
+                    top_p=r.top_p, top_k=r.top_k, seed=config.trainer.seed * 1_000_003,
+                    first_prompt_index=self.offset, policy_version=self.weights.version,
+                    weights=self.weights, supply=self._supply, on_finished=self._finished,
+                    stats=self.slots)
+      self.episodes = _Episodes(self.run, [], self.size) if config.env.name else None
+      self.scorer = _Scorer(self.run, self.group_rows, *self._judges())
       try:
-        rollout.generate(
-            self.run.engine, [], params=self.weights.params, n=self.size,
-            max_new_tokens=r.max_new_tokens, temperature=self.temperature, top_p=r.top_p,
-            top_k=r.top_k, stop_token_ids=self.run.tokenizer.eos_ids,
-            seed=config.trainer.seed * 1_000_003, first_prompt_index=self.offset,
-            policy_version=self.weights.version, weights=self.weights, supply=self._supply,
-            on_finished=self._finished, stats=self.slots)
+        if self.episodes is None:
+          rollout.generate(self.run.engine, [], max_new_tokens=r.max_new_tokens,
+                           stop_token_ids=self.run.tokenizer.eos_ids, **common)
+        else:
+          env = config.env
+          rollout.generate_episodes(
+              self.run.engine, [], self.episodes.respond,
+              max_new_tokens=env.turn_max_new_tokens or r.max_new_tokens,
+              max_tokens=env.max_tokens, step_timeout_s=env.step_timeout_s,
+              stop_token_ids=turn_stop_ids(self.run.tokenizer,
+                                           tool_format(config, self.run.tokenizer)), **common)
       finally:
-        parts = self.scorer.finish()
+        try:
+          parts = self.scorer.finish()
+        finally:
+          if self.episodes is not None:
+            self.episodes.close()
       self._take(parts)  # what completed while the stream drained
       self._hand_over_ready()
       if self.retemper is not None:
@@ -148,10 +170,31 @@ class Streamer:
         self.temperature, self.retemper = self.retemper, None
     return self.index
 
+  def _judges(self):
+    """What the scorer hands the reward function for an episode (its final turn, the row with
+    the episode's messages), and the reward its environment gave, when it gave one."""
+    if self.episodes is None:
+      return None, None
+    episodes = self.episodes.episodes
+
+    def describe(c: Completion):
+      episode = episodes[(c.prompt_index, c.sample_index)]
+      return episode.final_text, dict(self.group_rows[c.prompt_index], messages=episode.messages)
+
+    def direct(c: Completion):
+      episode = episodes[(c.prompt_index, c.sample_index)]
+      if not episode.rewarded:
+        return None
+      return episode.reward, episode.info.get("correct", float(episode.reward >= 1.0)) >= 1
+
+    return describe, direct
+
   # --- the engine's side: called between decode chunks -------------------------------------
 
   def _finished(self, completion: Completion) -> None:
-    completion.cut_at_stop_strings(self.config.rollout.stop_strings, self.run.tokenizer.decode)
+    if self.episodes is None:  # a single answer ends at a stop string; a turn already did
+      completion.cut_at_stop_strings(self.config.rollout.stop_strings,
+                                     self.run.tokenizer.decode)
     self.scorer.submit(completion)
 
   def _supply(self, idle: bool) -> list[list[int]] | None:
@@ -191,19 +234,21 @@ class Streamer:
         self.rows = list(next(self.run.stream))
       row = self.rows.pop(0)
       local = self.admitted - self.offset
+      prompt = row["prompt_tokens"] if self.episodes is None else self.episodes.add([row])[0]
       self.flight[local] = _Group(
           row, local, opened.setting, time.time(), [None] * self.size,
           np.zeros(self.size, np.float32), np.zeros(self.size, bool))
       self.group_rows.append(row)
       self.admitted += 1
-      prompts.append(row["prompt_tokens"])
+      prompts.append(prompt)
     return prompts
 
   # --- groups complete, batches go out -----------------------------------------------------
 
   def _take(self, parts: list) -> None:
     """Files the scores the scorer produced since the last look into their groups."""
-    fresh, self.seen = parts[self.seen:], len(parts)
+    count = len(parts)  # the scorer thread appends meanwhile: take what is there now
+    fresh, self.seen = parts[self.seen:count], count
     for batch, scored in fresh:
       for i, completion in enumerate(batch):
         group = self.flight[completion.prompt_index]
@@ -220,6 +265,15 @@ class Streamer:
 
   def _complete(self, group: _Group) -> None:
     tally = self.tally
+    if self.episodes is not None:  # its statistics, and its environments let go
+      replies = [self.episodes.replies.get((group.index, s)) for s in range(self.size)]
+      episodes = self.episodes.forget(group.index)
+      sums = episode_sums(episodes, group.completions)
+      # an environment step still running once its episode ended: it ran past its timeout
+      sums["step_timeouts"] = sum(r is not None and not r.done() for r in replies)
+      for key, value in sums.items():
+        tally.agent[key] = tally.agent.get(key, 0.0) + value
+      tally.latencies += [call for e in episodes for call in e.tool_seconds]
     tally.groups += 1
     tally.samples += self.size
     tally.reward += float(group.rewards.sum())
@@ -252,7 +306,10 @@ class Streamer:
     completions = [c for g in groups for c in g.completions]
     spans = [c.newest_version - c.policy_version for c in completions]
     slots = {key: value - self.slots_then.get(key, 0) for key, value in self.slots.items()}
-    self.slots_then = dict(self.slots)
+    if slots.get("slot_steps", 0):
+      self.slots_then = dict(self.slots)
+    else:  # its groups were all decoded before the last hand-over: the stream's so far
+      slots = dict(self.slots)
     counts = {key: int(value) for key, value in tally.counts.items()}
     for name, (total, count) in tally.parts.items():
       if count:
@@ -270,6 +327,10 @@ class Streamer:
         "rollout/groups_in_flight": len(self.flight),
         "rollout/slot_occupancy": slots.get("busy_steps", 0) / max(slots.get("slot_steps", 0), 1),
     })
+    if self.episodes is not None:
+      counts.update(agent_metrics({**tally.agent, **slots}, tally.latencies))
+      if self.temperature > 0:
+        write_samples(self.run, completions, np.concatenate([g.rewards for g in groups]))
     now = time.perf_counter()
     busy, self.since = now - self.since - self.waited, now
     draw = Draw(completions, np.concatenate([g.rewards for g in groups]),

@@ -48,10 +48,14 @@ def test_mini_batches_make_the_clipped_objective_act(tmp_path):
   assert "policy/kl" not in rows[0]  # no reference policy: its KL is not made up
 
 
-@pytest.mark.parametrize("mode", ["split", "colocated"])
+@pytest.mark.parametrize("mode", ["split", "colocated", "stream"])
 def test_agent_config_runs_episodes_in_both_deployments(mode, tmp_path):
+  # stream: split with continuous admission (a parked episode keeps its slot, new groups take
+  # the free ones)
+  deployment = (["--config.mesh.mode=split", "--config.mesh.admission=continuous"]
+                if mode == "stream" else [f"--config.mesh.mode={mode}"])
   config = tiny.config("agent_calc", "--config.trainer.steps=2",
-                       "--config.algorithm.dynamic_sampling=false", f"--config.mesh.mode={mode}",
+                       "--config.algorithm.dynamic_sampling=false", *deployment,
                        "--config.env.max_tokens=8", "--config.env.turn_max_new_tokens=4",
                        "--config.env.tool_workers=1")
   summary = train(config, tmp_path, say=lambda message: None)
