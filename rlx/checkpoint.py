@@ -200,6 +200,19 @@ class Checkpointer:
           "away to start the run over")
     return None
 
+  def read_meta(self) -> tuple[int, dict] | None:
+    """The newest checkpoint's step and metadata alone (the state not read), or None when
+    there is none or its metadata does not read back."""
+    steps = self._manager.all_steps()
+    if not steps:
+      return None
+    step = max(steps)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception:  # noqa: BLE001 - unreadable: restore says why, step by step
+      return None
+    return step, dict(restored["meta"])
+
   def _set_aside(self, step: int) -> pathlib.Path:
     """Moves checkpoint ``step`` out of the manager's sight (never deletes it)."""
     aside = self.directory.with_name(self.directory.name + ".unreadable")

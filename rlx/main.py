@@ -27,17 +27,22 @@ a scheduler requeues on it). Finished is 0, a failed run 1, a refused config, ch
 reward 2, interrupted before training 130."""
 
 
-def write_config(config: RunConfig, workdir: pathlib.Path) -> pathlib.Path:
-  """Writes the resolved config to ``workdir/config.json``; keeps a different earlier one aside."""
+def write_config(config: RunConfig, workdir: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
+  """Writes the resolved config to ``workdir/config.json``; keeps a different earlier one aside.
+  Returns the path and where the earlier one went (None: there was none, or the same)."""
   workdir.mkdir(parents=True, exist_ok=True)
   path = workdir / "config.json"
   text = cli.to_json(config)
+  previous = None
   if path.is_file() and path.read_text() != text:
-    previous = workdir / f"config.{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    previous, n = workdir / f"config.{stamp}.json", 1
+    while previous.exists():  # two starts in one second: keep both
+      previous, n = workdir / f"config.{stamp}-{n}.json", n + 1
     path.rename(previous)
     print(f"rlx: {path} held a different config; kept it as {previous.name}")
   path.write_text(text)
-  return path
+  return path, previous
 
 
 def start_jax(config: RunConfig):
@@ -78,11 +83,14 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   """Trains (or resumes) the run ``config`` describes, in ``workdir``."""
   jax = start_jax(config)  # after parsing, so that a bad command line never waits for JAX
   from rlx import trainer
+  from rlx.checkpoint import CheckpointError
 
   lead = jax.process_index() == 0
   say = (lambda message: print(message, flush=True)) if lead else (lambda message: None)
+  previous = None
   if lead and config.mesh.role != "generator":  # a generator job shares its learner's workdir
-    say(f"rlx: run {config.name!r}: resolved config written to {write_config(config, workdir)}")
+    written, previous = write_config(config, workdir)
+    say(f"rlx: run {config.name!r}: resolved config written to {written}")
   say(f"rlx: {jax.device_count()} {jax.default_backend()} devices in {jax.process_count()} "
       f"process(es), mode={config.mesh.mode}"
       + ("" if config.mesh.role == "both" else f" ({config.mesh.role} job)")
@@ -103,7 +111,12 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   from rlx.trainer import EXIT_STOPPED
 
   with status or contextlib.nullcontext():
-    summary = trainer.train(config, workdir, say)
+    try:
+      summary = trainer.train(config, workdir, say)
+    except CheckpointError:
+      if previous is not None:  # refused: the config the checkpoints belong to stays the run's
+        previous.replace(workdir / "config.json")
+      raise
     if status:
       status.stopped = summary.stopped
   minutes = (time.perf_counter() - started) / 60

@@ -53,6 +53,12 @@ def adapter_specs(arch: ArchConfig, lora: LoraConfig) -> dict[str, Any]:
     spec = base[target]
     inputs = len(EQUATIONS[target][0])
     (L, *dims), (_, *axes) = spec.shape, spec.axes
+    width = min(math.prod(dims[:inputs]), math.prod(dims[inputs:]))
+    if lora.rank > width:  # B A would then cost more than the projection it adapts
+      raise ValueError(f"config.model.lora.rank={lora.rank} exceeds the rank of the {target} "
+                       f"projection ({width}: its smaller side), which an adapter of that rank "
+                       f"would only waste memory on; use a rank of at most {width}, or full "
+                       "fine-tuning (rank 0)")
     layers[f"{target}_lora_a"] = ParamSpec((L, *dims[:inputs], lora.rank),
                                            ("layers", *axes[:inputs], None), "normal")
     layers[f"{target}_lora_b"] = ParamSpec((L, lora.rank, *dims[inputs:]),

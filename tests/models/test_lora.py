@@ -232,3 +232,13 @@ def test_dropout_acts_on_the_adapters_input_in_the_loss_forward_only(base):
   dropped = [float(loss(jax.random.key(k))) for k in range(2)]
   assert dropped[0] != dropped[1] and float(plain) not in dropped  # a fresh mask per key
   assert float(loss(None)) == pytest.approx(float(plain), rel=1e-6)  # no key: no dropout
+
+
+def test_a_rank_past_the_projections_own_is_refused_naming_the_field():
+  # rank 100000 was accepted and allocated adapters larger than the model
+  smallest = min(ARCH.hidden_size, ARCH.num_kv_heads * ARCH.head_dim)  # k and v's outputs
+  assert lora.adapter_specs(ARCH, LoraConfig(rank=smallest, targets=("k",)))
+  with pytest.raises(ValueError, match=r"config.model.lora.rank=100000 exceeds the rank of the"):
+    lora.adapter_specs(ARCH, LoraConfig(rank=100000))
+  with pytest.raises(ValueError, match=f"of the k projection \\({smallest}"):
+    lora.adapter_specs(ARCH, LoraConfig(rank=smallest + 1, targets=("k",)))

@@ -55,6 +55,20 @@ def test_a_lora_run_trains_the_adapters_exports_them_and_refuses_another_base(tm
   with pytest.raises(CheckpointError, match=r"trained on the base the built-in model "
                      r"\(fingerprint \w+\), but this run's base is the built-in model"):
     train(other, tmp_path)
+  # resumed with another alpha (it would rescale the trained adapters) or without LoRA: refused
+  # in one line naming the field, before the state is read, and config.json stays the run's
+  from rlx import main
+
+  written = (tmp_path / "config.json").read_text()
+  for change, named in (("--config.model.lora.alpha=8", "model.lora.alpha=32.0 then, 8.0 now"),
+                        ("--config.model.lora.rank=0", "trained with LoRA rank 4, this run uses "
+                                                       "full fine-tuning")):
+    status = main.main(["--config", str(tiny.ROOT / "configs/grpo_colocated.py"), "--workdir",
+                        str(tmp_path), *tiny.OVERRIDES, "--config.trainer.steps=3", *LORA, change])
+    assert status == 2
+    assert (tmp_path / "config.json").read_text() == written
+  with pytest.raises(CheckpointError, match=named):
+    train(tiny.config("grpo_colocated", "--config.trainer.steps=3", *LORA, change), tmp_path)
 
 
 def test_a_generator_with_another_base_refuses_the_adapters(tmp_path):
