@@ -31,6 +31,9 @@ def test_a_lora_run_trains_the_adapters_exports_them_and_refuses_another_base(tm
       config.model.arch, config.model.lora, jax.random.key(0))))
   assert [row["sync/bytes"] for row in rows] == [adapters_bytes] * 2
   assert rows[-1]["optim/grad_norm"] > 0 and rows[-1]["policy/kl"] > 0  # the adapters moved
+  # the generator's merged weights sample what the learner's unmerged adapters compute: a
+  # merge at alpha instead of alpha / rank shows from the second step on
+  assert all(row["rollout/mismatch_kl"] < 1e-6 for row in rows), rows
   final = tmp_path / "hf" / "final"
   assert json.loads((final / "adapter_config.json").read_text())["r"] == 4
   assert not (final / "model.safetensors").exists()
