@@ -401,3 +401,45 @@ def test_mismatch_kl_is_measured_on_the_rows_the_current_params_sampled(model):
   assert "policy/is_rejected_frac" not in metrics  # tis never rejects: no constant 0 logged
   _, stale = step(fresh(), batch.replace(policy_version=jnp.full(B, 5, jnp.int32)))
   assert float(stale["rollout/mismatch_tokens"]) == 0
+
+
+@pytest.mark.parametrize("learning_rate, skipped", [(1e30, 1), (1e4, 1), (1e-3, 0)])
+def test_an_update_that_explodes_the_weights_is_skipped_though_finite(model, learning_rate,
+                                                                      skipped):
+  """Finite weights of 1e29 are not "good": an update larger than the weights themselves
+  (optimizer.max_update_ratio) is skipped like one that overflows; a sane one is kept, its
+  ratio far under the bound."""
+  config = _config(name="dapo")
+  config = dataclasses.replace(config, optimizer=dataclasses.replace(
+      config.optimizer, learning_rate=learning_rate, warmup_steps=0))
+  batch = _batch(model, config)
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=2)
+  state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                  jax.random.key(0))
+  before = jax.device_get(state.params)
+  state, metrics = update.make_update_step(config, model.transformer, optimizer,
+                                           schedule)(state, batch)
+  assert int(metrics["train/skipped"]) == skipped == int(metrics["train/skipped_update"])
+  after = jax.device_get(state.params)
+  assert np.all(np.isfinite(jax.tree.leaves(after)[0]))
+  if skipped:
+    chex.assert_trees_all_equal(after, before)
+  else:
+    assert 0 < float(metrics["optim/update_ratio"]) < 0.1 * config.optimizer.max_update_ratio
+
+
+def test_nan_in_the_optimizer_moments_alone_is_skipped(model):
+  """The params finite, the Adam moments not: the update they make is skipped, and counted."""
+  config = _config(name="dapo")
+  batch = _batch(model, config)
+  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=2)
+  state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
+                                  jax.random.key(0))
+  poisoned = state.replace(opt_state=jax.tree.map(
+      lambda x: jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim
+      else x, state.opt_state))
+  before = jax.device_get(poisoned.params)
+  after, metrics = update.make_update_step(config, model.transformer, optimizer,
+                                           schedule)(poisoned, batch)
+  assert int(metrics["train/skipped"]) == 1
+  chex.assert_trees_all_equal(jax.device_get(after.params), before)

@@ -217,10 +217,12 @@ class OptimizerConfig:
   """Gradient accumulation: micro-batches per update."""
   critic_learning_rate: float = 1e-5
   """Peak learning rate of the critic (PPO)."""
+  max_update_ratio: float = 1.0
+  """An update whose global norm exceeds this fraction of the trained params' own norm is skipped and counted (train/skipped_steps), like one that makes them non-finite: it would replace the weights rather than adjust them. Adam moves each weight by about the learning rate per step, against weights of about 0.02 at initialisation, so a sane step has a ratio near learning_rate / 0.02 (1e-4 to 5e-2); at 1 the update is as large as the weights. 0 disables the check."""
 
   def __post_init__(self):
     _positive(self, "optimizer", "learning_rate", "micro_batches", "eps", "critic_learning_rate")
-    for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm", "max_update_ratio"):
       _check(getattr(self, name) >= 0, f"optimizer.{name}", "must be >= 0")
     for name in ("b1", "b2"):
       _check(0 <= getattr(self, name) < 1, f"optimizer.{name}", "must be in [0, 1)")

@@ -494,8 +494,10 @@ def _cause(metrics: dict, draw: Draw, config: RunConfig) -> str:
   if not np.isfinite(metrics.get("advantage/std", 0.0)):
     return "the advantages are not finite; check the rewards' scale"
   if metrics.get("train/skipped_update", 0):
-    return (f"the loss and gradient were finite but the update made the weights non-finite: "
-            f"lower config.optimizer.learning_rate (now {config.optimizer.learning_rate:g})")
+    return (f"the loss and gradient were finite but the update made the weights non-finite, "
+            f"or moved them by more than config.optimizer.max_update_ratio="
+            f"{config.optimizer.max_update_ratio:g} of their norm: lower "
+            f"config.optimizer.learning_rate (now {config.optimizer.learning_rate:g})")
   if not np.isfinite(metrics.get("loss", 0.0)):
     return ("the loss is not finite; lower config.optimizer.learning_rate, or check the "
             "rewards and config.algorithm's coefficients")

@@ -61,7 +61,8 @@ def make_critic_step(config: RunConfig, transformer: Transformer,
     denominator = jnp.maximum(batch.response_mask.sum().astype(jnp.float32), 1.0)
     loss, grads, sums = accumulate(lambda p, micro, *_: grad_fn(p, micro, denominator),
                                    state.params, batch, config.optimizer.micro_batches)
-    state, applied = apply_if_finite(optimizer, state, loss, grads)
+    state, applied = apply_if_finite(optimizer, state, loss, grads,
+                                     max_update_ratio=config.optimizer.max_update_ratio)
     return state, {"critic/loss": loss, "critic/value_mse": sums["error"] / denominator,
                    "critic/grad_norm": applied["grad_norm"], "critic/skipped": applied["skipped"]}
 

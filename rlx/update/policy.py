@@ -210,7 +210,8 @@ def make_update_step(config: RunConfig, transformer: Transformer,
                                        entropy_coef, state.policy_version, frozen, dropout_key,
                                        packing, config=config, transformer=transformer, rows=rows)
     empty = sums["tokens"] == 0
-    new_state, applied = apply_if_finite(optimizer, state, loss, grads, empty)
+    new_state, applied = apply_if_finite(optimizer, state, loss, grads, empty,
+                                         config.optimizer.max_update_ratio)
     tokens = jnp.maximum(sums.pop("tokens"), 1.0)
     metrics = {
         "loss": loss,
@@ -227,6 +228,7 @@ def make_update_step(config: RunConfig, transformer: Transformer,
         "rollout/mismatch_kl_sum": sums["mismatch_kl"],
         "rollout/mismatch_tokens": sums["mismatch_tokens"],
         "optim/grad_norm": applied["grad_norm"],
+        "optim/update_ratio": applied["update_ratio"],
         "train/skipped": applied["skipped"],
         "train/skipped_update": applied["skipped_update"],
         "train/empty_steps": applied["empty"],

@@ -78,12 +78,14 @@ def finite_or_unchanged(ok: jax.Array, new: TrainState, old: TrainState) -> Trai
 
 
 def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, loss: jax.Array,
-                    grads: Params, empty: jax.Array | bool = False
+                    grads: Params, empty: jax.Array | bool = False, max_update_ratio: float = 0.0
                     ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on ``state``, kept only when the loss, the gradient norm, the new
-  params and the new optimizer state are all finite (else ``state`` comes back unchanged).
-  Also returns ``grad_norm``, ``skipped`` (int 0/1) and ``skipped_update`` (skipped although
-  the loss and gradient were finite: the update itself overflowed). An ``empty`` mini-batch
+  params and the new optimizer state are all finite and (``max_update_ratio`` > 0) the
+  update's norm is at most that fraction of the params' (else ``state`` comes back
+  unchanged). Also returns ``grad_norm``, ``update_ratio``, ``skipped`` (int 0/1) and
+  ``skipped_update`` (skipped although the loss and gradient were finite: the update itself
+  overflowed or exploded). An ``empty`` mini-batch
   (no response token in the loss) is not a numerical failure: it leaves ``state`` unchanged
   (Adam's momentum would move the weights even on a zero gradient) and counts as ``empty``,
   not ``skipped``."""
@@ -91,12 +93,16 @@ def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, 
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
   gradient_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  update_finite = all_finite(params) & all_finite(opt_state)
+  ratio = optax.tree.norm(updates) / jnp.maximum(optax.tree.norm(state.params), 1e-12)
+  update_finite = all_finite(params) & all_finite(opt_state) & jnp.isfinite(ratio)
+  if max_update_ratio:
+    update_finite &= ratio <= max_update_ratio
   finite = gradient_finite & update_finite
   empty = jnp.asarray(empty)
   updated = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return finite_or_unchanged(finite & ~empty, updated, state), {
-      "grad_norm": grad_norm, "skipped": (~finite & ~empty).astype(jnp.int32),
+      "grad_norm": grad_norm, "update_ratio": ratio,
+      "skipped": (~finite & ~empty).astype(jnp.int32),
       "skipped_update": (gradient_finite & ~update_finite & ~empty).astype(jnp.int32),
       "empty": empty.astype(jnp.int32)}
 
