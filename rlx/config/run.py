@@ -159,7 +159,7 @@ class RewardConfig:
   batched: bool = False
   """Your function takes lists (responses, rows) and returns a list; it may be async (a reward served over HTTP)."""
   extra: tuple[tuple[str, float], ...] = ()
-  """More rewards added to `name`'s with weights, e.g. '[["my_rewards.py:brevity", 0.1]]': each named as `name` is (a built-in or your per-response function), logged as reward/<function name>; the verdict (accuracy) stays `name`'s."""
+  """More rewards added to `name`'s with weights, e.g. '[["my_rewards.py:brevity", 0.1]]': each named as `name` is (a built-in or your per-response function), logged as reward/<function name>; the verdict (accuracy) stays `name`'s. A negative weight makes one a penalty (a length or repetition cost)."""
   batch_size: int = 64
   """Responses per call of a batched function (each call has its own timeout)."""
   format_weight: float = 0.0
