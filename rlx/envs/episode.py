@@ -19,6 +19,8 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,6 +30,34 @@ from rlx.envs.render import Renderer
 from rlx.envs.tools import ToolRunner, reference, schema
 
 COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls", "env_errors")
+
+
+class EnvError(ValueError):
+  """An environment broke its contract at ``reset`` (the row is skipped and counted)."""
+
+
+def _not_messages(messages) -> str | None:
+  """What is wrong with ``messages`` as chat messages, or None."""
+  if not isinstance(messages, (list, tuple)):
+    return f"a {type(messages).__name__}, not a list of messages"
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict):
+      return f"message {i} as a {type(m).__name__}, not a dict with role and content"
+    if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+      return f"message {i} without a string role and content: {str(m)[:120]}"
+  return None
+
+
+def _invalid(observation: Observation) -> str | None:
+  """What is wrong with an environment's observation, or None."""
+  problem = _not_messages(observation.messages)
+  if problem:
+    return f"an Observation with {problem}"
+  reward = observation.reward
+  if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
+                             or not math.isfinite(reward)):
+    return f"an Observation whose reward is {reward!r}, not a finite number"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +105,12 @@ class Episode:
   """An environment, and everything one episode said and cost (see the module docstring)."""
 
   def __init__(self, env: Environment, renderer: Renderer, runner: ToolRunner,
-               toolbox: Toolbox | None, *, format: Format, max_turns: int):
+               toolbox: Toolbox | None, *, format: Format, max_turns: int,
+               max_observation_chars: int = 0):
     self.env, self.renderer, self.runner, self.toolbox = env, renderer, runner, toolbox
     self.format, self.max_turns = format, max_turns
+    self.max_observation_chars = max_observation_chars
+    """An environment message longer than this is cut, as a tool result is (0: never)."""
     self.messages: list[Message] = []
     self.turns = 0
     self.reward = 0.0
@@ -92,10 +125,27 @@ class Episode:
     """Why the environment ended the episode by failing (its first words are logged)."""
 
   def start(self) -> list[int]:
+    """The prompt of the first messages; raises ``EnvError`` naming what ``reset`` did wrong
+    (raised, or returned something other than chat messages)."""
     started = time.perf_counter()
-    self.messages = list(self.env.reset())
-    self.env_seconds += time.perf_counter() - started
+    try:
+      messages = self.env.reset()
+    except Exception as error:  # noqa: BLE001 - the caller skips the row, counted
+      raise EnvError(f"reset() raised {type(error).__name__}: {error}") from error
+    finally:
+      self.env_seconds += time.perf_counter() - started
+    problem = _not_messages(messages)
+    if problem:
+      raise EnvError(f"reset() returned {problem}")
+    self.messages = [self._cut(m) for m in messages]
     return self.renderer.prompt(self.messages)
+
+  def _cut(self, message: Message) -> Message:
+    limit, content = self.max_observation_chars, message["content"]
+    if not limit or len(content) <= limit:
+      return message
+    return dict(message, content=content[:limit] + f"... [cut: {len(content) - limit} more "
+                "characters]")
 
   def respond(self, text: str, finish_reason: str) -> Reply:
     """The answer to the assistant turn ``text`` (decoded), which ended on a stop token
@@ -128,10 +178,14 @@ class Episode:
         self.counts["env_errors"] += 1
         self.error = f"{type(error).__name__}: {error}"
         return Reply([], done=True, truncated=True)
-      if not isinstance(observation, Observation):
+      problem = (f"a {type(observation).__name__}, not an Observation"
+                 if not isinstance(observation, Observation) else _invalid(observation))
+      if problem:  # checked here, not where the renderer or the learner would trip on it
         self.counts["env_errors"] += 1
-        self.error = f"step() returned a {type(observation).__name__}, not an Observation"
+        self.error = f"step() returned {problem}"
         return Reply([], done=True, truncated=True)
+      observation = dataclasses.replace(
+          observation, messages=[self._cut(m) for m in observation.messages])
     if observation.reward is not None:
       self.reward += float(observation.reward)
       self.rewarded = True

@@ -27,6 +27,7 @@ import numpy as np
 from rlx import rollout
 from rlx.config import RunConfig
 from rlx.envs import COUNTS, Episode, Renderer, Toolbox, check_env, load_factory, tools_of
+from rlx.envs.episode import EnvError
 from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.rewards import Scored
 from rlx.rollout import Completion
@@ -56,39 +57,61 @@ class _Episodes:
     self.pool = concurrent.futures.ThreadPoolExecutor(
         max(4, 2 * config.env.tool_workers), thread_name_prefix="rlx-env")
     self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
+    self.failed_rows = 0
+    """Rows skipped because an environment's ``reset`` failed (counted as env errors)."""
     self.add(rows)
 
   def add(self, rows: Sequence[dict]) -> list[list[int]]:
     """Starts the episodes of more rows (prompt indices counting on); returns their prompts."""
     config, start = self.run.config, len(self.prompts)
-    for p, row in enumerate(rows, start):
-      first = None
-      for s in range(self.n):
-        env = check_env(self.factory(dict(row)), config.env.name)
-        tools = tools_of(env)
-        names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
-                      for t in tools)
-        signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
-        if signature not in self.toolboxes:
-          self.toolboxes[signature] = Toolbox.of(tools) if tools else None
-        toolbox = self.toolboxes[signature]
-        renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
-        episode = Episode(env, renderer, self.run.tools, toolbox, format=self.format,
-                          max_turns=config.env.max_turns)
-        prompt = episode.start()
-        if first is None:
-          first = prompt
-        elif prompt != first:
-          raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
-                           "differently; a group's episodes must share their first messages")
-        self.episodes[(p, s)] = episode
-      if len(first) > config.rollout.max_prompt_len:
-        raise ValueError(f"{row.get('where', 'a row')}: the first messages with the tools' schemas "
-                         f"are {len(first)} tokens, more than rollout.max_prompt_len="
-                         f"{config.rollout.max_prompt_len}; raise it")
-      self.rows.append(row)
-      self.prompts.append(first)
+    for row in rows:
+      try:
+        self._start(row, len(self.prompts))
+      except EnvError as error:  # this row only: skipped and counted, as a bad data row is
+        self.failed_rows += 1
+        if getattr(self.run, "env_error", None) is None:
+          self.run.env_error = f"{row.get('where', 'a row')}: {error}"
+          if jax.process_index() == 0:
+            print(f"rlx: warning: environment {config.env.name!r}: {self.run.env_error}; the "
+                  "row is skipped (agent/env_errors counts such rows)", flush=True)
+        continue
     return self.prompts[start:]
+
+  def _start(self, row: dict, p: int) -> None:
+    """Starts the ``n`` episodes of ``row`` as prompt ``p``."""
+    config = self.run.config
+    first = None
+    for s in range(self.n):
+      env = check_env(self.factory(dict(row)), config.env.name)
+      tools = tools_of(env)
+      names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
+                    for t in tools)
+      signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
+      if signature not in self.toolboxes:
+        self.toolboxes[signature] = Toolbox.of(tools) if tools else None
+      toolbox = self.toolboxes[signature]
+      renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
+      episode = Episode(env, renderer, self.run.tools, toolbox, format=self.format,
+                        max_turns=config.env.max_turns,
+                        max_observation_chars=config.env.max_observation_chars)
+      try:
+        prompt = episode.start()
+      except EnvError:
+        for earlier in range(s):  # the row's episodes started so far go with it
+          self.episodes.pop((p, earlier))
+        raise
+      if first is None:
+        first = prompt
+      elif prompt != first:
+        raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
+                         "differently; a group's episodes must share their first messages")
+      self.episodes[(p, s)] = episode
+    if len(first) > config.rollout.max_prompt_len:
+      raise ValueError(f"{row.get('where', 'a row')}: the first messages with the tools' schemas "
+                       f"are {len(first)} tokens, more than rollout.max_prompt_len="
+                       f"{config.rollout.max_prompt_len}; raise it")
+    self.rows.append(row)
+    self.prompts.append(first)
 
   def forget(self, p: int) -> list[Episode]:
     """The episodes of prompt ``p``, no longer kept (a stream's finished group)."""
@@ -133,7 +156,8 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   ordered = [episodes.episodes[(c.prompt_index, c.sample_index)] for c in completions]
   unrewarded = [i for i, e in enumerate(ordered) if not e.rewarded]
   scored = run.pool.score([ordered[i].final_text for i in unrewarded],
-                          [dict(rows[completions[i].prompt_index], messages=ordered[i].messages)
+                          [dict(episodes.rows[completions[i].prompt_index],
+                                messages=ordered[i].messages)
                            for i in unrewarded])
   rewards = np.zeros(len(completions), np.float32)
   correct = np.zeros(len(completions), bool)
@@ -145,6 +169,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   counts = dict(scored.counts)
   sums = episode_sums(ordered, completions)
   sums["step_timeouts"] = episodes.step_timeouts()
+  sums["env_errors"] += episodes.failed_rows  # rows whose reset failed, skipped
   sums.update(slots)
   counts.update({f"agent:{key}": value for key, value in sums.items()})
   components = {name: np.full(len(completions), np.nan, np.float32) for name in scored.components}

@@ -234,7 +234,14 @@ class Streamer:
         self.rows = list(next(self.run.stream))
       row = self.rows.pop(0)
       local = self.admitted - self.offset
-      prompt = row["prompt_tokens"] if self.episodes is None else self.episodes.add([row])[0]
+      if self.episodes is None:
+        prompt = row["prompt_tokens"]
+      else:
+        started = self.episodes.add([row])
+        if not started:  # its environment's reset failed: skipped, counted
+          self.tally.agent["env_errors"] = self.tally.agent.get("env_errors", 0.0) + 1
+          continue
+        prompt = started[0]
       self.flight[local] = _Group(
           row, local, opened.setting, time.time(), [None] * self.size,
           np.zeros(self.size, np.float32), np.zeros(self.size, bool))

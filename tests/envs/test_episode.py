@@ -2,6 +2,8 @@
 failures as observations, limits, and observations rendered as token increments (built-in
 format and a chat template)."""
 
+import re
+
 import pytest
 
 from rlx.envs import Episode, Observation, Renderer, ToolRunner, Toolbox, load_factory
@@ -110,3 +112,57 @@ def test_environment_names_are_checked():
   with pytest.raises(ValueError, match="has no function"):
     load_factory("rlx.envs.builtin:nothing")
   assert calculator("2*(3+4)") == "14"
+
+
+class Says:
+  """An environment whose reset and step return what it was given."""
+
+  def __init__(self, first=None, observation=None, raises=None):
+    self.first = first if first is not None else [{"role": "user", "content": "hi"}]
+    self.observation, self.raises = observation, raises
+
+  def reset(self):
+    if self.raises:
+      raise self.raises
+    return self.first
+
+  def step(self, text):
+    return self.observation
+
+
+@pytest.mark.parametrize("observation, named", [
+    (Observation(messages=["not a dict"]), "message 0 as a str"),
+    (Observation(messages=[{"role": "user"}]), "without a string role and content"),
+    (Observation(messages=[{"role": "user", "content": 3}]), "without a string role"),
+    (Observation(messages="hello"), "a str, not a list of messages"),
+    (Observation(reward=float("nan"), done=True), "reward is nan, not a finite number"),
+    (Observation(reward=float("inf"), done=True), "reward is inf"),
+    (Observation(reward="1", done=True), "reward is '1'"),
+])
+def test_bad_environment_output_ends_its_episode_named_and_counted(tokenizer, observation,
+                                                                   named):
+  # each once ended the run: an AttributeError in the renderer, or NaN rewards that made every
+  # update skip in silence
+  episode = _episode(tokenizer, Says(observation=observation))
+  episode.start()
+  reply = episode.respond("x", "stop")
+  assert reply.done and reply.truncated and episode.counts["env_errors"] == 1
+  assert named in episode.error and not episode.rewarded
+
+
+def test_reset_failures_are_named_and_a_huge_observation_is_cut(tokenizer):
+  from rlx.envs.episode import EnvError
+
+  for env, named in ((Says(raises=KeyError("row")), "reset() raised KeyError"),
+                     (Says(first=[{"role": "user"}]), "reset() returned message 0 without"),
+                     (Says(first="hi"), "reset() returned a str")):
+    with pytest.raises(EnvError, match=re.escape(named)):
+      _episode(tokenizer, env).start()
+  huge = Observation(messages=[{"role": "user", "content": "7" * 10_000_000}])
+  episode = Episode(Says(observation=huge), Renderer(tokenizer, "builtin"),
+                    ToolRunner(num_workers=0), None, format="builtin", max_turns=3,
+                    max_observation_chars=100)
+  episode.start()
+  reply = episode.respond("x", "stop")
+  assert not reply.done and len(reply.tokens) < 200
+  assert "[cut: 9999900 more characters]" in episode.messages[-1]["content"]

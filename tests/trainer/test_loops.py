@@ -68,6 +68,20 @@ def test_agent_config_runs_episodes_in_both_deployments(mode, tmp_path):
   assert (tmp_path / "episodes.jsonl").is_file()
 
 
+@pytest.mark.parametrize("admission", ["batch", "continuous"])
+def test_an_environment_whose_reset_fails_on_some_rows_skips_them_counted(admission, tmp_path):
+  config = tiny.config("agent_calc", "--config.trainer.steps=2",
+                       "--config.algorithm.dynamic_sampling=false", "--config.mesh.mode=split",
+                       f"--config.mesh.admission={admission}",
+                       "--config.env.name=tests/trainer/flaky_env.py:make_env",
+                       "--config.env.max_tokens=8", "--config.env.turn_max_new_tokens=4",
+                       "--config.env.tool_workers=1", "--config.data.prompts_per_step=4")
+  summary = train(config, tmp_path, say=lambda message: None)
+  assert summary.steps == 2 and not summary.stopped
+  rows = tiny.metrics(tmp_path)
+  assert sum(row["agent/env_errors"] for row in rows) > 0, rows
+
+
 def test_agent_program_trains_through_the_endpoint(tmp_path):
   # split: the generator thread and the learner's evals share the endpoint (colocated runs the
   # same run_agent_programs, tested on its own in test_agent_programs.py)
