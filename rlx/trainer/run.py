@@ -14,6 +14,7 @@ import math
 import pathlib
 import shutil
 import time
+import types
 
 import jax
 
@@ -159,6 +160,8 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
                     batch_size=config.reward.batch_size, log_path=workdir / "reward.log")
+  if config.env.name:  # before minutes of warm-up: the episodes' first prompts must fit
+    _check_episode_prompts(config, source, tokenizer)
   warmup_started = time.perf_counter()
   if warms_up(config) and config.mesh.role != "generator":  # it gets the learner's
     if config.model.path:
@@ -285,6 +288,19 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
     raise DataError(f"no held-out prompt fits config.rollout.max_prompt_len="
                     f"{config.rollout.max_prompt_len}; raise it")
   return source, eval_rows
+
+
+def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows: int = 8) -> None:
+  """Starts the environments of the first ``rows`` rows once, as the episodes will (their
+  first messages with the tools' schemas), and refuses a prompt past rollout.max_prompt_len
+  now rather than at the first draw."""
+  from rlx.trainer.agents import _Episodes  # noqa: PLC0415 - agents imports this module
+
+  probe = PromptStream(source, batch_size=min(rows, len(source)), seed=config.data.shuffle_seed,
+                       encode=prompt_encoder(config, tokenizer), on_bad_row="skip")
+  stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
+                                   env_error=None)
+  _Episodes(stand_in, next(probe), 1).close()
 
 
 def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):

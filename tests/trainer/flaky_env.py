@@ -1,5 +1,6 @@
-"""An environment for tests/trainer/test_loops.py: the built-in calculator, whose reset fails
-on one row in five (as a user's environment that cannot load some rows does)."""
+"""Environments for tests/trainer/test_loops.py: the built-in calculator whose reset fails on
+one row in five (as a user's environment that cannot load some rows does), and one whose
+first message is long (as tool schemas make it)."""
 
 import zlib
 
@@ -22,3 +23,14 @@ class _Flaky:
 
 def make_env(row):
   return _Flaky(row)
+
+
+class _Verbose(_Flaky):
+  def reset(self):  # a long preamble before the row's question, as tool schemas can be
+    first = self.inner.reset()
+    return [dict(first[0], content="Think step by step. " * 20 + first[0]["content"]),
+            *first[1:]]
+
+
+def make_verbose_env(row):
+  return _Verbose(row)

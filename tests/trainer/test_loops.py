@@ -82,6 +82,18 @@ def test_an_environment_whose_reset_fails_on_some_rows_skips_them_counted(admiss
   assert sum(row["agent/env_errors"] for row in rows) > 0, rows
 
 
+def test_episode_prompts_past_the_limit_are_refused_before_the_warm_up(tmp_path):
+  # the environment's first messages (tool schemas, a preamble) made the first prompt too
+  # long: this was found after the warm-up
+  config = tiny.config("agent_calc", "--config.env.name=tests/trainer/flaky_env.py:make_verbose_env",
+                       "--config.env.max_tokens=8", "--config.trainer.warmup_sft_steps=50")
+  said = []
+  with pytest.raises(ValueError, match=r"the first messages with the tools' schemas are \d+ "
+                     r"tokens, more than rollout.max_prompt_len=\d+; raise it"):
+    train(config, tmp_path, say=said.append)
+  assert not any("warm-up" in line for line in said) and not (tmp_path / "warmup").exists()
+
+
 def test_agent_program_trains_through_the_endpoint(tmp_path):
   # split: the generator thread and the learner's evals share the endpoint (colocated runs the
   # same run_agent_programs, tested on its own in test_agent_programs.py)
