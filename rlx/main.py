@@ -83,7 +83,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   """Trains (or resumes) the run ``config`` describes, in ``workdir``."""
   jax = start_jax(config)  # after parsing, so that a bad command line never waits for JAX
   from rlx import trainer
-  from rlx.checkpoint import CheckpointError
+  from rlx.trainer import CheckpointError
 
   lead = jax.process_index() == 0
   say = (lambda message: print(message, flush=True)) if lead else (lambda message: None)

@@ -5,7 +5,7 @@ and scoring rollouts, turning them into the learner's batch, and the learner.
     summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
 """
 
-from rlx.checkpoint import EXIT_STOPPED
+from rlx.checkpoint import EXIT_STOPPED, CheckpointError
 from rlx.config import ConfigError, check
 from rlx.trainer.colocated import train_colocated
 from rlx.trainer.collect import Draw, collect
