@@ -53,7 +53,9 @@ def endpoint_of(run) -> Endpoint:
 
 def _drive(agent, base_url: str, logs: list[EpisodeLog], timeout_s: float,
            outcomes: dict, done: threading.Event) -> None:
-  """Runs every episode's program on a fresh event loop (in its own thread)."""
+  """Runs the programs of one group's episodes on an event loop of their own (in its own
+  thread): a program that blocks its loop (``time.sleep``, a blocking library) can only make
+  its own group's episodes time out."""
   import httpx  # noqa: PLC0415 - optional dependencies, needed here only
   import openai  # noqa: PLC0415
 
@@ -126,16 +128,20 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
            for s in range(n)] for p, row in enumerate(rows)]
   flat = [log for group in logs for log in group]
   outcomes: dict[str, tuple] = {}
-  done = threading.Event()
   before = dict(endpoint.batcher.stats)
   endpoint.open(flat)
-  thread = threading.Thread(target=_drive, args=(agent, endpoint.base_url, flat,
-                                                 e.agent_timeout_s, outcomes, done),
-                            name="rlx-agents", daemon=True)
+  # a loop per group, each in its thread: one group's blocking program stalls only its loop
+  dones = [threading.Event() for _ in logs]
+  threads = [threading.Thread(target=_drive, args=(agent, endpoint.base_url, group,
+                                                   e.agent_timeout_s, outcomes, done),
+                              name=f"rlx-agents-{p}", daemon=True)
+             for p, (group, done) in enumerate(zip(logs, dones))]
   deadline = time.monotonic() + e.agent_timeout_s + _GRACE_S
-  thread.start()
+  for thread in threads:
+    thread.start()
   try:
-    endpoint.batcher.serve(until=lambda: done.is_set() or time.monotonic() > deadline)
+    endpoint.batcher.serve(until=lambda: all(d.is_set() for d in dones)
+                           or time.monotonic() > deadline)
   finally:
     endpoint.close(flat)
     # requests of programs abandoned past the deadline

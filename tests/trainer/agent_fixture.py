@@ -1,7 +1,9 @@
 """Agent programs for tests/trainer/test_agent_programs.py: a chatty one that talks three
-turns (and rewrites its history on request), and ones that fail in every way a program can."""
+turns (and rewrites its history on request), and ones that fail in every way a program can
+(one blocks its event loop)."""
 
 import asyncio
+import time
 
 
 async def run(client, row):
@@ -10,6 +12,8 @@ async def run(client, row):
     raise RuntimeError("the agent broke")
   if mode == "hang":
     await asyncio.sleep(3600)
+  if mode == "block":  # blocks its event loop, as a synchronous library call does
+    time.sleep(10)
   if mode == "silent":
     return 1.0
   messages = [{"role": "user", "content": row["prompt"]}]

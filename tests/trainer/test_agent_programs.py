@@ -65,7 +65,7 @@ def test_trajectories_are_token_consistent(run):
 
 
 def test_failing_programs_are_counted_and_drop_their_groups(run):
-  modes = ["raise", "ok", "hang", "silent", "bad", "rewrite"]
+  modes = ["raise", "ok", "hang", "silent", "bad", "rewrite", "block"]
   rows = [{"prompt": f"What is {i}*7?", "mode": mode} for i, mode in enumerate(modes)]
   # compiled first (an episode's timeout includes compiling the engine's programs)
   run_agent_programs(run, run.model.params, [dict(row, mode="rewrite") for row in rows], n=2,
@@ -78,8 +78,10 @@ def test_failing_programs_are_counted_and_drop_their_groups(run):
   assert time.monotonic() - started < 30  # the hanging group waited its timeout (8 s), no more
   assert sorted({c.prompt_index for c in completions}) == [1, 5], ({k: v for k, v in scored.counts.items() if v}, run.agent_error)
   counts = scored.counts
-  assert counts["agent:program_errors"] == 4 and counts["agent:program_timeouts"] == 2
-  assert counts["agent:silent_episodes"] == 2 and counts["agent:failed_groups"] == 4
+  # the blocking program (time.sleep past its timeout) fails its own group only: the others
+  # ran beside it
+  assert counts["agent:program_errors"] == 4 and counts["agent:program_timeouts"] == 4
+  assert counts["agent:silent_episodes"] == 2 and counts["agent:failed_groups"] == 5
   assert "the agent broke" in run.agent_error
   # the rewriting episodes: two segments each, the last one trained on
   assert counts["agent:history_rewrites"] == 2 and counts["agent:dropped_tokens"] > 0
