@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from rlx.rewards.functions import RewardError, _import
-from rlx.rewards.pool import (_STOP_SIGNALS, _adopt_orphans, _die_with_parent, _kill_descendants,
-                              _start_ignoring_stop_signals)
+from rlx.rewards.pool import (_STOP_SIGNALS, _adopt_orphans, _children, _die_with_parent,
+                              _kill_descendants, _start_ignoring_stop_signals)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object",
                list: "array", type(None): "null"}
@@ -165,6 +165,7 @@ def _serve(connection, memory_mb: int) -> None:
     limit = memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
   connection.send(("ready", ""))
+  me = os.getpid()
   while True:
     try:
       task = connection.recv()
@@ -173,12 +174,25 @@ def _serve(connection, memory_mb: int) -> None:
     if task is None:
       _kill_descendants()
       return
-    reply = _invoke(*task)
+    call, *work = task
+    reply = _invoke(*work)
+    if os.getpid() != me:  # a copy the tool forked, returning from it: it never answers
+      os._exit(0)
     _kill_descendants()
     try:
-      connection.send(reply)
+      connection.send((call, *reply))
     except (OSError, ValueError):
       return
+
+
+def _descendants(pid: int) -> list[int]:
+  """Every process below ``pid`` (children, theirs, ...), read from /proc."""
+  found, todo = [], [pid]
+  while todo and len(found) < 10_000:
+    children = _children(todo.pop())
+    found += children
+    todo += children
+  return found
 
 
 class _Worker:
@@ -199,6 +213,15 @@ class _Worker:
     return self.ready
 
   def kill(self) -> None:
+    """Kills the worker and every process its calls started, those that left its process
+    group (``setsid``) too: found as its descendants before it dies, not after, when they
+    would belong to init."""
+    if self.process.pid is not None:
+      for pid in _descendants(self.process.pid):
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except OSError:
+          pass
     try:
       os.killpg(self.process.pid, signal.SIGKILL)
     except (OSError, TypeError):
@@ -220,6 +243,7 @@ class ToolRunner:
     self._idle: queue.Queue[_Worker] = queue.Queue()
     self._closed = False
     self._lock = threading.Lock()
+    self._calls = 0  # numbers each call: its answer must carry it
     for _ in range(num_workers):
       self._idle.put(_Worker(self._context, memory_mb))
 
@@ -234,14 +258,20 @@ class ToolRunner:
       if not worker.wait_ready():
         raise EOFError
       started = time.monotonic()
-      worker.connection.send((ref, arguments, self.max_chars))
-      if not worker.connection.poll(self.timeout_s):
-        worker.kill()
-        worker = _Worker(self._context, self.memory_mb)
-        return ToolResult(f"the tool ran past its {self.timeout_s:g}s limit and was stopped",
-                          "timeout", time.monotonic() - started)
-      status, text = worker.connection.recv()
-      return ToolResult(text, status, time.monotonic() - started)
+      with self._lock:
+        self._calls += 1
+        call = self._calls
+      worker.connection.send((call, ref, arguments, self.max_chars))
+      while True:  # only this call's answer: anything else on the pipe is not its result
+        left = self.timeout_s - (time.monotonic() - started)
+        if left <= 0 or not worker.connection.poll(left):
+          worker.kill()
+          worker = _Worker(self._context, self.memory_mb)
+          return ToolResult(f"the tool ran past its {self.timeout_s:g}s limit and was stopped",
+                            "timeout", time.monotonic() - started)
+        answered, status, text = worker.connection.recv()
+        if answered == call:
+          return ToolResult(text, status, time.monotonic() - started)
     except (EOFError, OSError, ValueError):  # it died: killed itself, or out of memory
       code = worker.process.exitcode
       worker.kill()

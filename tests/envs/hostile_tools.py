@@ -49,3 +49,19 @@ def hogs(x: str) -> str:
 def echo(x: str) -> str:
   """Echoes its argument."""
   return x
+
+
+def forks_and_returns(x: str) -> str:
+  """Forks; both copies return (the copy would go on serving the worker's later calls)."""
+  os.fork()
+  return f"forked {x}"
+
+
+def spawns_and_hangs(x: str) -> str:
+  """Starts a process in a session of its own (its pid written to ``x``), then hangs."""
+  child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                           start_new_session=True)
+  with open(x, "w") as f:
+    f.write(str(child.pid))
+  time.sleep(120)
+  return "never"

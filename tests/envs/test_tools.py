@@ -110,3 +110,28 @@ def test_hostile_tools_become_observations_and_the_runner_goes_on(tmp_path):
     assert runner.call("no_such_module:f", {}).status == "error"
   time.sleep(4.5)
   assert not marker.exists(), "a process the tool left behind outlived its call"
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, not yet reaped
+  except OSError:
+    return False
+
+
+def test_a_tool_that_forks_cannot_answer_another_call_and_leaves_nothing_behind(tmp_path):
+  # the forked copies once went on serving later calls (116 of 251 results went to the wrong
+  # call), and setsid children outlived a worker killed on a timeout
+  with ToolRunner(num_workers=2, timeout_s=3.0) as runner:
+    for i in range(12):
+      assert runner.call(f"{HOSTILE}:forks_and_returns", {"x": str(i)}).text == f"forked {i}"
+      assert runner.call(f"{HOSTILE}:echo", {"x": f"echo {i}"}).text == f"echo {i}"
+    pidfile = tmp_path / "pid"
+    assert runner.call(f"{HOSTILE}:spawns_and_hangs", {"x": str(pidfile)}).status == "timeout"
+    spawned = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(spawned) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not _alive(spawned), "a setsid child outlived its killed worker"
+    assert runner.call(f"{HOSTILE}:echo", {"x": "after"}).text == "after"
