@@ -103,6 +103,7 @@ class JsonlSource:
                answer_field: str = "answer", on_bad_row: OnBadRow = "error",
                answer_format: str = "plain"):
     self.path = pathlib.Path(path)
+    self._fingerprint: dict | None = None
     if not self.path.is_file():
       raise DataError(f"data file {self.path} does not exist")
     self.prompt_field, self.answer_field = prompt_field, answer_field
@@ -134,6 +135,7 @@ class JsonlSource:
         self.lines.append(number)
     if not self.offsets:
       raise DataError(f"{self.path} has no usable rows")
+    self.fingerprint()  # now, while the file is there
 
   def __len__(self) -> int:
     return len(self.offsets)
@@ -162,8 +164,12 @@ class JsonlSource:
     return dict(row, where=where)
 
   def fingerprint(self) -> dict:
-    digest = hashlib.sha1(json.dumps(self.offsets).encode()).hexdigest()
-    return dict(_file_fingerprint(self.path, len(self)), index_sha1=digest)
+    """The file as indexed (taken once: a checkpoint saved after the file went away still
+    records it)."""
+    if self._fingerprint is None:
+      digest = hashlib.sha1(json.dumps(self.offsets).encode()).hexdigest()
+      self._fingerprint = dict(_file_fingerprint(self.path, len(self)), index_sha1=digest)
+    return self._fingerprint
 
 
 class ParquetSource:
@@ -173,6 +179,7 @@ class ParquetSource:
                answer_field: str = "answer", on_bad_row: OnBadRow = "error",
                answer_format: str = "plain"):
     self.path = pathlib.Path(path)
+    self._fingerprint: dict | None = None
     if not self.path.is_file():
       raise DataError(f"data file {self.path} does not exist")
     try:
@@ -194,6 +201,7 @@ class ParquetSource:
       self.rows.append(dict(row, where=f"{self.path}: row {number}"))
     if not self.rows:
       raise DataError(f"{self.path} has no usable rows")
+    self.fingerprint()  # now, while the file is there
 
   def __len__(self) -> int:
     return len(self.rows)
@@ -202,7 +210,10 @@ class ParquetSource:
     return self.rows[index]
 
   def fingerprint(self) -> dict:
-    return _file_fingerprint(self.path, len(self))
+    """The file as read (taken once, as ``JsonlSource.fingerprint``)."""
+    if self._fingerprint is None:
+      self._fingerprint = _file_fingerprint(self.path, len(self))
+    return self._fingerprint
 
 
 class TaskSource:

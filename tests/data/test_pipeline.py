@@ -203,3 +203,16 @@ def test_gsm8k_answers_read_as_their_final_number(tmp_path):
   path.write_text(json.dumps({"question": "How many?", "answer": rationale}) + "\n")
   row = open_source(str(path), prompt_field="question", answer_format="gsm8k")[0]
   assert row["answer"] == "1072" and row["prompt"] == "How many?"
+
+
+def test_a_data_file_deleted_mid_run_is_a_data_error_and_its_fingerprint_stays(tmp_path):
+  # the save before stopping stat-ed the deleted file for its metadata: a raw traceback, and
+  # the last completed step was not saved
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?", "answer": "4"}\n')
+  source = JsonlSource(path)
+  before = source.fingerprint()
+  path.unlink()
+  assert source.fingerprint() == before
+  with pytest.raises(DataError, match="went away while the run was reading it"):
+    source[1]
