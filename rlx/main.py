@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import faulthandler
+import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 
 from rlx import cli
@@ -161,7 +163,28 @@ _MACHINE_ERRORS = {
 }
 
 
+class _StoppedAtStart(Exception):
+  """SIGTERM before the training loop took over the stop signals."""
+
+
+def _stop_at_start(signum, frame) -> None:
+  raise _StoppedAtStart
+
+
 def main(argv: list[str] | None = None) -> int:
+  previous = None
+  if threading.current_thread() is threading.main_thread():
+    # until the loop's own handler (save, then stop): a scheduler's SIGTERM during start-up
+    # ends the run with one line and the requeue status, not a bare -15
+    previous = signal.signal(signal.SIGTERM, _stop_at_start)
+  try:
+    return _main(argv)
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
   invocation = None
   try:
     invocation = cli.parse_args(sys.argv[1:] if argv is None else argv)
@@ -173,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:  # before the training loop took over the stop signals
     print("rlx: interrupted before training started; nothing to save", file=sys.stderr)
     return 130
+  except _StoppedAtStart:
+    print("rlx: SIGTERM before training started: nothing to save; rerun the same command to "
+          "start", file=sys.stderr)
+    return os.EX_TEMPFAIL  # 75, rlx.checkpoint.EXIT_STOPPED: a scheduler requeues it
   except ValueError as error:  # CheckpointError and other refusals with a message for the user
     print(f"rlx: error: {error}", file=sys.stderr)
     return 2

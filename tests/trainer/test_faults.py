@@ -69,6 +69,23 @@ def test_a_stop_signal_to_the_process_group_saves_exits_75_and_the_rerun_finishe
   assert "held-out accuracy: before RL" in rerun.stdout and "n/a" not in rerun.stdout
 
 
+def test_sigterm_during_start_up_exits_75_with_one_line(tmp_path):
+  # it exited -15 in silence: a scheduler could not tell a preemption from a crash
+  command = _command("grpo_colocated", tmp_path, "--config.trainer.warmup_sft_steps=200")
+  process = subprocess.Popen(command, cwd=tiny.ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  try:
+    assert "resolved config written" in process.stdout.readline()
+    time.sleep(1.0)  # starting JAX, building the run
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+  finally:
+    if process.poll() is None:
+      process.kill()
+  assert process.returncode == 75, (out, err)
+  assert "SIGTERM before training started" in err and "Traceback" not in err, err
+
+
 def test_the_newest_checkpoint_unreadable_resumes_from_the_previous_one(tmp_path):
   config = tiny.config("grpo_colocated", "--config.trainer.steps=3",
                        "--config.checkpoint.every_steps=1")
