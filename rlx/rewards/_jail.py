@@ -53,15 +53,19 @@ SYSCALLS = {
                "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432,
                "process_vm_readv": 310, "process_vm_writev": 311,
                # memory no process's address-space limit counts
-               "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "mq_open": 240},
+               "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "mq_open": 240,
+               # socket buffers: kernel memory too (the jail has no network to reach anyway)
+               "socket": 41, "socketpair": 53},
     "aarch64": {"unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
                 "chroot": 51, "ptrace": 117, "bpf": 280, "keyctl": 219, "add_key": 217,
                 "request_key": 218, "perf_event_open": 241, "userfaultfd": 282,
                 "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsmount": 432,
                 "process_vm_readv": 270, "process_vm_writev": 271,
-                "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "mq_open": 180},
+                "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "mq_open": 180,
+                "socket": 198, "socketpair": 199},
 }
 CLONE = {"x86_64": 56, "aarch64": 220}
+X32_SYSCALL_BIT = 0x40000000
 CLONE3 = 435
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 SETUP_FAILED = 125
@@ -169,7 +173,8 @@ class _Program(ctypes.Structure):
 def _seccomp() -> None:
   """Installs the filter: the listed system calls, and clone with a CLONE_NEW* flag, fail with
   EPERM; clone3 fails with ENOSYS (so that the C library falls back to clone, whose flags the
-  filter can see); a call from another architecture's ABI kills the process."""
+  filter can see); a call from another architecture's ABI, or x86_64's x32 ABI, kills the
+  process."""
   machine = platform.machine()
   if machine not in SYSCALLS:
     raise JailError(f"seccomp: no system call table for {machine}")
@@ -179,6 +184,8 @@ def _seccomp() -> None:
   blocked = sorted(SYSCALLS[machine].values())
   code = [(ld_w_abs, 0, 0, 4), (jeq_k, 1, 0, AUDIT_ARCH[machine]), (ret_k, 0, 0, kill),
           (ld_w_abs, 0, 0, 0)]
+  if machine == "x86_64":  # the x32 ABI shares x86_64's audit arch: its bit says it is x32
+    code += [(jset_k, 0, 1, X32_SYSCALL_BIT), (ret_k, 0, 0, kill)]
   for number in blocked:
     code += [(jeq_k, 0, 1, number), (ret_k, 0, 0, eperm)]
   code += [(jeq_k, 0, 1, CLONE3), (ret_k, 0, 0, enosys),

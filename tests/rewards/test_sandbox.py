@@ -49,6 +49,11 @@ ATTACKS = {
     "memfd_outside_the_address_space": (
         "import os\nfds = [os.memfd_create('m') for _ in range(40)]\nfor fd in fds:\n"
         "    os.write(fd, b'x' * (15 << 20))" + PASS),  # 600 MiB, each file under file_mb
+    "socket_buffers_outside_the_address_space": (  # 4 x 225 MiB held under 256 MiB once
+        "import socket\npairs = [socket.socketpair() for _ in range(4)]\nfor a, b in pairs:\n"
+        "    a.setblocking(False)\n    try:\n        while True:\n"
+        "            a.send(b'x' * 65536)\n    except BlockingIOError:\n        pass" + PASS),
+    "x32_system_call": ("import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)" + PASS),
     "raise_rlimits": ("import resource\nfor name in ('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_NPROC'):\n"
                       "    r = getattr(resource, name)\n"
                       "    resource.setrlimit(r, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))"
