@@ -34,7 +34,7 @@ class MeshConfig:
   admission: Literal["batch", "continuous"] = "batch"
   """Split mode: 'batch' samples a batch at a time (it is done when its slowest sample is); 'continuous' runs generation as one stream, admitting new prompts into the slots that finished or parked samples leave and handing groups over as they complete (rlx.trainer.stream); needs inflight_updates, one process, and no env.agent."""
   groups_in_flight: int = 0
-  """Split mode with admission='continuous': the most groups admitted and not yet handed over; 0: twice the groups the slots hold, or one batch if that is more."""
+  """Split mode with admission='continuous': the most groups admitted and not yet handed over; 0: one batch (data.prompts_per_step) and twice the groups the slots hold."""
   lag_threshold: int | None = None
   """Split mode: a batch holding a rollout more than this many versions old is expired (dropped and counted), and when the mean lag over control_window batches exceeds it the controller lowers the effective staleness bound below max_staleness, raising it again when healthy (rlx.trainer.control); None disables both."""
   control_window: int = 4

@@ -296,8 +296,9 @@ class _Run:
       state = self._fill(state, free)
     owned = [s for s, o in enumerate(self.owner) if o is not None]
     if owned:
-      waiting = self.batching == "continuous" and bool(self.pending or self.prefixes
-                                                       or not self.closed)
+      # a chunk ends early to refill only for requests already waiting: cutting every chunk
+      # of a stream short would trade decode steps for host round trips
+      waiting = self.batching == "continuous" and bool(self.pending or self.prefixes)
       state, _ = self._decode(state, owned, waiting)
     return state
 

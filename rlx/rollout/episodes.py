@@ -102,8 +102,7 @@ class EpisodeRun(_Run):
       state = self._fill(state, free)
     decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.parked]
     if decoding:
-      state, _ = self._decode(state, decoding, bool(self.pending or self.prefixes or self.parked
-                                                    or not self.closed))
+      state, _ = self._decode(state, decoding, bool(self.pending or self.prefixes or self.parked))
     elif self.parked:  # every slot waits for its environment
       oldest = min(p.since for p in self.parked.values())
       began = time.monotonic()

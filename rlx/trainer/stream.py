@@ -69,11 +69,12 @@ POLL_S = 0.02
 
 def groups_in_flight(config) -> int:
   """The bound on groups admitted and not yet handed over: ``mesh.groups_in_flight``, or
-  (0) enough to fill every slot twice over and one batch, whichever is more."""
+  (0) one batch and twice what the slots hold: the next batch's groups take the slots the
+  current one's stragglers leave (a bound of one batch would be the batch barrier again)."""
   if config.mesh.groups_in_flight:
     return config.mesh.groups_in_flight
   slots_worth = -(-config.rollout.max_slots // config.rollout.group_size)
-  return max(2 * slots_worth, config.data.prompts_per_step)
+  return config.data.prompts_per_step + 2 * slots_worth
 
 
 @dataclasses.dataclass
