@@ -38,8 +38,11 @@ class Renderer:
       return self.tokenizer.encode(self._render(list(messages), True), add_special_tokens=False)
     return self.tokenizer.encode("\n".join(str(m.get("content", "")) for m in messages))
 
-  def increment(self, messages: Sequence[dict]) -> list[int]:
-    """The ids after an assistant turn that show ``messages`` and open the next turn."""
+  def increment(self, messages: Sequence[dict], closed: bool = True) -> list[int]:
+    """The ids after an assistant turn that show ``messages`` and open the next turn.
+    ``closed=False``: the turn did not end on its end-of-turn token (it hit its length limit),
+    so the ids start with the template's end of turn, which the model did not sample: the
+    sequence is then what the template renders for that conversation."""
     if not messages:
       return []
     if not self.templated:
@@ -54,5 +57,6 @@ class Renderer:
                        "follow, so an observation cannot be appended as tokens")
     # what the template writes after the assistant's end of turn, which was not sampled
     eos = getattr(self.tokenizer, "eos_token", None) or ""
-    closing = before[before.rindex(eos) + len(eos):] if eos and eos in before else ""
+    start = before.rindex(eos) + (len(eos) if closed else 0) if eos and eos in before else None
+    closing = before[start:] if start is not None else ""
     return self.tokenizer.encode(closing + after[len(before):], add_special_tokens=False)

@@ -4,7 +4,9 @@ they make.
 A request whose messages start with an earlier request's messages plus the assistant message
 the endpoint answered it with *extends* that conversation: its prompt is the earlier prompt,
 the ids the policy sampled, and the new messages rendered as an increment
-(``envs.Renderer.increment``). The sampled ids are never decoded and encoded again, so a
+(``envs.Renderer.increment``). When that answer was cut at its token limit (finish reason
+'length'), the increment starts with the template's end-of-turn token, outside the loss mask
+like every increment: the trajectory is the conversation as the chat template renders it. The sampled ids are never decoded and encoded again, so a
 trajectory is exactly what the model conditioned on. A request whose messages extend nothing
 (the agent rewrote or summarised its history) is rendered whole; when those ids still start
 with an earlier trajectory's ids it continues that one, else it starts a new *segment*.
@@ -122,8 +124,9 @@ class EpisodeLog:
       if size < len(wanted) and tuple(wanted[:size]) == node.messages and (
           best is None or size >= len(best.messages)):
         best = node
-    if best is not None:
-      return best.ids + list(increment(list(messages[len(best.messages):]))), best
+    if best is not None:  # a turn cut at its length limit is closed by the template's end of turn
+      new = list(messages[len(best.messages):])
+      return best.ids + list(increment(new, closed=best.finish_reason != "length")), best
     ids = list(render(list(messages)))
     for node in sorted(self.nodes, key=lambda n: -len(n.ids)):
       if len(ids) > len(node.ids) and ids[:len(node.ids)] == node.ids:

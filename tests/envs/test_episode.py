@@ -103,6 +103,12 @@ def test_a_chat_template_increment_continues_after_the_sampled_end_of_turn():
   full = templated.render_chat(messages + [{"role": "assistant", "content":
                                             '<tool_call>{"name": "f"}</tool_call>'}] + tool, True)
   assert templated.decode(prompt + turn + increment, skip_special_tokens=False) == full
+  # a turn cut at its length limit (no <|im_end|> sampled): the increment closes it, so the
+  # sequence is again exactly what the template renders
+  cut = templated.encode('<tool_call>{"name": "f"}</tool_call>', add_special_tokens=False)
+  closing = renderer.increment(tool, closed=False)
+  assert templated.decode(prompt + cut + closing, skip_special_tokens=False) == full
+  assert closing[:len(turn) - len(cut)] == turn[len(cut):]  # <|im_end|> first
 
 
 def test_environment_names_are_checked():

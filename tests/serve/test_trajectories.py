@@ -10,15 +10,29 @@ def _render(messages):  # a fake whole rendering: 10 + one id per character of e
   return [10] + [ord(c) for m in messages for c in (m.get("content") or "")]
 
 
-def _increment(messages):  # what follows an answer: 11, then the new contents
-  return [11] + [ord(c) for m in messages for c in (m.get("content") or "")]
+def _increment(messages, closed=True):  # what follows an answer: 11, then the new contents
+  # (an answer cut at its length limit: its end of turn, 12, first)
+  return [11] * closed + [12, 11] * (not closed) + [ord(c) for m in messages
+                                                     for c in (m.get("content") or "")]
 
 
-def _answer(log, messages, *texts):
+def _answer(log, messages, *texts, finish="stop"):
   prompt, parent = log.prompt(messages, _increment, _render)
-  choices = [(Generated([ord(c) for c in text], [-1.0] * len(text), [-2.0] * len(text), "stop", 3),
+  choices = [(Generated([ord(c) for c in text], [-1.0] * len(text), [-2.0] * len(text), finish, 3),
               {"role": "assistant", "content": text}, text) for text in texts]
   return prompt, parent, log.record(messages, prompt, parent, choices)
+
+
+def test_a_turn_cut_at_its_length_limit_is_closed_outside_the_loss():
+  # once the next request's increment followed the cut turn directly: a conversation without
+  # the end-of-turn token the chat template always writes
+  log = EpisodeLog("k")
+  user = [{"role": "user", "content": "ab"}]
+  _, _, (first,) = _answer(log, user, "xy", finish="length")
+  again = user + [{"role": "assistant", "content": "xy"}, {"role": "user", "content": "7"}]
+  prompt, parent, (second,) = _answer(log, again, "z")
+  assert parent is first and prompt == [10, 97, 98, 120, 121, 12, 11, 55]
+  assert second.sampled_mask == [True, True, False, False, False, True]
 
 
 def test_continuing_requests_make_one_trajectory_with_the_sampled_ids_as_they_were():
