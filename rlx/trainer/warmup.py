@@ -80,15 +80,17 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   losses = []
   batches = sft_batches(rows, tokenizer, episodes)
   started = told = time.perf_counter()
+  compiled = None  # when the first step (which compiles) was done: the rate counts from it
   for done in range(1, steps + 1):
     arrays = next(batches)
     params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
                                    arrays["response_mask"])
     losses.append(float(loss))
     now = time.perf_counter()
-    if say is not None and now - told >= every_s and done < steps:
+    compiled = now if compiled is None else compiled
+    if say is not None and now - told >= every_s and 1 < done < steps:
       told = now
-      left = (now - started) / done * (steps - done)
+      left = (now - compiled) / (done - 1) * (steps - done)
       say(f"rlx: supervised warm-up: step {done}/{steps}, loss per token {losses[-1]:.3f} "
           f"({now - started:.0f}s, about {left:.0f}s left)")
   return model.replace(params=params), losses
