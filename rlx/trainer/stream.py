@@ -112,7 +112,7 @@ class Streamer:
     self.config = config = run.config
     self.size, self.per_batch = config.rollout.group_size, config.data.prompts_per_step
     self.bound = groups_in_flight(config)
-    self.index = first
+    self.index = self.first = first
     """The next batch to hand over."""
     self.mismatch, self.mismatch_every = mismatch, mismatch_every
     self.rows: list[dict] = []  # rows drawn from the data stream, not yet admitted
@@ -138,7 +138,7 @@ class Streamer:
       self.seen = 0
       self.offset = self.admitted  # prompt indices of this stream count from 0
       common = dict(params=self.weights.params, n=self.size, temperature=self.temperature,
-                    top_p=r.top_p, top_k=r.top_k, seed=config.trainer.seed * 1_000_003,
+                    top_p=r.top_p, top_k=r.top_k, seed=config.trainer.seed * 1_000_003 + self.first,
                     first_prompt_index=self.offset, policy_version=self.weights.version,
                     weights=self.weights, supply=self._supply, on_finished=self._finished,
                     stats=self.slots)
