@@ -38,13 +38,14 @@ while [ $# -gt 0 ]; do
 done
 free_port() { python -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
 pids=()
-# start_job N ARGS...: N processes of one job (joined by jax.distributed when N > 1)
+# start_job NAME N ARGS...: N processes of one job (joined by jax.distributed when N > 1)
 start_job() {
-  local n=$1 port
-  shift
+  local name=$1 n=$2 port
+  shift 2
   if [ "$n" -eq 1 ]; then
     python -m rlx.main "$@" &
     pids+=($!)
+    RLX_ROLES[$!]="$name"
     return
   fi
   port=$(free_port)
@@ -52,14 +53,15 @@ start_job() {
     JAX_COORDINATOR_ADDRESS="localhost:${port}" JAX_NUM_PROCESSES="$n" JAX_PROCESS_ID="$i" \
       python -m rlx.main "$@" --config.mesh.multihost=true &
     pids+=($!)
+    RLX_ROLES[$!]="$name (process $i)"
   done
 }
 if [ "$learner" -gt 0 ] || [ "$generator" -gt 0 ]; then
   if [ "$learner" -lt 1 ] || [ "$generator" -lt 1 ]; then echo "$usage" >&2; exit 2; fi
-  start_job "$learner" "$@" --config.mesh.mode=split --config.mesh.role=learner \
+  start_job "the learner" "$learner" "$@" --config.mesh.mode=split --config.mesh.role=learner \
     --config.mesh.weight_sync=orbax --config.mesh.generators="$generator"
   for ((g = 0; g < generator; g++)); do
-    start_job 1 "$@" --config.mesh.mode=split --config.mesh.role=generator \
+    start_job "the generator $g" 1 "$@" --config.mesh.mode=split --config.mesh.role=generator \
       --config.mesh.weight_sync=orbax --config.mesh.generators="$generator" \
       --config.mesh.generator_id="$g"
   done
@@ -69,6 +71,7 @@ elif [ "$processes" -gt 0 ]; then
     JAX_COORDINATOR_ADDRESS="localhost:${port}" JAX_NUM_PROCESSES="$processes" JAX_PROCESS_ID="$i" \
       python -m rlx.main "$@" --config.mesh.multihost=true &
     pids+=($!)
+    RLX_ROLES[$!]="process $i"
   done
 else
   echo "$usage" >&2

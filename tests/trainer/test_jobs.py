@@ -309,3 +309,14 @@ def test_lora_jobs_ship_adapter_versions_onto_the_learner_s_warmed_up_base(tmp_p
                                                        jax.random.key(0)))
   assert rows[0]["sync/bytes"] == lora.nbytes(adapters)
   assert json.loads((tmp_path / "lora_base.json").read_text())["path"] == str(tmp_path / "warmup")
+
+
+def test_the_launcher_names_the_role_and_the_signal_of_a_dead_process():
+  # it said only "process 26218 exited with status 137"
+  script = ('source launch/wait_all.sh; (sleep 0.2; kill -9 $BASHPID) & p=$!; '
+            'RLX_ROLES[$p]="the generator 0"; sleep 30 & q=$!; wait_all $p $q')
+  result = subprocess.run(["bash", "-c", script], cwd=tiny.ROOT, capture_output=True, text=True,
+                          timeout=60)
+  assert result.returncode == 137
+  assert "rlx launch: the generator 0 (pid " in result.stderr
+  assert "was killed: SIGKILL; stopping the others" in result.stderr
