@@ -21,10 +21,12 @@ pids=()
 gcloud compute tpus tpu-vm ssh "$LEARNER_TPU" --zone "$ZONE" --worker=all --command \
   "cd ~/rlx && python -m rlx.main $args $common --config.mesh.role=learner --config.mesh.multihost=true" &
 pids+=($!)
+RLX_ROLES[$!]="the learner on $LEARNER_TPU"
 for g in "${!generators[@]}"; do
   gcloud compute tpus tpu-vm ssh "${generators[$g]}" --zone "$ZONE" --worker=0 --command \
     "cd ~/rlx && python -m rlx.main $args $common --config.mesh.role=generator --config.mesh.generator_id=$g" &
   pids+=($!)
+  RLX_ROLES[$!]="the generator $g on ${generators[$g]}"
 done
 # a failed job stops the others' ssh sessions at once (and with them their processes); a job
 # that loses its peer without that signal stops itself (config.mesh.job_timeout_s)
