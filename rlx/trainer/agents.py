@@ -18,6 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import pathlib
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -43,6 +45,52 @@ def tool_format(config: RunConfig, tokenizer) -> Format:
   return detect_format(tokenizer) if chosen == "auto" else chosen
 
 
+class _DaemonPool:
+  """``submit(fn, *args) -> Future`` on ``workers`` daemon threads. An environment's call that
+  never returns then holds one thread and no more: it can keep neither a batch nor the
+  process alive (``ThreadPoolExecutor`` joins its threads at exit, so a hung ``step`` kept a
+  finished run from exiting)."""
+
+  def __init__(self, workers: int, name: str):
+    self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+    self._closed, self._workers = False, workers
+    for i in range(workers):
+      threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+  def submit(self, fn, *args) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if self._closed:
+      future.cancel()
+      return future
+    self._tasks.put((future, fn, args))
+    return future
+
+  def _work(self) -> None:
+    while True:
+      task = self._tasks.get()
+      if task is None:
+        return
+      future, fn, args = task
+      if not future.set_running_or_notify_cancel():
+        continue
+      try:
+        future.set_result(fn(*args))
+      except BaseException as error:  # noqa: BLE001 - the caller reads it from the future
+        future.set_exception(error)
+
+  def shutdown(self) -> None:
+    """Stops taking work; idle threads end, busy ones end with their call (or the process)."""
+    self._closed = True
+    while True:
+      try:
+        future, _, _ = self._tasks.get_nowait()
+      except queue.Empty:
+        break
+      future.cancel()
+    for _ in range(self._workers):
+      self._tasks.put(None)
+
+
 class _Episodes:
   """The environments of one ``run_episodes`` call, and the thread pool that answers turns."""
 
@@ -54,8 +102,7 @@ class _Episodes:
     self.episodes: dict[tuple[int, int], Episode] = {}
     self.prompts: list[list[int]] = []
     self.toolboxes: dict[tuple, Toolbox | None] = {}
-    self.pool = concurrent.futures.ThreadPoolExecutor(
-        max(4, 2 * config.env.tool_workers), thread_name_prefix="rlx-env")
+    self.pool = _DaemonPool(max(4, 2 * config.env.tool_workers), "rlx-env")
     self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
     self.failed_rows = 0
     """Rows skipped because an environment's ``reset`` failed (counted as env errors)."""
@@ -95,7 +142,7 @@ class _Episodes:
                         max_turns=config.env.max_turns,
                         max_observation_chars=config.env.max_observation_chars)
       try:
-        prompt = episode.start()
+        prompt = self._started(episode)
       except EnvError:
         for earlier in range(s):  # the row's episodes started so far go with it
           self.episodes.pop((p, earlier))
@@ -112,6 +159,16 @@ class _Episodes:
                        f"{config.rollout.max_prompt_len}; raise it")
     self.rows.append(row)
     self.prompts.append(first)
+
+  def _started(self, episode: Episode) -> list[int]:
+    """``episode.start()`` on the pool, within ``env.step_timeout_s``: a reset that never
+    returns skips its row (its thread is left to it) instead of hanging the run."""
+    timeout = self.run.config.env.step_timeout_s
+    future = self.pool.submit(episode.start)
+    try:
+      return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+      raise EnvError(f"reset() did not return within env.step_timeout_s={timeout:g}s") from None
 
   def forget(self, p: int) -> list[Episode]:
     """The episodes of prompt ``p``, no longer kept (a stream's finished group)."""
@@ -130,7 +187,7 @@ class _Episodes:
     return sum(not future.done() for future in self.replies.values())
 
   def close(self) -> None:
-    self.pool.shutdown(wait=False, cancel_futures=True)
+    self.pool.shutdown()
 
 
 def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, seed: int,

@@ -2,6 +2,7 @@
 one row in five (as a user's environment that cannot load some rows does), and one whose
 first message is long (as tool schemas make it)."""
 
+import threading
 import zlib
 
 from rlx.envs.builtin import make_calc
@@ -34,3 +35,19 @@ class _Verbose(_Flaky):
 
 def make_verbose_env(row):
   return _Verbose(row)
+
+
+class _Stuck(_Flaky):
+  def reset(self):  # never returns on one row in five
+    if zlib.crc32(self.row["prompt"].encode()) % 5 == 0:
+      threading.Event().wait()
+    return self.inner.reset()
+
+  def step(self, text):  # and never answers one turn in three
+    if zlib.crc32(text.encode()) % 3 == 0:
+      threading.Event().wait()
+    return self.inner.step(text)
+
+
+def make_stuck_env(row):
+  return _Stuck(row)

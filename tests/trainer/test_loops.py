@@ -1,5 +1,8 @@
 """Every shipped config runs a few steps at a tiny size, through the loop its mesh mode asks for."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -80,6 +83,23 @@ def test_an_environment_whose_reset_fails_on_some_rows_skips_them_counted(admiss
   assert summary.steps == 2 and not summary.stopped
   rows = tiny.metrics(tmp_path)
   assert sum(row["agent/env_errors"] for row in rows) > 0, rows
+
+
+def test_an_environment_that_never_returns_cannot_hang_the_run(tmp_path):
+  # a step() that never returned kept the finished run from exiting (the pool's threads were
+  # joined at exit), and a reset() that never returned hung the start
+  command = [sys.executable, "-m", "rlx.main", "--config", "configs/agent_calc.py",
+             "--workdir", str(tmp_path), *tiny.OVERRIDES, "--config.trainer.steps=2",
+             "--config.algorithm.dynamic_sampling=false", "--config.mesh.mode=colocated",
+             "--config.env.name=tests/trainer/flaky_env.py:make_stuck_env",
+             "--config.env.max_tokens=8", "--config.env.turn_max_new_tokens=4",
+             "--config.env.tool_workers=1", "--config.env.step_timeout_s=1",
+             "--config.data.prompts_per_step=4", "--config.trainer.warmup_sft_steps=0"]
+  result = subprocess.run(command, cwd=tiny.ROOT, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  assert "2 steps in" in result.stdout
+  rows = tiny.metrics(tmp_path)
+  assert sum(row["agent/env_errors"] + row["agent/env_timeouts"] for row in rows) > 0
 
 
 def test_episode_prompts_past_the_limit_are_refused_before_the_warm_up(tmp_path):
