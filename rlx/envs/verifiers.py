@@ -191,4 +191,5 @@ def program(taskset: str, options: str = "", model: str = "policy"):
     rewards = [trace.reward for trace in episode.traces]
     return {"reward": sum(rewards) / len(rewards)}
 
+  run.shared_loop = True  # the taskset's asyncio objects serve every episode: one event loop
   return run

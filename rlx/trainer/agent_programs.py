@@ -130,12 +130,14 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
   outcomes: dict[str, tuple] = {}
   before = dict(endpoint.batcher.stats)
   endpoint.open(flat)
-  # a loop per group, each in its thread: one group's blocking program stalls only its loop
-  dones = [threading.Event() for _ in logs]
+  # a loop per group, each in its thread: one group's blocking program stalls only its loop;
+  # a program whose asyncio objects serve every episode (shared_loop) gets one loop for all
+  loops = [flat] if getattr(agent, "shared_loop", False) else logs
+  dones = [threading.Event() for _ in loops]
   threads = [threading.Thread(target=_drive, args=(agent, endpoint.base_url, group,
                                                    e.agent_timeout_s, outcomes, done),
                               name=f"rlx-agents-{p}", daemon=True)
-             for p, (group, done) in enumerate(zip(logs, dones))]
+             for p, (group, done) in enumerate(zip(loops, dones))]
   deadline = time.monotonic() + e.agent_timeout_s + _GRACE_S
   for thread in threads:
     thread.start()
