@@ -290,6 +290,26 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
   return source, eval_rows
 
 
+def _episode_prompted(config: RunConfig, tokenizer: Tokenizer, batches):
+  """Warm-up batches whose prompts are what the episodes will see: each row's environment's
+  first messages with the tools' schemas (a row whose reset fails is left out)."""
+  from rlx.trainer.agents import _Episodes  # noqa: PLC0415 - agents imports this module
+
+  stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
+                                   env_error=None)
+  episodes = _Episodes(stand_in, [], 1)
+  try:
+    for batch in batches:
+      first = len(episodes.prompts)
+      episodes.add(batch)
+      yield [dict(row, prompt_tokens=prompt) for row, prompt in
+             zip(episodes.rows[first:], episodes.prompts[first:])]
+      for p in range(first, len(episodes.prompts)):
+        episodes.forget(p)
+  finally:
+    episodes.close()
+
+
 def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows: int = 8) -> None:
   """Starts the environments of the first ``rows`` rows once, as the episodes will (their
   first messages with the tools' schemas), and refuses a prompt past rollout.max_prompt_len
@@ -334,7 +354,10 @@ def warmup_fingerprint(config: RunConfig) -> dict:
           "data.system_prompt": config.data.system_prompt,
           "data.chat_template_kwargs": config.data.chat_template_kwargs,
           "rollout.max_prompt_len": config.rollout.max_prompt_len,
-          "env.enabled": config.env.enabled, "trainer.warmup_sft_steps": t.warmup_sft_steps,
+          "env.enabled": config.env.enabled,
+          # an environment's first messages (tool schemas) are the warm-up's prompts
+          **({"env.name": config.env.name} if config.env.name else {}),
+          "trainer.warmup_sft_steps": t.warmup_sft_steps,
           "trainer.warmup_sft_learning_rate": t.warmup_sft_learning_rate,
           "trainer.warmup_sft_batch": t.warmup_sft_batch}))  # as it reads back
 
@@ -381,7 +404,8 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
                         encode=prompt_encoder(config, tokenizer),
                         max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
   started = time.perf_counter()
-  model, losses = warm_up(model, stream, tokenizer, steps=trainer.warmup_sft_steps,
+  rows = _episode_prompted(config, tokenizer, stream) if config.env.name else stream
+  model, losses = warm_up(model, rows, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate,
                           episodes=config.env.enabled, say=say)
   if not (all(map(math.isfinite, losses)) and _finite(model.params)):

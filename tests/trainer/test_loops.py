@@ -128,3 +128,21 @@ def test_agent_program_trains_through_the_endpoint(tmp_path):
     assert key in rows[-1] and np.isfinite(rows[-1][key]), key
   assert rows[-1]["agent/requests_mean"] >= 1 and rows[-1]["agent/failed_frac"] == 0
   assert 0 < rows[-1]["rollout/slot_occupancy"] <= 1
+
+
+def test_the_warm_up_of_an_agent_run_sees_the_episodes_prompts():
+  # it was encoded without the environment's first messages (the tools' schemas): the model
+  # was warmed up on prompts the episodes never show
+  from rlx.data import PromptStream, TaskSource
+  from rlx.models import builtin_tokenizer
+  from rlx.trainer.run import _episode_prompted, prompt_encoder
+
+  config = tiny.config("agent_calc", "--config.env.name=tests/trainer/flaky_env.py:make_verbose_env",
+                       "--config.env.max_tokens=8", "--config.rollout.max_prompt_len=512")
+  tokenizer = builtin_tokenizer()
+  plain = PromptStream(TaskSource("calc"), batch_size=2, seed=0,
+                       encode=prompt_encoder(config, tokenizer))
+  batch = next(iter(_episode_prompted(config, tokenizer, iter([next(plain)]))))
+  for row in batch:
+    text = tokenizer.decode(row["prompt_tokens"])
+    assert text.startswith("Think step by step.") and row["prompt"] in text
