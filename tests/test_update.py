@@ -343,12 +343,12 @@ def test_one_update_without_old_logprobs_equals_one_with_them(model, name):
   assert not np.allclose(without.params["embed"], model.params["embed"])  # it did move
 
 
-def test_an_update_that_overflows_the_weights_is_skipped_and_named(model):
-  """A finite loss and gradient, but a learning rate so large that the new weights overflow:
-  the step is skipped (state unchanged) and counted as an update overflow."""
+def _one_step_at(model, learning_rate: float):
+  """One DAPO update of fresh params at ``learning_rate`` (no warm-up): the config, the params
+  before, the state after and the metrics."""
   config = _config(name="dapo")
   config = dataclasses.replace(config, optimizer=dataclasses.replace(
-      config.optimizer, learning_rate=1e39, warmup_steps=0))  # inf in float32
+      config.optimizer, learning_rate=learning_rate, warmup_steps=0))
   batch = _batch(model, config)
   optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=2)
   state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
@@ -356,6 +356,13 @@ def test_an_update_that_overflows_the_weights_is_skipped_and_named(model):
   before = jax.device_get(state.params)
   state, metrics = update.make_update_step(config, model.transformer, optimizer,
                                            schedule)(state, batch)
+  return config, before, state, metrics
+
+
+def test_an_update_that_overflows_the_weights_is_skipped_and_named(model):
+  """A finite loss and gradient, but a learning rate so large that the new weights overflow:
+  the step is skipped (state unchanged) and counted as an update overflow."""
+  _, before, state, metrics = _one_step_at(model, 1e39)  # inf in float32
   assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["optim/grad_norm"]))
   assert int(metrics["train/skipped"]) == 1 and int(metrics["train/skipped_update"]) == 1
   chex.assert_trees_all_equal(jax.device_get(state.params), before)
@@ -409,16 +416,7 @@ def test_an_update_that_explodes_the_weights_is_skipped_though_finite(model, lea
   """Finite weights of 1e29 are not "good": an update larger than the weights themselves
   (optimizer.max_update_ratio) is skipped like one that overflows; a sane one is kept, its
   ratio far under the bound."""
-  config = _config(name="dapo")
-  config = dataclasses.replace(config, optimizer=dataclasses.replace(
-      config.optimizer, learning_rate=learning_rate, warmup_steps=0))
-  batch = _batch(model, config)
-  optimizer, schedule = update.make_optimizer(config.optimizer, total_steps=2)
-  state = update.init_train_state(jax.tree.map(jnp.copy, model.params), optimizer,
-                                  jax.random.key(0))
-  before = jax.device_get(state.params)
-  state, metrics = update.make_update_step(config, model.transformer, optimizer,
-                                           schedule)(state, batch)
+  config, before, state, metrics = _one_step_at(model, learning_rate)
   assert int(metrics["train/skipped"]) == skipped == int(metrics["train/skipped_update"])
   after = jax.device_get(state.params)
   assert np.all(np.isfinite(jax.tree.leaves(after)[0]))

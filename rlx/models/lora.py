@@ -228,6 +228,28 @@ def check_peft_config(found: dict, lora: LoraConfig, where: str) -> None:
                           "set model.lora to the adapter's values")
 
 
+def record(lora: LoraConfig) -> dict | None:
+  """The adapters' shape and scale as a checkpoint records them (None: full fine-tuning)."""
+  if not lora.enabled:
+    return None
+  return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+
+
+def resume_problem(saved: dict | None, lora: LoraConfig) -> str | None:
+  """What keeps a checkpoint's adapters (``record`` when saved) from resuming under ``lora``:
+  another alpha would silently rescale them, another shape would not read back; None: they
+  fit."""
+  now = record(lora)
+  if saved == now:
+    return None
+  if saved is None or now is None:
+    then = "full fine-tuning" if saved is None else f"LoRA rank {saved['rank']}"
+    return f"it was trained with {then}, this run uses " + (
+        "full fine-tuning (model.lora.rank=0)" if now is None else f"LoRA rank {now['rank']}")
+  return "; ".join(f"model.lora.{key}={saved[key]!r} then, {now[key]!r} now"
+                   for key in now if saved.get(key) != now[key])
+
+
 def load_peft(directory: str | pathlib.Path, arch: ArchConfig, lora: LoraConfig,
               shardings: Any = None, dtype: Any = jnp.float32) -> Params:
   """Adapters from a PEFT directory (checked against ``lora``), in ``shardings``."""

@@ -172,6 +172,7 @@ class EpisodeRun(_Run):
     max_new = np.ones((count,), np.int32)
     keys = []
     temperature, top_k, top_p, turn_max, stop_ids = self.sampling_row
+    requests = self._keys([self.owner[slot] for slot, _ in replies])  # one dispatch for all
     for i, (slot, appended) in enumerate(replies):
       key = self.owner[slot]
       completion = self.partial[key]
@@ -185,8 +186,7 @@ class EpisodeRun(_Run):
       completion.turns += 1
       self.turn_start[key] = len(completion.response_tokens)
       max_new[i] = min(turn_max, self.max_tokens - len(completion.response_tokens))
-      request = self._keys([key])[0]
-      keys.append(jax.random.fold_in(request, 1_000_000 + completion.turns))
+      keys.append(jax.random.fold_in(requests[i], 1_000_000 + completion.turns))
       self.index[slot] += len(row)
     keys += [keys[0]] * (count - len(replies))
     sampling = SamplingParams(

@@ -287,33 +287,17 @@ class Learner:
     self.restored_meta = restored.meta
     return restored
 
-  def _adapters(self) -> dict | None:
-    """The LoRA adapters' shape and scale a checkpoint records (None: full fine-tuning)."""
-    config = self.config.model.lora
-    if not config.enabled:
-      return None
-    return {"rank": config.rank, "alpha": config.alpha, "targets": list(config.targets)}
-
   def _check_adapters(self) -> None:
-    """Refuses, in one line, a resume whose LoRA rank, alpha or targets (or LoRA itself)
-    differ from the newest checkpoint's: another alpha would silently rescale the trained
-    adapters, another shape would not read back."""
+    """Refuses, in one line, a resume whose LoRA settings differ from the newest
+    checkpoint's (``lora.resume_problem``), before its state is read."""
     found = self.checkpointer.read_meta()
     if found is None or "lora" not in found[1]:  # none, or written before it was recorded
       return
-    step, saved, now = found[0], found[1]["lora"], self._adapters()
-    if saved == now:
-      return
-    if saved is None or now is None:
-      then = "full fine-tuning" if saved is None else f"LoRA rank {saved['rank']}"
-      changed = f"it was trained with {then}, this run uses " + (
-          "full fine-tuning (model.lora.rank=0)" if now is None else f"LoRA rank {now['rank']}")
-    else:
-      changed = "; ".join(f"model.lora.{key}={saved[key]!r} then, {now[key]!r} now"
-                          for key in now if saved.get(key) != now[key])
-    raise CheckpointError(f"the checkpoint at step {step} in {self.checkpointer.directory} "
-                          f"does not fit this run's adapters ({changed}): resume with the "
-                          "values it was trained with, or start a new workdir")
+    problem = lora.resume_problem(found[1]["lora"], self.config.model.lora)
+    if problem:
+      raise CheckpointError(f"the checkpoint at step {found[0]} in {self.checkpointer.directory} "
+                            f"does not fit this run's adapters ({problem}): resume with the "
+                            "values it was trained with, or start a new workdir")
 
   def save(self, step: int, data_state: dict, **meta) -> None:
     """Starts saving ``step`` (with ``meta`` beside the learner's own: version, KL
@@ -324,7 +308,7 @@ class Learner:
       meta = dict(meta, lora_base=self.base_reference)
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef,
-                                 "lora": self._adapters(),
+                                 "lora": lora.record(self.config.model.lora),
                                  "entropy_coef": self.entropy_coef, **meta})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:

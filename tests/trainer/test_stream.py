@@ -126,27 +126,27 @@ def test_groups_are_handed_over_whole_once_and_within_the_gate(k):
     assert np.mean([p.draw.counts["rollout/slot_occupancy"] for _, p in seen]) > 0.5
 
 
-def test_a_task_where_every_group_is_alike_stops_with_the_cause():
-  generator = Generator(_job(1, lambda text, row: 0.0), first_step=0)
+def _first_batch_raises(reward, error, match: str) -> None:
+  """The stream's first batch raises ``error`` (matching ``match``) in the learner's thread,
+  and the generator thread ends."""
+  generator = Generator(_job(1, reward), first_step=0)
   generator.start()
   try:
-    with pytest.raises(DynamicSamplingError, match="dynamic sampling kept 0 of 2 groups"):
+    with pytest.raises(error, match=match):
       generator.next(timeout=60)
   finally:
     generator.stop()
     generator.join(timeout=30)
+  assert not generator.is_alive()
+
+
+def test_a_task_where_every_group_is_alike_stops_with_the_cause():
+  _first_batch_raises(lambda text, row: 0.0, DynamicSamplingError,
+                      "dynamic sampling kept 0 of 2 groups")
 
 
 def test_a_reward_that_raises_stops_the_stream_with_its_error():
   def broken(text, row):
     raise KeyError("anwser")
 
-  generator = Generator(_job(1, broken), first_step=0)
-  generator.start()
-  try:
-    with pytest.raises(KeyError, match="anwser"):
-      generator.next(timeout=60)
-  finally:
-    generator.stop()
-    generator.join(timeout=30)
-  assert not generator.is_alive()
+  _first_batch_raises(broken, KeyError, "anwser")
