@@ -167,6 +167,11 @@ class _StoppedAtStart(Exception):
   """SIGTERM before the training loop took over the stop signals."""
 
 
+_stopped_at_start = False
+"""Set when a start-up was stopped: JAX's threads may be mid-work, and the interpreter's
+teardown can abort on them, so the command exits without it (nothing is left to save)."""
+
+
 def _stop_at_start(signum, frame) -> None:
   raise _StoppedAtStart
 
@@ -199,6 +204,8 @@ def _main(argv: list[str] | None) -> int:
   except _StoppedAtStart:
     print("rlx: SIGTERM before training started: nothing to save; rerun the same command to "
           "start", file=sys.stderr)
+    global _stopped_at_start
+    _stopped_at_start = True
     return os.EX_TEMPFAIL  # 75, rlx.checkpoint.EXIT_STOPPED: a scheduler requeues it
   except ValueError as error:  # CheckpointError and other refusals with a message for the user
     print(f"rlx: error: {error}", file=sys.stderr)
@@ -226,4 +233,9 @@ def _main(argv: list[str] | None) -> int:
 if __name__ == "__main__":
   if hasattr(signal, "SIGUSR1"):  # every thread's stack on demand, the run going on
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-  sys.exit(main())
+  status = main()
+  if _stopped_at_start:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)
