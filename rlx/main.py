@@ -47,8 +47,28 @@ def write_config(config: RunConfig, workdir: pathlib.Path) -> tuple[pathlib.Path
   return path, previous
 
 
+COLLECTIVE_PATIENCE_S = 600
+"""How long an XLA:CPU collective waits for its other devices before XLA ends the process (XLA's
+own default, 40 s, aborted runs on a loaded 2-core machine, where one device's share of a program
+can reach the all-reduce that much later than the other's); a collective that waits 60 s says so."""
+
+
+def patient_collectives(environ=os.environ) -> None:
+  """Raises XLA:CPU's collective timeouts to COLLECTIVE_PATIENCE_S (warning after 60 s), unless
+  XLA_FLAGS already sets them; before the backend starts, when XLA reads its flags."""
+  flags = environ.get("XLA_FLAGS", "")
+  for name, seconds in (("xla_cpu_collective_call_terminate_timeout_seconds",
+                         COLLECTIVE_PATIENCE_S),
+                        ("xla_cpu_collective_call_warn_stuck_timeout_seconds", 60)):
+    if f"--{name}=" not in flags:
+      flags = f"{flags} --{name}={seconds}".strip()
+  environ["XLA_FLAGS"] = flags
+
+
 def start_jax(config: RunConfig):
-  """Imports and configures JAX: CPU device count, and the multi-process runtime if asked."""
+  """Imports and configures JAX: CPU device count, patient CPU collectives, and the
+  multi-process runtime if asked."""
+  patient_collectives()
   import jax
 
   try:

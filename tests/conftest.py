@@ -1,5 +1,6 @@
 """Test setup, before JAX starts: 8 fake CPU devices for meshes, a quick XLA:CPU backend, one
-compilation cache for the whole session, and fixture paths.
+compilation cache for the whole session, CPU collectives as patient as a run's, and fixture
+paths.
 
 The suite compiles hundreds of small programs and runs each a few times, so compiling is most
 of its time. LLVM's optimisation passes (``xla_backend_optimization_level``) change how fast
@@ -17,6 +18,9 @@ import tempfile
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
+from rlx.main import patient_collectives  # noqa: E402 - imports no JAX backend yet
+
+patient_collectives()  # a loaded machine slows a device past XLA:CPU's 40 s, as in a run
 _OWN_CACHE = "RLX_TEST_COMPILE_CACHE" not in os.environ  # else the caller's, kept
 if _OWN_CACHE:
   os.environ["RLX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="rlx-test-compile-cache-")

@@ -80,3 +80,24 @@ def test_a_long_compile_says_which_program_it_is():
   assert "programs compiled before it" in lines[0]
   # JAX's own debug record of the compile is used, never printed
   assert "with global shapes" not in out.stdout + out.stderr
+
+
+def test_cpu_collectives_wait_longer_than_xlas_40_seconds_unless_the_user_says():
+  # XLA:CPU ends the process when a collective's devices arrive 40 s apart (measured: a
+  # psum whose device 0 slept 45 s aborted with "Termination timeout ... of 40 seconds")
+  from rlx import main
+
+  environ = {}
+  main.patient_collectives(environ)
+  assert (f"--xla_cpu_collective_call_terminate_timeout_seconds={main.COLLECTIVE_PATIENCE_S}"
+          in environ["XLA_FLAGS"])
+  assert "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60" in environ["XLA_FLAGS"]
+  mine = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+                       "--xla_cpu_collective_call_terminate_timeout_seconds=5"}
+  main.patient_collectives(mine)
+  assert "terminate_timeout_seconds=5 " in mine["XLA_FLAGS"] + " "
+  assert f"={main.COLLECTIVE_PATIENCE_S}" not in mine["XLA_FLAGS"]
+  assert mine["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=2")
+  again = dict(environ)
+  main.patient_collectives(again)  # idempotent
+  assert again == environ
