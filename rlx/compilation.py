@@ -41,6 +41,13 @@ class _Compiles(logging.Filter):
     return False
 
 
+def compiling() -> str | None:
+  """The name of the program being compiled now (None: no compile in flight; seen once
+  ``report_progress`` has started watching)."""
+  with _lock:
+    return None if _compiling is None else _compiling[0]
+
+
 def report_progress(say: Callable[[str], None], after_s: float = 10.0,
                     every_s: float = 15.0) -> None:
   """From now on, a compile that runs past ``after_s`` seconds says which program it is and

@@ -27,6 +27,7 @@ from typing import Literal
 import jax
 import numpy as np
 
+from rlx import progress
 from rlx.models.model import Model
 from rlx.models.transformer import Params
 from rlx.rollout.engine import DecodeState, Engine, Prefix, SamplingParams, np_stop_ids
@@ -327,6 +328,7 @@ class _Run:
     # One host round trip per chunk: the first tokens of the slots filled before it, then
     # the chunk's tokens.
     firsts, chunk = jax.device_get((self.firsts, chunk))
+    progress.tick()
     self.firsts = []
     self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * self.engine.max_slots
     self.stats["busy_steps"] += int(chunk.emitted.sum())

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx import algorithms, distributed, rollout
+from rlx import algorithms, distributed, progress, rollout
 from rlx.rewards import Scored
 from rlx.rollout import Completion
 from rlx.trainer.agents import agent_metrics, run_episodes
@@ -95,6 +95,7 @@ class _Scorer:
         continue
       try:
         self.parts.append((batch, self._score(batch)))
+        progress.tick()
       except BaseException as error:  # noqa: BLE001 - raised in the generating thread
         self.error = error
 

@@ -50,7 +50,7 @@ import time
 
 import jax
 
-from rlx import distributed
+from rlx import distributed, progress
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.trainer import control, jobstatus
@@ -127,6 +127,8 @@ class FileSource(BatchSource):
     files, index = self.files, self.index
     # process 0 looks for the file, and every process of the job follows its answer
     if not distributed.agree(files.path(index).is_file()):
+      progress.waiting("the generator job" if files.generators == 1
+                       else f"generator job {index % files.generators}")
       self.watch.check(index % files.generators)
       if time.perf_counter() - self._noticed > NOTICE_S:
         source = ("the generator job" if files.generators == 1
@@ -137,6 +139,7 @@ class FileSource(BatchSource):
         time.sleep(POLL_S)
       return None
     self._noticed = time.perf_counter()
+    progress.doing(f"training on rollout {index}")
     draw, extra = _read(files, index)
     metrics = {"rollout/index": index, "rollout/expired_files": self.expired_files,
                # prompts the generator had drawn after this batch: its consecutive batches
@@ -255,9 +258,9 @@ class FileGate:
   def wait(self, index: int) -> Opened | None:
     config, files, weights = self.run.config, self.files, self.weights
     while not files.done() and not (self.stop is not None and self.stop.requested):
-      progress = files.progress()
+      shown = files.progress()
       seen = json.loads(distributed.agree(json.dumps(
-          {"done": progress["done"], "version": progress.get("version", -1),
+          {"done": shown["done"], "version": shown.get("version", -1),
            "control": files.control() or {}})))
       knobs = seen["control"]
       opened = control.may_start(index, seen["done"], knobs.get("k", control.bound(config)))
@@ -270,6 +273,7 @@ class FileGate:
       if opened and weights.params is not None and weights.version >= seen["version"]:
         self._noticed = time.perf_counter()
         return Opened(knobs.get("setting", 0), knobs.get("temperature"))
+      progress.waiting("the learner job")
       self.learner.check(0)
       if time.perf_counter() - self._noticed > NOTICE_S:
         self.say(f"rlx: {self.name}: waiting for the learner job (rollout {index}, policy "

@@ -6,14 +6,18 @@
                                now=time.time(), since=started, timeout_s=120)  # None: fine
 
 A status file holds the job's state (``running``, ``finished``, ``stopped`` or ``failed``),
-the first line of its error, its host and pid, and a heartbeat: the wall-clock time, rewritten
-every ``HEARTBEAT_S`` seconds by a thread while the job runs, whatever the job is doing.
+the first line of its error, its host and pid, a heartbeat: the wall-clock time, rewritten
+every ``HEARTBEAT_S`` seconds by a thread while the job runs, whatever the job is doing, and
+its progress (``rlx.progress``): what it is doing, when it last got something done (a decode
+chunk, an update, a reward, a compile), and whether it is waiting on its peer.
 
 A job that waits on another (the learner on the generator whose rollout file is next, a
 generator on its learner) asks ``silent_or_failed`` and stops with its answer when it has
 one: the other job failed, or died on this host without a word (a kill: its process is gone
 for ``DEAD_GRACE_S``, time for a restart to take its place), or has been silent past
-``mesh.job_timeout_s`` (a lost host, a hung process). The decision is a pure function of
+``mesh.job_timeout_s`` (a lost host), or beats but has got nothing done past it while not
+waiting on its peer (a hung process: a reward call or an environment that never returns).
+The decision is a pure function of
 the status files and the clock, so tests drive it with made-up files.
 """
 
@@ -25,6 +29,8 @@ import pathlib
 import socket
 import threading
 import time
+
+from rlx import progress
 
 HEARTBEAT_S = 2.0
 """How often a running job rewrites its heartbeat."""
@@ -57,7 +63,7 @@ class JobStatus:
   def _write(self) -> None:
     record = {"role": self.role, "id": self.job, "state": self._state, "error": self._error,
               "host": socket.gethostname(), "pid": os.getpid(), "started": self.started,
-              "heartbeat": time.time()}
+              "heartbeat": time.time(), **progress.snapshot()}
     partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
     with self._lock:
       try:
@@ -143,4 +149,11 @@ def silent_or_failed(name: str, status: dict | None, *, now: float, since: float
   if silent > timeout_s:
     return (f"{name} has been silent for {silent:.0f}s (config.mesh.job_timeout_s="
             f"{timeout_s:g}): its host is lost or the process hangs; check its log")
+  stalled = beat - float(status.get("progress_at", beat))
+  if status.get("waiting_on") is None and stalled > timeout_s:
+    where = f" on {status['host']}" if status.get("host") != host else ""
+    return (f"{name} hangs: it has got nothing done for {stalled:.0f}s while "
+            f"{status.get('doing', 'working')} (its heartbeat still beats; config.mesh."
+            f"job_timeout_s={timeout_s:g}). `kill -USR1 {status.get('pid')}`{where} prints "
+            "what each of its threads is doing")
   return None

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlx import algorithms, cli, distributed, update
+from rlx import algorithms, cli, distributed, progress, update
 from rlx.checkpoint import Checkpointer, CheckpointError
 from rlx.config import RunConfig
 from rlx.models import Model, lora
@@ -393,6 +393,7 @@ class Learner:
     if algo.entropy_floor is not None and algo.entropy_control == "temperature":
       metrics["rollout/temperature"] = temperature  # what the data was sampled at
     metrics["train/skipped_steps"] = self.skipped_steps
+    progress.tick()
     return metrics
 
   def _packing(self, sampled) -> tuple[tuple[update.Packing | None, update.Packing | None],

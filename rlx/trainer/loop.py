@@ -35,7 +35,7 @@ import zlib
 
 import jax
 
-from rlx import cli, distributed
+from rlx import cli, distributed, progress
 from rlx.checkpoint import StopSignal
 from rlx.data import DataError
 from rlx.metrics import MetricsSink, ProfileWindow
@@ -221,11 +221,13 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           last = step == config.trainer.steps and not stopping
           if evaluation_due(config, step, stopping) or last:
             # the last step's evaluation is the final one: logged with its step, run once
+            progress.doing(f"evaluating after step {step}")
             evaluated = evaluate(run, learner.generation_params())
             metrics.update(evaluated)
             final = evaluated if last else None
           sink.write(step, metrics, force=last)
           if learner.checkpoint_due(step, stopping):
+            progress.doing(f"saving the checkpoint of step {step}")
             learner.save(step, data_state, **meta())
           _export(run, learner, step)
       finally:

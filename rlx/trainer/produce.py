@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from rlx import progress
 from rlx.trainer.collect import Draw, collect
 from rlx.trainer.run import Run
 
@@ -125,6 +126,7 @@ def produce(run: Run, gate: Gate, weights: Weights, sink: Sink, *, first: int = 
     if opened is None:
       return index
     started = time.perf_counter()
+    progress.doing(f"sampling and scoring rollout {index}")
     synced = weights.seconds
     weights.refresh(force=True)
     swaps = weights.swaps

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rlx import progress
 from rlx.data import DataError
 from rlx.models import Model, Tokenizer
 from rlx.rollout import Completion
@@ -79,6 +80,7 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   opt_state = optimizer.init(params)
   losses = []
   batches = sft_batches(rows, tokenizer, episodes)
+  progress.doing("the supervised warm-up")
   started = told = time.perf_counter()
   compiled = None  # when the first step (which compiles) was done: the rate counts from it
   for done in range(1, steps + 1):
@@ -86,6 +88,7 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
     params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
                                    arrays["response_mask"])
     losses.append(float(loss))
+    progress.tick()
     now = time.perf_counter()
     compiled = now if compiled is None else compiled
     if say is not None and now - told >= every_s and 1 < done < steps:

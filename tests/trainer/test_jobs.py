@@ -223,6 +223,24 @@ def test_a_generator_killed_without_a_word_stops_the_learner_naming_it(tmp_path)
   assert status["state"] == "failed" and "generator job died" in status["error"]
 
 
+def test_a_generator_whose_reward_never_returns_stops_the_learner_naming_the_hang(tmp_path):
+  """Its heartbeat thread keeps beating; its progress (decode chunks, rewards scored) stops."""
+  hang = ("--config.reward.num_workers=0", "--config.reward.name=tests.trainer.toy_rewards:"
+          "hangs_after_a_batch", "--config.mesh.job_timeout_s=8")
+  learner = _start("learner", tmp_path, "--config.trainer.steps=20", *hang)
+  generator = _start("generator", tmp_path, *hang)
+  try:
+    out, _ = learner.communicate(timeout=240)
+  finally:
+    for p in (learner, generator):
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert learner.returncode == 1, out
+  assert "the generator job hangs: it has got nothing done for" in out, out
+  assert "while sampling and scoring rollout 2" in out and "kill -USR1" in out, out
+  assert _steps(tmp_path) == 2, out  # the two batches it delivered were trained on
+
+
 def test_a_failing_generator_job_stops_the_launcher_with_its_status(tmp_path):
   """The generator raises (dynamic sampling finds no usable group: every reward is alike);
   the learner stops naming its error, and launch/local.sh returns with a failing status."""
@@ -266,6 +284,13 @@ def test_a_peer_counts_as_gone_when_failed_killed_silent_or_never_started():
   assert verdict(_status("finished"), now=1000) is None
   assert verdict(_status("stopped"), now=150) is None
   assert "stopped 100s ago" in verdict(_status("stopped"), now=200)
+  # beating, but nothing done past the timeout: hung, unless it waits on its peer
+  stuck = dict(_status(beat=100.0), doing="sampling and scoring rollout 3", progress_at=39.0,
+               waiting_on=None)
+  assert "hangs: it has got nothing done for 61s while sampling and scoring rollout 3" in (
+      verdict(stuck))
+  assert verdict(dict(stuck, progress_at=41.0)) is None
+  assert verdict(dict(stuck, waiting_on="the learner job")) is None
 
 
 def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
@@ -283,6 +308,30 @@ def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
   with JobStatus(tmp_path, "learner") as status:
     status.stopped = True
   assert read_status(tmp_path, "learner", 0)["state"] == "stopped"
+
+
+def test_a_job_status_file_carries_the_job_s_progress(tmp_path, monkeypatch):
+  from rlx import compilation, progress
+  from rlx.trainer import jobstatus
+
+  monkeypatch.setattr(jobstatus, "HEARTBEAT_S", 0.05)
+  with jobstatus.JobStatus(tmp_path, "generator"):
+    progress.doing("sampling rollout 7")
+    time.sleep(0.3)
+    status = jobstatus.read_status(tmp_path, "generator")
+    assert status["doing"] == "sampling rollout 7" and status["waiting_on"] is None
+    assert status["heartbeat"] - status["progress_at"] > 0.1  # beats on, no progress
+    ticks = status["ticks"]
+    progress.tick()
+    progress.waiting("the learner job")
+    time.sleep(0.2)
+    status = jobstatus.read_status(tmp_path, "generator")
+    assert status["ticks"] == ticks + 1 and status["waiting_on"] == "the learner job"
+    monkeypatch.setattr(compilation, "compiling", lambda: "jit_update_step")
+    time.sleep(0.2)
+    status = jobstatus.read_status(tmp_path, "generator")  # a compile in flight is progress
+    assert status["heartbeat"] - status["progress_at"] < 0.1
+    assert status["doing"] == "sampling rollout 7 (compiling jit_update_step)"
 
 
 def test_lora_jobs_ship_adapter_versions_onto_the_learner_s_warmed_up_base(tmp_path):

@@ -21,3 +21,16 @@ def huge(response: str, row: dict) -> float:
 def misspelled(response: str, row: dict) -> float:
   """Reads a field the rows do not have: raises on every call."""
   return float(row["anwser"])
+
+
+_CALLS = [0]
+
+
+def hangs_after_a_batch(response: str, row: dict) -> float:
+  """Varied rewards for the first 8 responses (two batches of the tiny runs), then a call that
+  never returns (with reward.num_workers=0 nothing times it out)."""
+  _CALLS[0] += 1
+  if _CALLS[0] > 8:
+    import threading
+    threading.Event().wait()
+  return float(len(response) % 2)
