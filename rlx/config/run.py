@@ -48,7 +48,7 @@ class MeshConfig:
   generator_id: int = 0
   """Split as jobs: which generator job this is, 0 .. generators - 1."""
   job_timeout_s: float = 120.0
-  """Split as jobs: a job waiting on another (the learner on a generator, a generator on the learner) stops with an error once the other has been silent this long (no heartbeat in WORKDIR/jobs/), or has not started; a failed job, or one killed on this host, stops its peers sooner."""
+  """Split as jobs: a job waiting on another (the learner on a generator, a generator on the learner) stops with an error once the other has been silent this long (no heartbeat in WORKDIR/jobs/), has not started, or has got nothing done this long (no decode chunk, update, reward or compile) while not waiting on its own peer: a hung process whose heartbeat thread still beats; a failed job, or one killed on this host, stops its peers sooner."""
   multihost: bool = False
   """Join a multi-process run with jax.distributed.initialize() first: SLURM, TPU pods and GKE are detected; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (see launch/)."""
   check_agreement: bool = False
