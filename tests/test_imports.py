@@ -23,11 +23,14 @@ ALLOWED = {
     "mesh": {"config"},
     # the multi-process helpers: jax and numpy only, below everything that runs on several hosts
     "distributed": set(),
+    # what a process is doing and when it last got something done (read by the job status
+    # files' liveness check): stdlib and the compile watch, below the engine and the loops
+    "progress": {"compilation"},
     # models place each parameter into its sharding on load, so they use the mesh rules.
     "models": {"kernels", "config", "types", "mesh", "unroll"},
     "algorithms": {"types", "config", "kernels"},
     "update": {"models", "algorithms", "kernels", "types", "config", "mesh", "unroll"},
-    "rollout": {"models", "mesh", "types", "config", "kernels"},
+    "rollout": {"models", "mesh", "types", "config", "kernels", "progress"},
     # with LoRA, the generator's side merges the shipped adapters into its base (models.lora)
     "sync": {"mesh", "types", "config", "distributed", "models"},
     "rewards": {"config"},
@@ -45,7 +48,7 @@ ALLOWED = {
     "report": set(),
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
                 "rollout", "sync", "rewards", "data", "envs", "serve", "checkpoint", "metrics",
-                "distributed"},
+                "distributed", "progress"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation"},
     # compiling the learner step and decode for an accelerator that is not here
     # memory traffic read from compiled programs' optimized HLO: text and jax only
