@@ -283,6 +283,10 @@ class Learner:
     self.state, self.critic = restored.state, restored.critic
     self.kl_coef = restored.meta.get("kl_coef", self.kl_coef)
     self.entropy_coef = restored.meta.get("entropy_coef", self.entropy_coef)
+    # a resume continues the skip count: a rerun that skips again stops after the streak's
+    # remainder, not after a fresh max_skipped_steps
+    self.skipped_steps = int(restored.meta.get("skipped_steps", 0))
+    self.skipped_in_a_row = int(restored.meta.get("skipped_in_a_row", 0))
     self.saved_step = restored.step
     self.restored_meta = restored.meta
     return restored
@@ -309,7 +313,9 @@ class Learner:
     self.checkpointer.save(step, self.state, critic=self.critic, data_state=data_state,
                            meta={"policy_version": self.version, "kl_coef": self.kl_coef,
                                  "lora": lora.record(self.config.model.lora),
-                                 "entropy_coef": self.entropy_coef, **meta})
+                                 "entropy_coef": self.entropy_coef,
+                                 "skipped_steps": self.skipped_steps,
+                                 "skipped_in_a_row": self.skipped_in_a_row, **meta})
 
   def checkpoint_due(self, step: int, stopping: bool) -> bool:
     every = self.config.checkpoint.every_steps

@@ -160,3 +160,27 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
     train(config, tmp_path, **QUIET)
   rows = tiny.metrics(tmp_path)
   assert [row["train/skipped_steps"] for row in rows] == [1, 2]
+
+
+def test_a_resume_continues_the_count_of_skipped_updates(tmp_path, monkeypatch):
+  """A rerun of a run whose updates were being skipped does not start a fresh streak: its
+  checkpoints carry the count, so two skips before the stop and one after make three."""
+  from rlx.trainer import learner
+
+  real = learner.sample_arrays
+
+  def poisoned(*args, **kwargs):
+    sampled, stats = real(*args, **kwargs)
+    return sampled.replace(rewards=sampled.rewards * float("nan")), stats
+
+  monkeypatch.setattr(learner, "sample_arrays", poisoned)
+  first = tiny.config("grpo_colocated", "--config.trainer.steps=2",
+                      "--config.trainer.max_skipped_steps=3", "--config.checkpoint.every_steps=1")
+  train(first, tmp_path, **QUIET)
+  rerun = tiny.config("grpo_colocated", "--config.trainer.steps=6",
+                      "--config.trainer.max_skipped_steps=3", "--config.checkpoint.every_steps=1")
+  with pytest.raises(NonFiniteError, match="3 updates in a row were skipped"):
+    train(rerun, tmp_path, **QUIET)
+  # the rerun's first step is the third skip in a row: it stops there, before its metrics row
+  rows = tiny.metrics(tmp_path)
+  assert [(row["step"], row["train/skipped_steps"]) for row in rows] == [(1, 1), (2, 2)]
