@@ -22,9 +22,11 @@ until the call returns, then kill it (as the reward workers do).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import inspect
 import multiprocessing
+import multiprocessing.util  # its exit handler first, so that ours runs before it
 import os
 import queue
 import re
@@ -35,6 +37,7 @@ import threading
 import time
 import types
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -230,6 +233,20 @@ class _Worker:
     self.connection.close()
 
 
+_RUNNERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_workers_at_exit() -> None:
+  """Kills the workers of every runner still open when the interpreter exits. They ignore
+  SIGTERM (a Ctrl-C must not kill them mid-call), so multiprocessing's own exit handler, which
+  terminates daemonic children with SIGTERM and then joins them, would wait for them forever:
+  a run that failed without closing its runner never exited. Registered after that handler,
+  so it runs before it."""
+  for runner in list(_RUNNERS):
+    runner.close(wait_s=0)
+
+
 class ToolRunner:
   """Runs tool calls in ``num_workers`` processes, each call with ``timeout_s`` (0 workers:
   in the calling thread, no timeout, for debugging). Safe to share between threads: a call
@@ -244,8 +261,10 @@ class ToolRunner:
     self._closed = False
     self._lock = threading.Lock()
     self._calls = 0  # numbers each call: its answer must carry it
+    self._busy: set[_Worker] = set()  # taken by a call: killed, not waited for, on close
     for _ in range(num_workers):
       self._idle.put(_Worker(self._context, memory_mb))
+    _RUNNERS.add(self)
 
   def call(self, ref: str, arguments: dict) -> ToolResult:
     """Runs ``ref(**arguments)``; never raises for what the tool does."""
@@ -254,6 +273,7 @@ class ToolRunner:
       status, text = _invoke(ref, arguments, self.max_chars)
       return ToolResult(text, status, time.monotonic() - started)
     worker = self._idle.get()
+    self._busy.add(worker)
     try:
       if not worker.wait_ready():
         raise EOFError
@@ -265,8 +285,7 @@ class ToolRunner:
       while True:  # only this call's answer: anything else on the pipe is not its result
         left = self.timeout_s - (time.monotonic() - started)
         if left <= 0 or not worker.connection.poll(left):
-          worker.kill()
-          worker = _Worker(self._context, self.memory_mb)
+          worker = self._replace(worker)
           return ToolResult(f"the tool ran past its {self.timeout_s:g}s limit and was stopped",
                             "timeout", time.monotonic() - started)
         answered, status, text = worker.connection.recv()
@@ -274,21 +293,31 @@ class ToolRunner:
           return ToolResult(text, status, time.monotonic() - started)
     except (EOFError, OSError, ValueError):  # it died: killed itself, or out of memory
       code = worker.process.exitcode
-      worker.kill()
-      worker = _Worker(self._context, self.memory_mb)
+      worker = self._replace(worker)
       return ToolResult(f"the tool's process died (exit code {code})", "error",
                         time.monotonic() - started)
     finally:
+      self._busy.discard(worker)
       if self._closed:
         worker.kill()
       else:
         self._idle.put(worker)
 
-  def close(self) -> None:
+  def _replace(self, worker: _Worker) -> _Worker:
+    """Kills ``worker`` (hung, or dead) and starts its successor, unless the runner is closed."""
+    worker.kill()
+    return worker if self._closed else _Worker(self._context, self.memory_mb)
+
+  def close(self, wait_s: float = 2.0) -> None:
+    """Stops the workers: idle ones are asked to exit and given ``wait_s`` seconds, then
+    killed; those in a call are killed (their call returns an error)."""
     with self._lock:
       if self._closed:
         return
       self._closed = True
+    _RUNNERS.discard(self)
+    for worker in list(self._busy):
+      worker.kill()
     while True:
       try:
         worker = self._idle.get_nowait()
@@ -298,7 +327,7 @@ class ToolRunner:
         worker.connection.send(None)
       except (OSError, ValueError):
         pass
-      worker.process.join(timeout=2)
+      worker.process.join(timeout=wait_s)
       if worker.process.is_alive():
         worker.kill()
 

@@ -2,6 +2,7 @@
 in the workers: each failure is an observation, counted, and the run goes on."""
 
 import functools
+import pathlib
 import time
 from typing import Literal
 
@@ -135,3 +136,34 @@ def test_a_tool_that_forks_cannot_answer_another_call_and_leaves_nothing_behind(
       time.sleep(0.1)
     assert not _alive(spawned), "a setsid child outlived its killed worker"
     assert runner.call(f"{HOSTILE}:echo", {"x": "after"}).text == "after"
+
+
+_FAILS_WITH_AN_OPEN_RUNNER = f"""
+import threading
+from rlx.envs import ToolRunner
+
+if __name__ == "__main__":
+  runner = ToolRunner(num_workers=2, timeout_s=600)
+  assert runner.call("{HOSTILE}:echo", {{"x": "up"}}).text == "up"
+  threading.Thread(target=runner.call, args=("{HOSTILE}:hangs", {{"x": ""}}), daemon=True).start()
+  raise RuntimeError("the environment's reset failed")
+"""
+
+
+def test_a_process_that_fails_with_its_runner_open_exits(tmp_path):
+  # the workers ignore SIGTERM, and multiprocessing's exit handler terminated them with it and
+  # joined them: a failed run whose runner was never closed waited forever (one worker idle,
+  # one in a call that never returns)
+  import os
+  import subprocess
+  import sys
+
+  script = tmp_path / "fails.py"
+  script.write_text(_FAILS_WITH_AN_OPEN_RUNNER)
+  root = str(pathlib.Path(__file__).parents[2])
+  started = time.monotonic()
+  result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=root, env={**os.environ, "PYTHONPATH": root})
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert "the environment's reset failed" in result.stderr
+  assert time.monotonic() - started < 30
