@@ -27,10 +27,18 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
+import collections.abc
 import dataclasses
+import datetime
+import decimal
+import fractions
+import functools
 import json
+import keyword
 import math
 import re
+import sys
 
 # modules a test may use without importing them (its program usually imports them); the
 # trusted side uses the real module, never one the program defines under that name
@@ -56,6 +64,9 @@ class Raised:
   """A probe that raised (or returned something that is not plain data) in the sandbox."""
 
   error: str
+  bases: tuple[str, ...] = ()
+  """The names of the exception's classes, its own first (``("MyError", "ValueError",
+  "Exception", ...)``): a test that expects an exception catches it by any of them."""
 
 
 @dataclasses.dataclass
@@ -65,9 +76,25 @@ class AssertPlan:
   module: ast.Module
   """The test, each probe replaced by the name ``_rlx_probe_<k>``."""
   probes: list[str]
-  """The probes' source, evaluated in the program's namespace."""
-  prelude: str
-  """The test's statements the probes need (run before them, in the program's namespace)."""
+  """The probes' source, evaluated in the program's namespace. Every part of a probe that does
+  not need the program is either a constant, a name the test bound (``named``), or
+  ``_rlx_arg_<m>``, a value the trusted side computes (``anonymous``)."""
+  named: list[list[str]]
+  """For each probe, the test's names it takes whole as arguments (``f(a)``): their values are
+  sent, and their values after the call come back (a program that sorts ``a`` in place)."""
+  anonymous: list[str]
+  """The source of each ``_rlx_arg_<m>``: what the test computes for a probe (``cases[0]``,
+  ``make_input()``), evaluated on the trusted side only."""
+  aliases: dict[str, int]
+  """Names bound to a probe's value alone (``r = f(3)``) that later probes take: the sandbox
+  binds them to its own value."""
+  setup: str
+  """The test's statements that the named and anonymous arguments need (trusted side only)."""
+  imports: list[str]
+  """Standard-library modules the test uses (``datetime.date(...)``) without importing them."""
+
+
+_STDLIB = frozenset(sys.stdlib_module_names) - {"__future__", "this", "antigravity"}
 
 
 def _bound_at_top(module: ast.Module) -> dict[str, list[int]]:
@@ -80,13 +107,15 @@ def _bound_at_top(module: ast.Module) -> dict[str, list[int]]:
     elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
       targets = node.targets if isinstance(node, ast.Assign) else [node.target]
       names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names = [node.name]  # a helper the test defines is the test's, never the program's
     for name in names:
       bound.setdefault(name, []).append(index)
   return bound
 
 
 def _bound_inside(module: ast.Module) -> set[str]:
-  """Names bound by loops, comprehensions, functions and handlers anywhere in the test."""
+  """Names bound by loops, comprehensions, functions, handlers and ``with`` anywhere."""
   names = set()
   for node in ast.walk(module):
     if isinstance(node, (ast.For, ast.comprehension)):
@@ -98,6 +127,8 @@ def _bound_inside(module: ast.Module) -> set[str]:
       names.add(node.name)
     elif isinstance(node, ast.NamedExpr):
       names.add(node.target.id)
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+      names.update(n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name))
   return names
 
 
@@ -107,19 +138,87 @@ def _root(node: ast.AST) -> ast.AST:
   return node
 
 
+def _names(node: ast.AST) -> set[str]:
+  return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _is_constant(node: ast.AST) -> bool:
+  """A literal written in the test (``3``, ``"ab"``, ``-1.5``, ``[1, (2, 3)]``): it carries
+  nothing the test computed, so it stays in the probe's source."""
+  if isinstance(node, ast.Constant):
+    return True
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+    return _is_constant(node.operand)
+  if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+    return all(_is_constant(e) for e in node.elts)
+  if isinstance(node, ast.Dict):
+    return all(k is not None and _is_constant(k) and _is_constant(v)
+               for k, v in zip(node.keys, node.values))
+  return False
+
+
 def plan_asserts(test: str) -> AssertPlan:
-  """Splits an assert test into probes and the trusted check; raises
-  ``UnsupportedTest`` when a probe needs a name the test binds inside a loop or function,
-  and ``SyntaxError`` for a test that does not parse."""
+  """Splits an assert test into probes and the trusted check; raises ``UnsupportedTest``
+  when a probe needs something that cannot be sent to the program as plain data (a name the
+  test binds inside a loop or function, a helper function passed to the program), and
+  ``SyntaxError`` for a test that does not parse."""
   module = ast.parse(test)
   top = _bound_at_top(module)
   inside = _bound_inside(module)
+  defined = {name for name, where in top.items()
+             if any(isinstance(module.body[i], (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                ast.ClassDef, ast.Import, ast.ImportFrom))
+                    for i in where)}
+  # a standard-library module used as one (``datetime.date``) is Python's, even where the
+  # program defines that name too; a name only called (``copy(x)``) may be the program's
+  modules = {n.value.id for n in ast.walk(module) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Name) and n.value.id in _STDLIB} - set(top) - inside
 
-  def is_program(name: str) -> bool:  # builtins and trusted modules are never the program's
-    return not (name in top or name in inside or name in _BUILTINS or name in TRUSTED_MODULES)
+  def is_program(name: str) -> bool:  # builtins and modules are never the program's
+    return not (name in top or name in inside or name in _BUILTINS or name in TRUSTED_MODULES
+                or name in modules)
+
+  def needs_program(node: ast.AST) -> bool:
+    return any(is_program(name) for name in _names(node))
 
   probes: list[str] = []
+  named: list[list[str]] = []
+  anonymous: list[str] = []
   needed: set[int] = set()
+  uses: list[tuple[int, int, set[str]]] = []  # (probe, statement, the test's names it takes)
+
+  def argument(node: ast.expr, taken: set[str]) -> ast.expr:
+    """A part of a probe that does not need the program, as the probe will read it."""
+    if _is_constant(node):
+      return node
+    if isinstance(node, ast.Name) and node.id in top and node.id not in defined:
+      taken.add(node.id)
+      return node
+    if isinstance(node, ast.Name) and node.id in _BUILTINS and node.id not in top:
+      return node  # the builtin itself (``key=abs``), the same in both processes
+    if isinstance(node, ast.Lambda):
+      free = _names(node.body) - {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+      if free & set(top):
+        raise UnsupportedTest(f"the test passes the program a function, {ast.unparse(node)!r}, "
+                              "that reads the test's own names: write their values into it")
+      return node  # its code is the argument: it carries nothing the test computed
+    if isinstance(node, ast.Name) and node.id in defined:
+      raise UnsupportedTest(f"the test passes the program its own function or class "
+                            f"{ast.unparse(node)!r}: it would run in the program's process")
+    anonymous.append(ast.unparse(node))
+    return ast.copy_location(ast.Name(f"_rlx_arg_{len(anonymous) - 1}", ast.Load()), node)
+
+  def probe_of(node: ast.expr, taken: set[str]) -> ast.expr:
+    """The probe ``node`` with each part that does not need the program made an argument."""
+
+    class Arguments(ast.NodeTransformer):
+      def generic_visit(self, child):
+        if (isinstance(child, ast.expr) and child is not node and not needs_program(child)
+            and not isinstance(child, (ast.Slice, ast.Starred))):  # their parts, not themselves
+          return argument(child, taken)
+        return super().generic_visit(child)
+
+    return Arguments().visit(node)
 
   class Replace(ast.NodeTransformer):
     def __init__(self, statement: int):
@@ -130,34 +229,116 @@ def plan_asserts(test: str) -> AssertPlan:
         root = _root(node)
         if (isinstance(root, ast.Name) and isinstance(getattr(node, "ctx", ast.Load()), ast.Load)
             and is_program(root.id)):
-          for name in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
+          whole = ast.unparse(node)
+          taken: set[str] = set()
+          first = len(anonymous)
+          probe = probe_of(node, taken)
+          free = [_names(probe)] + [
+              _names(parsed) - _bound_inside(ast.Module(body=[ast.Expr(parsed)], type_ignores=[]))
+              for parsed in (ast.parse(source, mode="eval").body for source in anonymous[first:])]
+          for name in set().union(*free):
             if name in inside and not is_program(name):
-              raise UnsupportedTest(f"the program's value {ast.unparse(node)!r} depends on "
-                                    f"{name!r}, which the test binds in a loop, comprehension "
-                                    "or function: write the test as one assert per input")
-            needed.update(i for i in top.get(name, ()) if i < self.statement)
-          probes.append(ast.unparse(node))
+              raise UnsupportedTest(f"the program's value {whole!r} depends on {name!r}, which "
+                                    "the test binds in a loop, comprehension or function: "
+                                    "write the test as one assert per input")
+          for source in anonymous[first:]:
+            for name in _names(ast.parse(source, mode="eval")):
+              needed.update(i for i in top.get(name, ()) if i < self.statement)
+          uses.append((len(probes), self.statement, taken))
+          probes.append(ast.unparse(probe))
+          named.append(sorted(taken))
           return ast.copy_location(ast.Name(f"{_PROBE}{len(probes) - 1}", ast.Load()), node)
       return super().generic_visit(node)
 
-  # the probes' own prelude statements may need earlier ones: walk back to front
   body = [Replace(index).visit(statement) for index, statement in enumerate(module.body)]
-  for index in sorted(needed, reverse=True):
-    for name in {n.id for n in ast.walk(module.body[index]) if isinstance(n, ast.Name)}:
+  # a name a probe takes is bound by the test's data (setup), or by one probe's value alone
+  aliases: dict[str, int] = {}
+  for _, statement, taken in uses:
+    for name in taken:
+      binders = [i for i in top.get(name, ()) if i < statement]
+      if not binders:
+        continue  # bound only later: the probe raises NameError, as in Python
+      last = body[binders[-1]]
+      if (isinstance(last, ast.Assign) and len(last.targets) == 1
+          and isinstance(last.targets[0], ast.Name) and isinstance(last.value, ast.Name)
+          and last.value.id.startswith(_PROBE)):
+        aliases[name] = int(last.value.id[len(_PROBE):])
+      else:
+        needed.update(binders)
+  for index in sorted(needed, reverse=True):  # the setup's own statements may need earlier ones
+    for name in _names(module.body[index]):
       needed.update(i for i in top.get(name, ()) if i < index)
-  prelude = "\n".join(ast.unparse(ast.parse(test).body[i]) for i in sorted(needed))
-  return AssertPlan(ast.Module(body=body, type_ignores=[]), probes, prelude)
+  for index in needed:
+    if any(isinstance(n, ast.Name) and n.id.startswith(_PROBE) for n in ast.walk(body[index])):
+      raise UnsupportedTest(f"the test computes the program's input from the program's own "
+                            f"values ({ast.unparse(module.body[index])!r}): bind each of them "
+                            "to one call alone (r = f(3)) or write the input out")
+  original = ast.parse(test).body
+  setup = "\n".join(ast.unparse(original[i]) for i in sorted(needed))
+  return AssertPlan(ast.Module(body=body, type_ignores=[]), probes, named, anonymous, aliases,
+                    setup, sorted(modules))
 
 
 # --- plain data from the sandbox ----------------------------------------------------------------
 
 _INT = re.compile(r"-?\d{1,4000}")
+_HEX = re.compile(r"-?0x[0-9a-f]{1,262144}")  # ints of any size up to ~315,000 digits
 _FLOAT = re.compile(r"-?(inf|nan|\d+(\.\d*)?(e[-+]?\d+)?|\.\d+(e[-+]?\d+)?)", re.IGNORECASE)
+_DECIMAL = re.compile(r"-?(\d{1,4000}(\.\d{0,4000})?(E[-+]?\d{1,6})?|s?NaN|Infinity)")
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+@dataclasses.dataclass(frozen=True)
+class Iterated:
+  """What a generator or iterator the program returned gave (its first items, as the sandbox
+  read them): each evaluation of the test reads it through a fresh iterator."""
+
+  items: tuple
+
+
+_SEQUENCES = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset,
+              "deque": collections.deque, "iterator": lambda items: Iterated(tuple(items))}
+_MAPPINGS = {"dict": dict, "Counter": lambda pairs: collections.Counter(dict(pairs)),
+             "OrderedDict": collections.OrderedDict}
+_TIMES = {"date": datetime.date, "datetime": datetime.datetime, "time": datetime.time}
+
+
+@functools.lru_cache(maxsize=256)
+def _namedtuple(typename: str, fields: tuple[str, ...]):
+  return collections.namedtuple(typename, fields)
+
+
+_EXCEPTIONS: dict[type, tuple[str, ...]] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def exception_class(names: tuple[str, ...]) -> type:
+  """The trusted side's stand-in for an exception class the program defined: named as it is,
+  derived from its nearest built-in base (``names``: its classes' names, its own first). The
+  same names give the same class, so the stand-in a probe raised is caught by the stand-in a
+  test's ``except`` names."""
+  for name in names:
+    base = getattr(builtins, name, None)
+    if isinstance(base, type) and issubclass(base, BaseException):
+      made = base if name == names[0] else type(names[0], (base,), {})
+      _EXCEPTIONS[made] = names
+      return made
+  made = type(names[0], (Exception,), {})
+  _EXCEPTIONS[made] = names
+  return made
+
+
+def _integer(value) -> int:
+  if isinstance(value, str) and _INT.fullmatch(value):
+    return int(value)
+  if isinstance(value, str) and _HEX.fullmatch(value):
+    return int(value, 16)
+  raise ValueError(f"not an encoded int: {str(value)[:60]}")
 
 
 def decode(data, depth: int = 0):
-  """A value from the sandbox's encoding (``{"int": "12"}``, ``{"list": [...]}``...): built-in
-  types only, rebuilt here; ValueError for anything else."""
+  """A value from the sandbox's encoding (``{"int": "12"}``, ``{"list": [...]}``...): plain
+  data of built-in and standard-library types only (numbers, text, containers, ``Counter``,
+  ``namedtuple``, ``Fraction``, ``Decimal``, dates; a generator as an iterator over the items
+  it gave), rebuilt here; ValueError for anything else."""
   if depth > _MAX_DEPTH:
     raise ValueError("nested too deeply")
   if data is None:
@@ -167,34 +348,68 @@ def decode(data, depth: int = 0):
   (kind, value), = data.items()
   if kind == "bool" and value in (True, False) and type(value) is bool:
     return value
-  if kind == "int" and isinstance(value, str) and _INT.fullmatch(value):
-    return int(value)
+  if kind == "int":
+    return _integer(value)
   if kind == "float" and isinstance(value, str) and _FLOAT.fullmatch(value):
     return float(value)
+  if kind == "complex" and isinstance(value, list) and len(value) == 2 and all(
+      isinstance(part, str) and _FLOAT.fullmatch(part) for part in value):
+    return complex(float(value[0]), float(value[1]))
+  if kind == "Fraction" and isinstance(value, list) and len(value) == 2:
+    return fractions.Fraction(_integer(value[0]), _integer(value[1]))
+  if kind == "Decimal" and isinstance(value, str) and _DECIMAL.fullmatch(value):
+    return decimal.Decimal(value)
   if kind == "str" and isinstance(value, str):
     return value
   if kind == "bytes" and isinstance(value, str):
     return bytes.fromhex(value)
-  if kind in ("list", "tuple", "set", "frozenset") and isinstance(value, list):
-    items = [decode(item, depth + 1) for item in value]
-    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
-  if kind == "dict" and isinstance(value, list):
+  if kind in _SEQUENCES and isinstance(value, list):
+    return _SEQUENCES[kind](decode(item, depth + 1) for item in value)
+  if kind in _MAPPINGS and isinstance(value, list):
     pairs = []
     for pair in value:
       if not (isinstance(pair, list) and len(pair) == 2):
         raise ValueError("a dict item is not a pair")
       pairs.append((decode(pair[0], depth + 1), decode(pair[1], depth + 1)))
-    return dict(pairs)
+    return _MAPPINGS[kind](pairs)
+  if kind == "namedtuple" and isinstance(value, list) and len(value) == 3:
+    typename, fields, items = value
+    if not (isinstance(typename, str) and isinstance(fields, list) and isinstance(items, list)
+            and len(fields) == len(items) <= 256 and all(
+                isinstance(name, str) and _IDENTIFIER.fullmatch(name)
+                and not keyword.iskeyword(name) for name in [typename, *fields])
+            and len(set(fields)) == len(fields)):
+      raise ValueError("a malformed namedtuple")
+    return _namedtuple(typename, tuple(fields))(*(decode(item, depth + 1) for item in items))
+  if kind in _TIMES and isinstance(value, str) and len(value) <= 64:
+    return _TIMES[kind].fromisoformat(value)
+  if kind == "exception" and isinstance(value, list) and 0 < len(value) <= 32 and all(
+      isinstance(name, str) and _IDENTIFIER.fullmatch(name) for name in value):
+    return exception_class(tuple(value))
+  if kind == "timedelta" and isinstance(value, list) and len(value) == 3:
+    return datetime.timedelta(*map(_integer, value))
   raise ValueError(f"not an encoded value: {str(data)[:60]}")
 
 
+_ALIASES = {"collections": collections, "fractions": fractions, "decimal": decimal,
+            "datetime": datetime}
+LITERAL_MODULES = {f"_rlx_{name}": module for name, module in _ALIASES.items()}
+"""The modules ``literal``'s source names, under names no test or program binds."""
+_ALIAS_IMPORTS = "".join(f"import {name} as _rlx_{name}\n" for name in _ALIASES)
+
+
 def literal(value) -> str:
-  """Python source that evaluates to ``value`` (built-in data only)."""
+  """Python source that evaluates to ``value`` (the types ``decode`` rebuilds; the modules it
+  names are ``LITERAL_MODULES``)."""
   kind = type(value)
+  if kind is int and value.bit_length() > 13_000:  # past Python's 4,300 decimal digits
+    return hex(value)
   if value is None or kind in (bool, int, str, bytes):
     return repr(value)
   if kind is float:
     return repr(value) if math.isfinite(value) else f"float({str(value)!r})"
+  if kind is complex:
+    return f"complex({literal(value.real)}, {literal(value.imag)})"
   if kind is list:
     return "[" + ", ".join(map(literal, value)) + "]"
   if kind is tuple:
@@ -205,20 +420,79 @@ def literal(value) -> str:
     return f"frozenset({literal(set(value))})"
   if kind is dict:
     return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in value.items()) + "}"
+  if kind is collections.Counter:
+    return f"_rlx_collections.Counter({literal(dict(value))})"
+  if kind is collections.OrderedDict:
+    return f"_rlx_collections.OrderedDict({literal(list(value.items()))})"
+  if kind is collections.deque:
+    return f"_rlx_collections.deque({literal(list(value))})"
+  if kind is fractions.Fraction:
+    return f"_rlx_fractions.Fraction({value.numerator}, {value.denominator})"
+  if kind is decimal.Decimal:
+    return f"_rlx_decimal.Decimal({str(value)!r})"
+  if kind in (datetime.date, datetime.datetime, datetime.time, datetime.timedelta):
+    return "_rlx_" + repr(value)
+  if isinstance(value, tuple) and hasattr(kind, "_fields"):
+    return (f"_rlx_collections.namedtuple({kind.__name__!r}, {list(kind._fields)!r})"
+            f"({', '.join(map(literal, value))})")
+  if isinstance(value, type) and value in _EXCEPTIONS:
+    return f"_rlx_exception({list(_EXCEPTIONS[value])!r})"
+  if kind is Iterated:
+    return f"iter({literal(list(value.items))})"
   raise TypeError(f"not plain data: {kind.__name__}")
 
 
-def render(plan: AssertPlan, values: list) -> str:
-  """The test with each probe written in as its value's literal: code that holds nothing of
-  the program (for the second sandbox)."""
+def _raising(value: Raised) -> str:
+  return f"_rlx_raise({list(value.bases or (value.error,))!r})"
+
+
+# the second sandbox's stand-ins for the program's exceptions (as ``exception_class``)
+_RAISE = '''
+_rlx_classes = {}
+def _rlx_exception(names):
+    import builtins
+    names = tuple(names)
+    if names not in _rlx_classes:
+        made = None
+        for name in names:
+            base = getattr(builtins, name, None)
+            if isinstance(base, type) and issubclass(base, BaseException):
+                made = base if name == names[0] else type(names[0], (base,), {})
+                break
+        _rlx_classes[names] = made or type(names[0], (Exception,), {})
+    return _rlx_classes[names]
+def _rlx_raise(names):
+    raise _rlx_exception(names)()
+'''
+
+
+def render(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> str:
+  """The test with each probe written in as its value's literal (a probe that raised as the
+  same raise), and each name a probe took set to its value after the call: code that holds
+  nothing of the program (for the second sandbox)."""
+  afters = afters or [{} for _ in values]
 
   class Fill(ast.NodeTransformer):
     def visit_Name(self, node):
       if node.id.startswith(_PROBE):
-        return ast.parse(literal(values[int(node.id[len(_PROBE):])]), mode="eval").body
+        value = values[int(node.id[len(_PROBE):])]
+        if isinstance(value, Raised):
+          return ast.parse(_raising(value), mode="eval").body
+        return ast.Name(node.id, ast.Load())  # bound first, as a literal
       return node
 
-  return ast.unparse(Fill().visit(ast.parse(ast.unparse(plan.module))))
+  # values are written as source, never through ast (an int past 4,300 digits has no repr)
+  head = [_ALIAS_IMPORTS + _RAISE] + [f"import {name}" for name in plan.imports]
+  head += [f"{_PROBE}{k} = {literal(value)}" for k, value in enumerate(values)
+           if not isinstance(value, Raised)]
+  body = []
+  for statement in ast.parse(ast.unparse(plan.module)).body:
+    probed = sorted(int(n.id[len(_PROBE):]) for n in ast.walk(statement)
+                    if isinstance(n, ast.Name) and n.id.startswith(_PROBE))
+    body.append(ast.unparse(Fill().visit(statement)))
+    for k in probed:
+      body.extend(f"{name} = {literal(after)}" for name, after in afters[k].items())
+  return "\n".join(head + body)
 
 
 def records(results: bytes) -> dict[tuple[str, int | None], dict]:
@@ -241,13 +515,22 @@ def records(results: bytes) -> dict[tuple[str, int | None], dict]:
   return records
 
 
-def probe_values(record: dict | None, count: int) -> list | None:
+def probe_values(record: dict | None, count: int) -> tuple[list, list[dict]] | None:
   """The probes' values from a test's record (``checker.Raised`` for a probe that raised or
-  returned something that is not plain data); None for a missing or malformed record."""
+  returned something that is not plain data), and for each probe the values after it of the
+  test's names it took; None for a missing or malformed record."""
   if not record or not isinstance(record.get("values"), list) or len(record["values"]) != count:
     return None
-  values = []
+  values, afters = [], []
   for item in record["values"]:
+    after = {}
+    if isinstance(item, dict) and isinstance(item.get("after"), dict):
+      try:
+        after = {name: decode(value) for name, value in item["after"].items()
+                 if isinstance(name, str) and name.isidentifier()}
+      except (ValueError, TypeError, RecursionError):
+        after = {}
+    afters.append(after)
     if isinstance(item, dict) and "value" in item:
       try:
         values.append(decode(item["value"]))
@@ -255,8 +538,31 @@ def probe_values(record: dict | None, count: int) -> list | None:
         values.append(Raised("a value that is not plain data"))
     else:
       error = item.get("error") if isinstance(item, dict) else None
-      values.append(Raised(error if isinstance(error, str) else "unknown"))
-  return values
+      bases = item.get("bases") if isinstance(item, dict) else None
+      bases = tuple(b for b in bases[:32] if isinstance(b, str) and b.isidentifier()) if (
+          isinstance(bases, list)) else ()
+      values.append(Raised(error if isinstance(error, str) else "unknown", bases))
+  return values, afters
+
+
+def arguments(plan: AssertPlan) -> dict[str, object] | None:
+  """The values of what the probes take from the test, computed here by the trusted
+  evaluator from the test's setup statements: ``{name: value}`` for the named arguments and
+  ``{"_rlx_arg_<m>": value}`` for the anonymous ones; None when the setup needs more than the
+  evaluator covers (a helper function, a comprehension: the sandbox without the program
+  computes them, ``sandbox.test_arguments``)."""
+  evaluator = _Evaluator([], [])
+  try:
+    evaluator.run(ast.parse(plan.setup))
+    found = {name: evaluator.names[name] for probe in plan.named for name in probe
+             if name not in plan.aliases and name in evaluator.names}
+    for m, source in enumerate(plan.anonymous):
+      found[f"_rlx_arg_{m}"] = evaluator.expr(ast.parse(source, mode="eval").body)
+  except _NeedsSandbox:
+    return None
+  except Exception:  # noqa: BLE001 - the test's own input raises: it cannot be checked
+    return None
+  return found
 
 
 # --- the trusted evaluator ----------------------------------------------------------------------
@@ -271,7 +577,8 @@ def _bounded_range(*args):
 _CALLABLES = {name: getattr(builtins, name) for name in (
     "abs", "all", "any", "bool", "bytes", "chr", "dict", "divmod", "enumerate", "float",
     "frozenset", "int", "isinstance", "len", "list", "max", "min", "ord", "repr", "reversed",
-    "round", "set", "sorted", "str", "sum", "tuple", "type", "zip")}
+    "round", "set", "sorted", "str", "sum", "tuple", "type", "zip", "complex", "iter",
+    "next")}
 _CALLABLES["range"] = _bounded_range
 _VALUES = {"True": True, "False": False, "None": None}
 _MATH = {name: getattr(math, name) for name in (
@@ -296,20 +603,36 @@ def _size(value) -> int:
   return len(value) if isinstance(value, (str, bytes, list, tuple, set, frozenset, dict)) else 0
 
 
+def _unpack(target: ast.AST, value, names: dict) -> None:
+  """Binds an assignment's target (a name, or tuples and lists of them) to ``value``."""
+  if isinstance(target, ast.Name):
+    names[target.id] = value
+  elif isinstance(target, (ast.Tuple, ast.List)) and not any(
+      isinstance(e, ast.Starred) for e in target.elts):
+    items = list(value)
+    if len(items) != len(target.elts):
+      raise ValueError("wrong number of values to unpack")
+    for element, item in zip(target.elts, items):
+      _unpack(element, item, names)
+  else:
+    raise _NeedsSandbox("an assignment to a subscript or attribute")
+
+
 class _Evaluator:
-  def __init__(self, values: list):
-    self.names = {f"{_PROBE}{k}": v for k, v in enumerate(values)}
+  def __init__(self, values: list, afters: list[dict]):
+    self.probes = {f"{_PROBE}{k}": (v if not isinstance(v, Iterated) else iter(v.items), after)
+                   for k, (v, after) in enumerate(zip(values, afters))}
+    self.names: dict = {}
 
   def run(self, module: ast.Module) -> bool:
     for statement in module.body:
       if isinstance(statement, ast.Assert):
         if not self.expr(statement.test):
           return False
-      elif isinstance(statement, ast.Assign) and all(
-          isinstance(t, ast.Name) for t in statement.targets):
+      elif isinstance(statement, ast.Assign):
         value = self.expr(statement.value)
         for target in statement.targets:
-          self.names[target.id] = value
+          _unpack(target, value, self.names)
       elif isinstance(statement, ast.Expr):
         self.expr(statement.value)
       elif isinstance(statement, ast.Import) and all(
@@ -323,11 +646,14 @@ class _Evaluator:
     if isinstance(node, ast.Constant):
       return node.value
     if isinstance(node, ast.Name):
-      if node.id in self.names:
-        value = self.names[node.id]
+      if node.id in self.probes:  # the program's value; the names it took, as it left them
+        value, after = self.probes[node.id]
+        self.names.update(after)
         if isinstance(value, Raised):
           raise ValueError(f"the program raised {value.error}")
         return value
+      if node.id in self.names:
+        return self.names[node.id]
       if node.id in _VALUES:
         return _VALUES[node.id]
       if node.id in _CALLABLES:
@@ -395,12 +721,12 @@ class _Evaluator:
     raise _NeedsSandbox(type(node).__name__)
 
 
-def evaluate(plan: AssertPlan, values: list) -> bool | None:
+def evaluate(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> bool | None:
   """Whether the test holds with the probes' ``values``: True or False from the trusted
   evaluator, or None when the test needs the second sandbox. A probe that raised, or an
   expression that raises, fails the test."""
   try:
-    return bool(_Evaluator(values).run(plan.module))
+    return bool(_Evaluator(values, afters or [{} for _ in values]).run(plan.module))
   except _NeedsSandbox:
     return None
   except Exception:  # noqa: BLE001 - an assert whose expression raises fails, as in Python

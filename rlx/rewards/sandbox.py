@@ -32,6 +32,7 @@ instead of running programs unconfined.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -53,6 +54,7 @@ from rlx.rewards.limits import (_PROCESSES_WITHOUT_CGROUP, _RunCgroup, memory_cg
 _JAIL = pathlib.Path(__file__).with_name("_jail.py")
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
 _OUTPUT_CAP = 64 * 1024  # bytes of stdout/stderr kept; a program that writes more is stopped
+_RESULTS_CAP = 16 * 2**20  # bytes of the values the jail reports (a probe's large result)
 _PROGRAM_CAP = 64 * 1024  # characters of a program; a longer one scores 0 unrun
 _UID_BASE, _UIDS = 200_000, 100_000  # each run's uid: its own, so rlimits never add up
 
@@ -127,7 +129,12 @@ def check_rows(rows, options) -> None:
       tests = normalize_tests(row[options.tests_field])
       for test in tests:
         if "assert" in test:
-          checker.plan_asserts(test["assert"])
+          plan = checker.plan_asserts(test["assert"])
+          if test_arguments(test["assert"], plan, timeout_s=options.timeout_s,
+                            memory_mb=options.memory_mb) is None:
+            raise ValueError(f"the test {test['assert'][:200]!r} gives the program an input "
+                             "that raises or is not plain data (numbers, text, containers, "
+                             "dates...): write it out")
     except SyntaxError as error:
       raise ValueError(f"reward.name=code: {where}: a test does not parse: {error}") from None
     except ValueError as error:
@@ -157,11 +164,64 @@ def code_reward(response: str, row: dict, options) -> dict:
           "timed_out": float(result.timed_out)}
 
 
+# Plain data out of a jail (``checker.decode`` reads it back): shared by the jails' scripts.
+_ENCODE = r'''
+import collections, datetime, decimal, fractions, io, sys, types
+sys.set_int_max_str_digits(0)
+ITEMS = 10000  # of a generator or iterator the program returns
+
+def encode(value, depth=0):
+    kind = type(value)
+    if depth > 64:
+        raise ValueError("nested too deeply")
+    if value is None:
+        return None
+    if kind in (bool, str):
+        return {kind.__name__: value}
+    if kind is int:
+        return {"int": hex(value)}
+    if kind is float:
+        return {"float": repr(value)}
+    if kind is complex:
+        return {"complex": [repr(value.real), repr(value.imag)]}
+    if kind is fractions.Fraction:
+        return {"Fraction": [hex(value.numerator), hex(value.denominator)]}
+    if kind is decimal.Decimal:
+        return {"Decimal": str(value)}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    if isinstance(value, tuple) and hasattr(kind, "_fields") and kind.__bases__ == (tuple,):
+        return {"namedtuple": [kind.__name__, list(kind._fields),
+                               [encode(item, depth + 1) for item in value]]}
+    if kind in (list, tuple, set, frozenset, collections.deque):
+        return {kind.__name__: [encode(item, depth + 1) for item in value]}
+    if kind in (dict, collections.Counter, collections.OrderedDict, collections.defaultdict):
+        name = "dict" if kind is collections.defaultdict else kind.__name__
+        return {name: [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind in (datetime.date, datetime.datetime, datetime.time):
+        return {kind.__name__: value.isoformat()}
+    if isinstance(value, type) and issubclass(value, BaseException):  # for an `except` clause
+        return {"exception": [c.__name__ for c in value.__mro__]}
+    if kind is datetime.timedelta:
+        return {"timedelta": [hex(value.days), hex(value.seconds), hex(value.microseconds)]}
+    if kind in (types.GeneratorType, map, filter, zip, enumerate, reversed) or (
+            hasattr(value, "__next__") and hasattr(value, "__iter__")):
+        items = []
+        for item in value:
+            items.append(encode(item, depth + 1))
+            if len(items) >= ITEMS:
+                break
+        return {"iterator": items}
+    raise TypeError("not plain data")
+
+'''
+
 # Runs in the jail. It reports values and outputs, never a verdict: the expected results are
 # not here. The stdin/stdout tests run first, each in a fresh interpreter of its own (never
 # this one); the program is loaded into this interpreter only after they are all reported.
 _HARNESS = r'''
 import json, os, selectors, subprocess, sys
+LITERAL_MODULES = {f"_rlx_{name}": __import__(name) for name in ("collections", "fractions", "decimal", "datetime")}
 with open("plan.json") as f:
     plan = json.load(f)
 os.remove("plan.json")
@@ -191,25 +251,9 @@ def run_once(text):
     status = child.wait()
     return (out[:CAP].decode("utf-8", "replace"), status) if len(out) <= CAP else (None, status)
 
-def encode(value, depth=0):
-    kind = type(value)
-    if depth > 64:
-        raise ValueError("nested too deeply")
-    if value is None:
-        return None
-    if kind in (bool, str):
-        return {kind.__name__: value}
-    if kind is int:
-        return {"int": str(value)}
-    if kind is float:
-        return {"float": repr(value)}
-    if kind is bytes:
-        return {"bytes": value.hex()}
-    if kind in (list, tuple, set, frozenset):
-        return {kind.__name__: [encode(item, depth + 1) for item in value]}
-    if kind is dict:
-        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
-    raise TypeError("not plain data")
+''' % _OUTPUT_CAP + _ENCODE + r'''
+def raised(error):
+    return {"error": type(error).__name__, "bases": [c.__name__ for c in type(error).__mro__]}
 
 for index, text in plan["inputs"]:
     stdout, status = run_once(text)
@@ -218,27 +262,45 @@ for index, text in plan["inputs"]:
 if plan["probes"]:
     with open("main.py") as f:
         source = f.read()
-    namespace = {"__name__": "__main__"}
+    # imported, not run as a script: its `if __name__ == "__main__":` part (reading input) is not
+    # a probe's business; stdin is empty
+    namespace = {"__name__": "solution"}
+    sys.stdin = io.StringIO("")
+    os.close(0)
     try:
         exec(compile(source, "main.py", "exec"), namespace)
         emit({"ran": True})
     except BaseException:
         emit({"ran": False})
         namespace = None
-    for index, prelude, expressions in plan["probes"] if namespace else ():
+    for index, arguments, aliases, probes in plan["probes"] if namespace else ():
         local = dict(namespace)
-        values = []
+        results = []
         try:
-            exec(prelude, local)
+            for name, literal in arguments.items():  # the test's values, as data: never code
+                local[name] = eval(literal, dict(LITERAL_MODULES))
         except BaseException as error:
-            values = [{"error": type(error).__name__}] * len(expressions)
-        for expression in expressions[len(values):]:
+            results = [raised(error)] * len(probes)
+        values = {}
+        for k, (expression, names) in enumerate(probes[len(results):], start=len(results)):
+            for name, j in aliases:
+                if j < k and j in values:
+                    local[name] = values[j]
             try:
-                values.append({"value": encode(eval(expression, local))})
+                values[k] = eval(expression, local)
+                result = {"value": encode(values[k])}
             except BaseException as error:
-                values.append({"error": type(error).__name__})
-        emit({"test": index, "values": values})
-''' % _OUTPUT_CAP
+                result = raised(error)
+            after = {}
+            for name in names:
+                try:
+                    after[name] = encode(local[name])
+                except BaseException:
+                    pass
+            result["after"] = after
+            results.append(result)
+        emit({"test": index, "values": results})
+'''
 
 # Runs in a second jail that holds no line of the program: assert tests the trusted evaluator
 # does not cover, with the program's values written in as literals.
@@ -261,6 +323,25 @@ for index, code in checks:
     report.write(json.dumps({"test": index, "ok": ok}) + "\n")
 ''' % (checker.TRUSTED_MODULES,)
 
+# Runs in a jail that holds no line of the program: the test's own inputs for the program
+# where the trusted evaluator cannot compute them (a helper the test defines, a comprehension).
+_SETUP = _ENCODE + r'''
+import json, os
+with open("setup.json") as f:
+    jobs = json.load(f)
+report = os.fdopen(3, "w", buffering=1)
+for index, setup, names, anonymous, imports in jobs:
+    space = {name: __import__(name) for name in imports}
+    try:
+        exec(setup, space)
+        values = {name: encode(space[name]) for name in names}
+        for m, source in enumerate(anonymous):
+            values["_rlx_arg_%d" % m] = encode(eval(source, space))
+        report.write(json.dumps({"test": index, "arguments": values}) + "\n")
+    except BaseException as error:
+        report.write(json.dumps({"test": index, "error": type(error).__name__}) + "\n")
+'''
+
 
 def _python() -> tuple[str, str]:
   """The base interpreter (never a virtualenv's launcher) and its prefix."""
@@ -275,22 +356,67 @@ def _binds(prefix: str) -> list[str]:
   return paths
 
 
+_ARGUMENTS: collections.OrderedDict[str, dict | None] = collections.OrderedDict()
+_ARGUMENTS_KEPT = 4096  # tests whose arguments are remembered (a row's tests recur every epoch)
+
+
+def test_arguments(test: str, plan: checker.AssertPlan, *, timeout_s: float = 3.0,
+                   memory_mb: int = 512) -> dict | None:
+  """What the probes of ``test`` take from it, as literals for the program's sandbox
+  (``{name: source}``): computed by the trusted evaluator, or, where the test's setup needs
+  more (a helper it defines), in a jail that holds no line of the program; remembered per test.
+  None when the test's inputs raise or are not plain data: the test cannot be checked."""
+  if test in _ARGUMENTS:
+    _ARGUMENTS.move_to_end(test)
+    return _ARGUMENTS[test]
+  values = checker.arguments(plan)
+  if values is None:
+    names = sorted({name for probe in plan.named for name in probe if name not in plan.aliases})
+    job = [0, plan.setup, names, plan.anonymous, plan.imports]
+    found, _, _, _, _ = jailed({"setup.py": _SETUP, "setup.json": json.dumps([job])},
+                               "setup.py", timeout_s=timeout_s, memory_mb=memory_mb)
+    record = checker.records(found["results"]).get(("test", 0), {})
+    try:
+      values = {name: checker.decode(value) for name, value in record["arguments"].items()}
+    except (KeyError, AttributeError, ValueError, TypeError, RecursionError):
+      values = None
+  try:
+    literals = None if values is None else {name: checker.literal(value)
+                                            for name, value in values.items()}
+  except TypeError:  # a value that is not plain data (a test's own object)
+    literals = None
+  _ARGUMENTS[test] = literals
+  if len(_ARGUMENTS) > _ARGUMENTS_KEPT:
+    _ARGUMENTS.popitem(last=False)
+  return literals
+
+
 def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
               memory_mb: int = 512) -> RunResult:
   """Runs ``program`` against ``tests`` (as ``normalize_tests`` gives them): the sandbox
   computes outputs and values, this process judges them (``rlx.rewards.checker``). A
   stdin/stdout test passes when the program's own output, in a fresh interpreter, matches;
-  an assert test when it holds with the values the program returned."""
+  an assert test when it holds with the values the program returned. Nothing the test
+  computes reaches the program's process but the inputs its calls take."""
   uid = _UID_BASE + secrets.randbelow(_UIDS) if os.geteuid() == 0 else os.geteuid()
   plans: dict[int, checker.AssertPlan] = {}
+  inputs: dict[int, dict] = {}
   for index, test in enumerate(tests):
     if "assert" in test:
       try:
         plans[index] = checker.plan_asserts(test["assert"])
       except (SyntaxError, ValueError, RecursionError, MemoryError):
-        pass  # a test that cannot be split this way fails (see supported_test)
+        continue  # a test that cannot be split this way fails (check_rows refuses it at start)
+      found = test_arguments(test["assert"], plans[index], timeout_s=timeout_s,
+                             memory_mb=memory_mb)
+      if found is None:
+        del plans[index]
+      else:
+        inputs[index] = found
   plan = {"inputs": [[i, t["input"]] for i, t in enumerate(tests) if "input" in t],
-          "probes": [[i, p.prelude, p.probes] for i, p in plans.items()]}
+          "probes": [[i, inputs[i], sorted(p.aliases.items()),
+                      [[probe, names] for probe, names in zip(p.probes, p.named)]]
+                     for i, p in plans.items()]}
   outputs, status, timed_out, truncated, seconds = jailed(
       {"harness.py": _HARNESS, "main.py": program, "plan.json": json.dumps(plan)},
       "harness.py", timeout_s=timeout_s, memory_mb=memory_mb, uid=uid)
@@ -304,12 +430,13 @@ def run_tests(program: str, tests: list[dict], *, timeout_s: float = 3.0,
   later = {}
   if records.get(("ran", None), {}).get("ran") is True:
     for index, assert_plan in plans.items():
-      values = checker.probe_values(records.get(("test", index)), len(assert_plan.probes))
-      if values is None:
+      found = checker.probe_values(records.get(("test", index)), len(assert_plan.probes))
+      if found is None:
         continue
-      verdict = checker.evaluate(assert_plan, values)
-      if verdict is None and not any(isinstance(v, checker.Raised) for v in values):
-        later[index] = checker.render(assert_plan, values)
+      values, afters = found
+      verdict = checker.evaluate(assert_plan, values, afters)
+      if verdict is None:
+        later[index] = checker.render(assert_plan, values, afters)
       passed[index] = bool(verdict)
   if later:  # tests beyond the trusted evaluator: a second jail, without the program
     checked, _, _, _, more = jailed({"check.py": _CHECK, "checks.json": json.dumps(
@@ -404,8 +531,9 @@ def _collect(jail: subprocess.Popen, results_fd: int, deadline: float):
           selector.unregister(key.fileobj)
           continue
         outputs[key.data] += chunk
-        if len(outputs[key.data]) > _OUTPUT_CAP:
-          outputs[key.data] = outputs[key.data][:_OUTPUT_CAP]
+        cap = _RESULTS_CAP if key.data == "results" else _OUTPUT_CAP
+        if len(outputs[key.data]) > cap:
+          outputs[key.data] = outputs[key.data][:cap]
           truncated = True
       if truncated:
         break
@@ -476,6 +604,7 @@ def capabilities() -> dict:
       "filesystem": "pivot_root into a tmpfs (the host tree unmounted): read-only interpreter "
                     "directories, /sandbox (size-capped tmpfs); no /etc, /home, /proc or host /tmp",
       "network": "none (empty network namespace)",
+      "cgroup": memory_cgroup() is not None,
       "memory": (f"cgroup v2 under {memory_cgroup()}: memory_mb for the whole run (children, "
                  "memfd and shared memory counted)" if memory_cgroup() else
                  f"no memory cgroup available: at most {_PROCESSES_WITHOUT_CGROUP} processes of "

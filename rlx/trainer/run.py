@@ -33,6 +33,7 @@ from rlx.models import (
   save_pretrained,
 )
 from rlx.rewards import RewardPool, check, from_config
+from rlx.rewards.limits import _PROCESSES_WITHOUT_CGROUP
 from rlx.rewards.sandbox import capabilities, check_rows
 from rlx.models import lora
 from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
@@ -124,6 +125,12 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   if sandbox:
     say(f"rlx: code sandbox: namespaces {', '.join(sandbox['namespaces'])}; {sandbox['user']}; "
         f"seccomp, rlimits, no network, a tmpfs root; memory: {sandbox['memory']}")
+    if not sandbox.get("cgroup"):  # the address space is what a program may use, not RSS
+      share = config.reward.code_memory_mb // _PROCESSES_WITHOUT_CGROUP
+      say(f"rlx: warning: without a memory cgroup a program gets {share} MiB of address space "
+          f"per process (config.reward.code_memory_mb={config.reward.code_memory_mb} / "
+          f"{_PROCESSES_WITHOUT_CGROUP}), and the interpreter takes ~30 MiB of it: raise "
+          "code_memory_mb if the tasks' programs need more, or run where cgroup v2 is delegated")
   processes = jax.process_count()
   if config.data.prompts_per_step % processes:
     raise ConfigError(f"config.data.prompts_per_step={config.data.prompts_per_step} does not "

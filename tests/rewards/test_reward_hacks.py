@@ -177,6 +177,126 @@ def test_a_reward_hack_scores_zero(name, available):
     assert result["reward"] == 0.0 and not result["correct"], (name, tests, result)
 
 
+# hacks that reach what the test itself computes: each with the tests it attacks (none of
+# which a constant passes); before the checker kept the test's side out of the program's
+# process, the first three scored 0.33 to 1 (patching sorted alone never worked)
+TARGETED = {
+    # the test's values were sent into the sandbox as setup code: the expected value sat in
+    # the probe's frame, or anywhere in the process for the garbage collector to find
+    "read_the_callers_frame": (textwrap.dedent("""\
+        import gc, sys
+        def f(x):
+            for depth in range(1, 8):
+                try:
+                    frame = sys._getframe(depth)
+                except ValueError:
+                    break
+                for space in (frame.f_locals, frame.f_globals):
+                    for key in ("y", "expected", "cases"):
+                        if key in space:
+                            found = space[key]
+                            return found[x] if isinstance(found, dict) else found
+            for thing in gc.get_objects():
+                if isinstance(thing, dict) and thing.get(1) == 2 and thing.get(5) == 6:
+                    return thing[x]
+            return None
+        """), ["x, y = 1, 2\nassert f(x) == y", "x = 5\nexpected = 6\nassert f(x) == expected",
+               "cases = {1: 2, 5: 6}\nassert f(1) == cases[1] and f(5) == cases[5]"]),
+    # a helper the test defines ran in the program's namespace, where the program defined it first
+    "define_the_tests_helper_first": (textwrap.dedent("""\
+        def is_sorted(xs):
+            return True
+        def f(xs):
+            return [9, 1, 0]
+        """), ["def is_sorted(xs):\n    return list(xs) == sorted(xs)\n"
+               "assert is_sorted(f([3, 1, 2])) and len(f([3, 1, 2])) == 3"]),
+    # a standard-library call on the expected side ran where the program could replace it
+    "replace_the_expected_sides_module": (textwrap.dedent("""\
+        import datetime
+        datetime.date = lambda *args: None
+        def f(x):
+            return None
+        """), ["assert f(1) == datetime.date(2020, 1, 2)", "import datetime\n"
+               "assert f(2) == datetime.date(2020, 1, 3)"]),
+    # only sorted patched: the trusted side sorts with Python's own
+    "patch_sorted_only": (textwrap.dedent("""\
+        import builtins
+        builtins.sorted = lambda *args, **kwargs: [2, 6]
+        def f(x):
+            return 0
+        """), ["assert sorted([f(1), f(5)]) == [2, 6]"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TARGETED))
+def test_a_hack_on_the_tests_own_values_scores_zero(name, available):
+  program, tests = TARGETED[name]
+  result = sandbox.code_reward(f"```python\n{program}\n```", {"tests": tests},
+                               CodeOptions(timeout_s=3.0))
+  assert result["reward"] == 0.0 and not result["correct"], (name, result)
+
+
+# honest programs in the forms tests take: each must score 1 (every test passes)
+HONEST_PROGRAM = textwrap.dedent("""\
+    import collections, datetime, fractions, sys
+    Point = collections.namedtuple("Point", ["x", "y"])
+    class NegativeError(ValueError):
+        pass
+    def sort_list(xs): return sorted(xs)
+    def sort_in_place(xs): xs.sort()
+    def check(n):
+        if n < 0:
+            raise NegativeError(n)
+        return n
+    def counts(text): return collections.Counter(text)
+    def point(x, y): return Point(x, y)
+    def gen(n):
+        yield from range(n)
+    def root(n): return complex(0, abs(n) ** 0.5) if n < 0 else n ** 0.5
+    def half(n): return fractions.Fraction(n, 2)
+    def big(n): return "x" * n
+    def power(a, b): return a ** b
+    def day(y, m, d): return datetime.date(y, m, d)
+    def square(x): return x * x
+    def double_all(xs): return [2 * x for x in xs]
+    def hog(mb): return len(bytearray(mb * 2**20))
+    if __name__ == "__main__":
+        n = int(input())
+        print(square(n))
+    """)
+HONEST_TESTS = [
+    "def is_sorted(xs):\n    return all(a <= b for a, b in zip(xs, xs[1:]))\n"
+    "assert is_sorted(sort_list([3, 1, 2]))",
+    "a = [3, 1, 2]\nsort_in_place(a)\nassert a == [1, 2, 3]",
+    "try:\n    check(-1)\n    assert False\nexcept ValueError:\n    pass",
+    "try:\n    check(-1)\nexcept NegativeError:\n    pass\nexcept Exception:\n    assert False",
+    "assert check(3) == 3",
+    "assert counts('aab') == {'a': 2, 'b': 1}",
+    "assert counts('aab').most_common(1) == [('a', 2)]",
+    "assert point(1, 2) == (1, 2) and point(1, 2).x == 1",
+    "assert list(gen(3)) == [0, 1, 2]",
+    "g = gen(3)\nassert next(g) == 0\nassert next(g) == 1",
+    "assert root(-4) == 2j",
+    "from fractions import Fraction\nassert half(3) == Fraction(3, 2)",
+    "assert len(big(100000)) == 100000",
+    "assert power(10, 5000) == 10 ** 5000",
+    "assert day(2020, 1, 1) == datetime.date(2020, 1, 1)",
+    "x, y = 3, 9\nassert square(x) == y",
+    "r = square(3)\nassert square(r) == 81",
+    "cases = [(1, 1), (4, 16)]\nassert square(cases[1][0]) == cases[1][1]",
+    "def inputs():\n    return [1, 2, 3]\nassert double_all(inputs()) == [2, 4, 6]",
+    "assert double_all([v for v in range(3)]) == [0, 2, 4]",
+    "assert hog(64) == 64 * 2**20",
+]
+
+
+def test_honest_programs_in_every_form_a_test_takes_score_one(available):
+  result = sandbox.run_tests(HONEST_PROGRAM, sandbox.normalize_tests(HONEST_TESTS),
+                             timeout_s=10.0)
+  failed = [test for test, ok in zip(HONEST_TESTS, result.passed) if not ok]
+  assert not failed, failed
+
+
 def test_an_honest_program_passes_the_same_tests(available):
   program = ("```python\nimport sys\ndef f(x):\n    return x + 1\n"
              "if __name__ == '__main__' and not sys.stdin.isatty():\n"
@@ -221,12 +341,32 @@ PROGRAM = textwrap.dedent("""\
 """)
 
 
+def _probed(plan, namespace):
+  """The probes' values and after-values as the sandbox would compute them, here: the test's
+  inputs as the trusted side sends them (literals), then each probe in order."""
+  local = dict(namespace)
+  for name, value in checker.arguments(plan).items():
+    local[name] = eval(checker.literal(value), dict(checker.LITERAL_MODULES))  # noqa: S307
+  values, afters = [], []
+  for k, (probe, names) in enumerate(zip(plan.probes, plan.named)):
+    for name, j in plan.aliases.items():
+      if j < k:
+        local[name] = values[j]
+    try:
+      values.append(eval(probe, local))  # noqa: S307
+    except Exception as error:  # noqa: BLE001
+      values.append(checker.Raised(type(error).__name__,
+                                   tuple(c.__name__ for c in type(error).__mro__)))
+    afters.append({name: local[name] for name in names})
+  return values, afters
+
+
 @pytest.mark.parametrize("test", CHECKS)
 def test_the_trusted_verdict_equals_python_running_the_assert(test):
   """The probes' values computed here (as the sandbox would), then the verdict three ways:
   Python running the test against the program, the trusted evaluator, and the code the
   second sandbox would run (the values written in as literals)."""
-  namespace = {"__name__": "__main__"}
+  namespace = {"__name__": "solution"}
   exec(PROGRAM, namespace)  # noqa: S102 - our own program
   try:
     exec(f"import math\n{test}", dict(namespace))  # noqa: S102
@@ -234,12 +374,10 @@ def test_the_trusted_verdict_equals_python_running_the_assert(test):
   except AssertionError:
     expected = False
   plan = checker.plan_asserts(test)
-  local = dict(namespace)
-  exec(plan.prelude, local)  # noqa: S102
-  values = [eval(p, local) for p in plan.probes]  # noqa: S307
-  verdict = checker.evaluate(plan, values)
+  values, afters = _probed(plan, namespace)
+  verdict = checker.evaluate(plan, values, afters)
   assert verdict in (expected, None), (test, plan.probes)
-  rendered = checker.render(plan, values)
+  rendered = checker.render(plan, values, afters)
   assert not any(probe in rendered for probe in plan.probes), rendered  # no call of the program
   try:
     exec(f"import math\n{rendered}", {})  # noqa: S102 - literals only
@@ -251,11 +389,27 @@ def test_the_trusted_verdict_equals_python_running_the_assert(test):
 
 def test_a_probe_never_carries_the_expected_value():
   plan = checker.plan_asserts("expected = [9, 9]\nx = 3\nassert f(x) == expected")
-  assert plan.probes == ["f(x)"] and plan.prelude == "x = 3"
+  assert plan.probes == ["f(x)"] and plan.named == [["x"]] and plan.setup == "x = 3"
+  assert checker.arguments(plan) == {"x": 3}
   plan = checker.plan_asserts("assert math.isclose(f(2), 1.41, rel_tol=1e-3)")
   assert plan.probes == ["f(2)"]
+  # a value the test binds reaches the program only as the argument it is, never as code
+  plan = checker.plan_asserts("x, y = 3, 9\nassert f(x) == y")
+  assert plan.probes == ["f(x)"] and checker.arguments(plan) == {"x": 3}
+  plan = checker.plan_asserts("cases = {1: 2, 5: 6}\nassert f(1) == cases[1]")
+  assert plan.probes == ["f(1)"] and plan.setup == "" and checker.arguments(plan) == {}
+  plan = checker.plan_asserts("cases = [(1, 2), (5, 6)]\nassert f(cases[0][0]) == cases[0][1]")
+  assert plan.probes == ["f(_rlx_arg_0)"] and checker.arguments(plan) == {"_rlx_arg_0": 1}
+  # what the test defines or evaluates on the expected side stays on the trusted side
+  plan = checker.plan_asserts("def is_sorted(xs):\n    return xs == sorted(xs)\n"
+                              "assert is_sorted(f(3))")
+  assert plan.probes == ["f(3)"]
+  plan = checker.plan_asserts("assert f(1) == datetime.date(2020, 1, 1)")
+  assert plan.probes == ["f(1)"] and plan.imports == ["datetime"]
   with pytest.raises(checker.UnsupportedTest, match="one assert per input"):
     checker.plan_asserts("for x, y in [(1, 2)]:\n    assert f(x) == y")
+  with pytest.raises(checker.UnsupportedTest, match="its own function"):
+    checker.plan_asserts("def key(v):\n    return -v\nassert f([1, 2], key) == [2, 1]")
 
 
 def test_the_decoder_takes_plain_data_only():
