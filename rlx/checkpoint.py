@@ -260,8 +260,12 @@ class StopSignal:
   newest checkpoint on disk intact. ``grace_s=0`` waits however long the step takes.
   """
 
-  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), say=print, grace_s: float = 0.0):
+  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), say=print, grace_s: float = 0.0,
+               pending: str | None = None):
     self.signals, self.requested, self.received, self.say = signals, False, None, say
+    self.pending = pending
+    """A stop signal that came before (during start-up, ``cli.take_stop_at_start``): taken
+    as received on entry."""
     self.grace_s = grace_s
     self.agreed = False
     """Whether the job stops: set by ``agree``, the same on every process."""
@@ -301,6 +305,10 @@ class StopSignal:
   def __enter__(self):
     for sig in self.signals:
       self._previous[sig] = signal.signal(sig, self._handle)
+    if self.pending:  # a start-up signal that did not end the start-up
+      self.requested, self.received = True, self.pending
+      self.say(f"rlx: {self.received} during start-up: stopping before training (a second "
+               "signal exits at once)")
     return self
 
   def __exit__(self, *exc):

@@ -371,3 +371,22 @@ def main_error(error: ConfigError) -> int:
   print(f"rlx: error: {error}", file=sys.stderr)
   print("nothing was run; see `python -m rlx.main --help` for every key.", file=sys.stderr)
   return 2
+
+
+_stops_at_start: list[str] = []
+
+
+def stop_at_start(name: str) -> None:
+  """Records the stop signal ``name`` that came during start-up, before the training loop took
+  the signals over (called from the signal handler: no imports, no allocation to speak of).
+  The start-up's own exception for it can be swallowed where it lands (a KeyboardInterrupt
+  inside a garbage-collector callback or an import is only printed), so the loop takes the
+  record too (``take_stop_at_start``) and stops before it trains."""
+  _stops_at_start.append(name)
+
+
+def take_stop_at_start() -> str | None:
+  """The first stop signal recorded during start-up, once; None when none came."""
+  name = _stops_at_start[0] if _stops_at_start else None
+  _stops_at_start.clear()
+  return name

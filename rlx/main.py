@@ -193,20 +193,24 @@ teardown can abort on them, so the command exits without it (nothing is left to 
 
 
 def _stop_at_start(signum, frame) -> None:
-  raise _StoppedAtStart
+  # recorded first: the exception below can be swallowed where it lands (a garbage-collector
+  # callback, an import), and the training loop then stops before it trains instead
+  cli.stop_at_start("SIGINT" if signum == signal.SIGINT else "SIGTERM")
+  raise KeyboardInterrupt if signum == signal.SIGINT else _StoppedAtStart
 
 
 def main(argv: list[str] | None = None) -> int:
-  previous = None
+  previous = {}
   if threading.current_thread() is threading.main_thread():
     # until the loop's own handler (save, then stop): a scheduler's SIGTERM during start-up
-    # ends the run with one line and the requeue status, not a bare -15
-    previous = signal.signal(signal.SIGTERM, _stop_at_start)
+    # ends the run with one line and the requeue status, not a bare -15; a Ctrl-C, with 130
+    previous = {sig: signal.signal(sig, _stop_at_start) for sig in (signal.SIGTERM,
+                                                                     signal.SIGINT)}
   try:
     return _main(argv)
   finally:
-    if previous is not None:
-      signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -50,7 +50,7 @@ import time
 
 import jax
 
-from rlx import distributed, progress
+from rlx import cli, distributed, progress
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.trainer import control, jobstatus
@@ -222,7 +222,8 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path,
   every = config.logging.mismatch_every
   mismatch = make_mismatch(config, run.model.transformer, run.tokenizer.pad_id) if every else None
   try:
-    with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s) as stop:
+    with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s,
+                    pending=cli.take_stop_at_start()) as stop:
       gate.stop = stop
       try:
         index = produce(run, gate, gate.weights, sink, first=index, stride=jobs,

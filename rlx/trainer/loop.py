@@ -136,7 +136,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
             **source.state()}
 
   try:
-    with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s) as stop, sink, ProfileWindow(
+    with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s,
+                    pending=cli.take_stop_at_start()) as stop, sink, ProfileWindow(
         config.logging, run.workdir / "profile", jax.process_index(), say) as profile:
       try:
         since = time.perf_counter()

@@ -184,3 +184,15 @@ def test_a_resume_continues_the_count_of_skipped_updates(tmp_path, monkeypatch):
   # the rerun's first step is the third skip in a row: it stops there, before its metrics row
   rows = tiny.metrics(tmp_path)
   assert [(row["step"], row["train/skipped_steps"]) for row in rows] == [(1, 1), (2, 2)]
+
+
+def test_a_stop_signal_swallowed_during_start_up_stops_the_run_before_it_trains(tmp_path):
+  # a Ctrl-C one second into start-up raised its KeyboardInterrupt inside JAX's garbage-collector
+  # callback, which only printed it: the run trained on as if nothing had come
+  from rlx import cli
+
+  cli.stop_at_start("SIGINT")  # what main's start-up handler records before raising
+  summary = train(tiny.config("grpo_colocated", "--config.trainer.steps=20"), tmp_path, **QUIET)
+  assert summary.stopped
+  assert _steps(tmp_path) == []  # the loop's first agreement on stopping comes before a step
+  assert cli.take_stop_at_start() is None  # taken once
