@@ -234,6 +234,15 @@ class Checkpointer:
     return Restored(step=step, state=_from_disk(restored["state"]), critic=critic,
                     data_state=dict(restored["data"]), meta=dict(restored["meta"]))
 
+  def failed_save(self) -> CheckpointError | None:
+    """The error of a save started earlier that has already failed (a full disk), without
+    waiting for one still in flight; None when none has."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as error:  # noqa: BLE001
+      return self._write_failed(error)
+    return None
+
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
     try:

@@ -36,7 +36,7 @@ import zlib
 import jax
 
 from rlx import cli, distributed, progress
-from rlx.checkpoint import StopSignal
+from rlx.checkpoint import CheckpointError, StopSignal
 from rlx.data import DataError
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer import control
@@ -176,6 +176,12 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
             if verdict == control.EXPIRE and batch.current:
               _retune(controller.observe(step, lag_mean=lag_mean), controller, source, say)
             continue
+          # a save that failed (a full disk) stops the run before it trains another step that
+          # could not be saved; agreed, since every process writes its part of a checkpoint
+          failed = learner.checkpointer.failed_save()
+          if distributed.any_process(failed is not None):
+            raise failed or CheckpointError("writing a checkpoint failed on another process: "
+                                            "see its log")
           metrics = learner.learn(draw, clip_eps_high=controller.clip_eps_high)
           if learner_delay_s:
             time.sleep(learner_delay_s)

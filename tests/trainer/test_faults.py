@@ -196,3 +196,31 @@ def test_a_stop_signal_swallowed_during_start_up_stops_the_run_before_it_trains(
   assert summary.stopped
   assert _steps(tmp_path) == []  # the loop's first agreement on stopping comes before a step
   assert cli.take_stop_at_start() is None  # taken once
+
+
+def test_a_checkpoint_write_that_fails_stops_the_run_before_it_trains_again(tmp_path,
+                                                                           monkeypatch):
+  # on a full disk an agent run trained one more step after its save had failed (the async
+  # write's error surfaced only at the next save)
+  import errno
+
+  import orbax.checkpoint as ocp
+
+  written = []
+  real_save = ocp.CheckpointManager.save
+
+  def save(self, step, *args, **kwargs):
+    written.append(step)
+    return real_save(self, step, *args, **kwargs)
+
+  def check_for_errors(self):
+    if written and written[-1] >= 2:  # the write of step 2 failed in the background
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+  monkeypatch.setattr(ocp.CheckpointManager, "check_for_errors", check_for_errors)
+  config = tiny.config("grpo_colocated", "--config.trainer.steps=6",
+                       "--config.checkpoint.every_steps=1")
+  with pytest.raises(CheckpointError, match="No space left on device"):
+    train(config, tmp_path, **QUIET)
+  assert _steps(tmp_path) == [1, 2]  # nothing trained after the failed save of step 2
