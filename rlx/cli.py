@@ -182,6 +182,9 @@ _ALIASES = {
     "beta": "algorithm.kl_coef", "max_completion_length": "rollout.max_new_tokens",
     "max_prompt_length": "rollout.max_prompt_len", "epochs": "trainer.ppo_epochs",
     "seed": "trainer.seed", "model_name_or_path": "model.path", "output_dir": "--workdir",
+    # partial rollouts (AReaL, ROLL, verl's fully-async trainer): new weights reach sequences
+    # still decoding
+    "partial": "mesh.inflight_updates", "partial_rollout": "mesh.inflight_updates",
 }
 
 

@@ -222,6 +222,9 @@ def figures(runs: list[Run], out: pathlib.Path) -> list[tuple[str, str]]:
                          label=f"{run.label}: mean")
     drew |= _plot_series(ax, run, "rollout/policy_lag_max", color, style="--", smooth=False,
                          label=f"{run.label}: max")
+    # with in-flight updates a row's tokens span versions: drawn beside the lag it adds to
+    drew |= _plot_series(ax, run, "rollout/version_span_max", color, style=":",
+                         smooth=False, label=f"{run.label}: versions within a row (max)")
     mesh = run.config.get("mesh", {})
     bound, threshold = mesh.get("max_staleness"), mesh.get("lag_threshold")
     if run.has("control/k"):  # the controller's effective bound, step by step
@@ -248,8 +251,9 @@ def figures(runs: list[Run], out: pathlib.Path) -> list[tuple[str, str]]:
   axes[1].set_ylim(0, 1.05)
   _mark_events(axes[1], runs, colors)
   _finish(axes[1], "Busy fraction of each side", "step", drew)
-  save(fig, "deployment.png", "Policy lag against the staleness bound, and how busy the "
-       "generation and learning sides were.")
+  save(fig, "deployment.png", "Policy lag against the staleness bound (and, with in-flight "
+       "updates, how many versions one row's tokens span), and how busy the generation and "
+       "learning sides were.")
 
   # throughput
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))

@@ -109,6 +109,7 @@ def test_overrides_are_typed():
     ("--config.lr=1e-5", "unknown key config.lr; rlx calls it config.optimizer.learning_rate"),
     ("--config.trainer.max_steps=9", "rlx calls it config.trainer.steps"),
     ("--config.output_dir=x", "rlx calls it --workdir"),
+    ("--config.rollout.partial=false", "rlx calls it config.mesh.inflight_updates"),
 ])
 def test_bad_overrides_are_refused_naming_the_key(override, expected):
   with pytest.raises(ConfigError) as error:

@@ -21,7 +21,8 @@ def _workdir(path, name, mode, steps, *, control=False):
            "rollout/policy_lag_max": 2 if mode == "split" else 0,
            "throughput/tokens_per_s": 900.0, "throughput/samples_per_s": 30.0}
     if mode == "split":
-      row.update({"time/generation_busy_frac": 0.9, "time/learning_busy_frac": 0.6})
+      row.update({"time/generation_busy_frac": 0.9, "time/learning_busy_frac": 0.6,
+                  "rollout/version_span_max": 1 + step % 2})
     if control:
       row["control/k"] = 2 if step < 10 else 1
     if step % 10 == 0:
@@ -68,3 +69,18 @@ def test_report_errors_name_the_problem(tmp_path, capsys):
   (bad / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
   assert report.main([str(bad)]) == 2
   assert "line 2: not JSON" in capsys.readouterr().err
+
+
+def test_the_lag_panel_draws_the_version_span_beside_the_lag(tmp_path, monkeypatch):
+  drawn = []
+  real = report._plot_series
+
+  def plot(ax, run, key, *args, **kwargs):
+    drawn.append(key)
+    return real(ax, run, key, *args, **kwargs)
+
+  monkeypatch.setattr(report, "_plot_series", plot)
+  split = _workdir(tmp_path / "a", "dapo_split", "split", 20)
+  assert report.main([str(split), "--out", str(tmp_path / "out")]) == 0
+  lag = drawn.index("rollout/policy_lag_mean")
+  assert "rollout/version_span_max" in drawn[lag:lag + 4]
