@@ -10,6 +10,14 @@ others load it) and is evaluated on the same held-out prompts; the seed also set
 order and sampling.
 
     python benchmarks/algorithms.py --steps 200 --seeds 0 1 2 [--config.a.b=value ...]
+    python benchmarks/algorithms.py --model models/SmolLM2-135M-Instruct --steps 10 --seeds 0 \
+        --algorithms grpo dr_grpo gspo cispo dapo --eval-prompts 200 --eval-samples 1
+
+With ``--model DIR`` the runs start from that pretrained model with the real-model recipe
+(``configs/smollm2_math.py``: its task, reward, chat template, learning rate, batch and
+lengths), colocated, no warm-up, and the presets on top; DAPO's overlong filter is off there
+(the recipe's 32-token answers are cut by design, and the filter would mask nearly every
+sample). The table on the built-in model says nothing about real models.
 
 The presets run with their papers' values (``rlx.config.algorithm.PRESETS``); each run
 names only what is not the preset's:
@@ -76,8 +84,25 @@ ALGORITHMS = {
 }
 
 
+def _base(args) -> list[str]:
+  """The config the presets go on: the built-in model and task, or a pretrained model with
+  the real-model recipe."""
+  if args.model is None:
+    return ["--config", "configs/base.py"]
+  return ["--config", "configs/smollm2_math.py", f"--config.model.path={args.model}",
+          "--config.trainer.eval_every=0"]
+
+
+def _preset(algorithm: str, args) -> list[str]:
+  flags = ALGORITHMS[algorithm]
+  if args.model is not None:  # the recipe cuts answers at 32 tokens on purpose
+    flags = [f for f in flags if not f.startswith("--config.algorithm.overlong_")]
+    flags += ["--config.algorithm.overlong_filter=false"] if algorithm.startswith("dapo") else []
+  return flags
+
+
 def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]) -> dict:
-  command = [sys.executable, "-m", "rlx.main", "--config", "configs/base.py",
+  command = [sys.executable, "-m", "rlx.main", *_base(args),
              "--workdir", str(workdir), "--config.mesh.mode=colocated",
              "--config.algorithm.off_policy=none",
              f"--config.mesh.cpu_devices={args.cpu_devices}", f"--config.trainer.steps={args.steps}",
@@ -87,7 +112,8 @@ def _run(algorithm: str, seed: int, workdir: pathlib.Path, args, warm: list[str]
              f"--config.trainer.seed={seed}", f"--config.data.shuffle_seed={seed}",
              f"--config.model.seed={seed}", "--config.trainer.eval_every=0",
              "--config.logging.progress_bar=false", "--config.logging.tensorboard=false",
-             "--config.checkpoint.every_steps=0", *ALGORITHMS[algorithm], *args.overrides, *warm]
+             "--config.checkpoint.every_steps=0", *_preset(algorithm, args), *args.overrides,
+             *warm]
   started = time.perf_counter()
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
   wall = time.perf_counter() - started
@@ -130,6 +156,8 @@ def main() -> None:
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the train accuracy averages")
   parser.add_argument("--workdir", type=pathlib.Path, default=None)
+  parser.add_argument("--model", default=None,
+                      help="a pretrained model's directory: the real-model recipe's runs")
   args = runs.parse_args(parser)
   workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="rlx-algorithms-"))
   results_by: dict[str, list[dict]] = {name: [] for name in args.algorithms}
@@ -140,7 +168,7 @@ def main() -> None:
       results_by[name].append(_run(name, seed, directory, args, warm))
       print(f"{name} seed {seed}: {json.dumps(results_by[name][-1])}", file=sys.stderr,
             flush=True)
-      if not warm:  # the seed's first run trained the warm-up: the others start from it
+      if not warm and args.model is None:  # the seed's first run trained the warm-up
         warm = runs.warm_start(directory)
   results = {}
   for name, per_seed in results_by.items():
@@ -160,7 +188,8 @@ def main() -> None:
   results["config"] = {"steps": args.steps, "seeds": args.seeds, "mini_batches": args.mini_batches,
                        "eval_prompts": args.eval_prompts,
                        "eval_samples": args.eval_samples, "cpu_devices": args.cpu_devices,
-                       "mode": "colocated", "overrides": args.overrides}
+                       "mode": "colocated", "model": args.model or "built-in",
+                       "overrides": args.overrides}
   print(json.dumps(results, indent=2))
 
 

@@ -144,7 +144,8 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
   assert not (tmp_path / "run" / "warmup.partial").exists()
 
 
-def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+def _poison_rewards(monkeypatch) -> None:
+  """Every sampled reward NaN: every update is skipped as non-finite."""
   from rlx.trainer import learner
 
   real = learner.sample_arrays
@@ -154,6 +155,10 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
     return sampled.replace(rewards=sampled.rewards * float("nan")), stats
 
   monkeypatch.setattr(learner, "sample_arrays", poisoned)
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+  _poison_rewards(monkeypatch)
   config = tiny.config("grpo_colocated", "--config.trainer.steps=10",
                        "--config.trainer.max_skipped_steps=3")
   with pytest.raises(NonFiniteError, match="3 updates in a row were skipped, non-finite .*the advantages are not finite"):
@@ -165,15 +170,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch)
 def test_a_resume_continues_the_count_of_skipped_updates(tmp_path, monkeypatch):
   """A rerun of a run whose updates were being skipped does not start a fresh streak: its
   checkpoints carry the count, so two skips before the stop and one after make three."""
-  from rlx.trainer import learner
-
-  real = learner.sample_arrays
-
-  def poisoned(*args, **kwargs):
-    sampled, stats = real(*args, **kwargs)
-    return sampled.replace(rewards=sampled.rewards * float("nan")), stats
-
-  monkeypatch.setattr(learner, "sample_arrays", poisoned)
+  _poison_rewards(monkeypatch)
   first = tiny.config("grpo_colocated", "--config.trainer.steps=2",
                       "--config.trainer.max_skipped_steps=3", "--config.checkpoint.every_steps=1")
   train(first, tmp_path, **QUIET)
