@@ -65,7 +65,7 @@ class FakeLearner:
     self.clip_eps_highs, self.saves = [], {}
     self.saved_step, self.restored_meta = None, {}
     self.checkpointer = types.SimpleNamespace(directory=directory, latest_step=self._latest,
-                                              wait=lambda: None)
+                                              wait=lambda: None, failed_save=lambda: None)
 
   def _latest(self):
     return max(self.saves, default=None)
