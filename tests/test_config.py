@@ -262,6 +262,7 @@ INVALID = [
     ("trainer.eval_prompts=-1", "trainer.eval_prompts"),
     ("trainer.eval_every=-1", "trainer.eval_every"),
     ("trainer.warmup_sft_batch=0", "trainer.warmup_sft_batch"),
+    ("trainer.warmup_sft_until=1.5", "trainer.warmup_sft_until"),
     ("trainer.max_skipped_steps=0", "trainer.max_skipped_steps"),
     ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep"),
     ("checkpoint.every_steps=-1", "checkpoint.every_steps"),

@@ -347,6 +347,8 @@ class TrainerConfig:
   """Learning rate of the supervised warm-up."""
   warmup_sft_batch: int = 32
   """Examples per supervised warm-up step."""
+  warmup_sft_until: float = 0.0
+  """Stop the supervised warm-up early, once the model answers this share of a fixed sample of 256 training prompts exactly with their targets (greedy; checked every 2 steps); warmup_sft_steps is then the most it runs. 0 runs every step."""
   eval_prompts: int = 64
   """Held-out prompts scored (greedy) at each evaluation, before and after training; 0 evaluates never (and holds out no rows of a data file)."""
   eval_samples: int = 0
@@ -363,3 +365,5 @@ class TrainerConfig:
               "warmup_sft_batch", "max_skipped_steps")
     for name in ("eval_every", "warmup_sft_steps", "eval_prompts", "eval_samples"):
       _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
+    _check(0 <= self.warmup_sft_until <= 1, "trainer.warmup_sft_until",
+           "must be a share of prompts in [0, 1] (0 runs every warm-up step)")

@@ -36,5 +36,5 @@ def get_config():
       # the model must learn to read the description and copy its constant into the program:
       # a longer warm-up than the sort task's
       trainer=dataclasses.replace(config.trainer, steps=100, eval_every=25, eval_prompts=200,
-                                  mini_batches=2, warmup_sft_steps=300),
+                                  mini_batches=2, warmup_sft_steps=300, warmup_sft_until=0.0),
   )

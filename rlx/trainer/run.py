@@ -40,7 +40,7 @@ from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.trainer import control
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.update import all_finite
-from rlx.trainer.warmup import warm_up
+from rlx.trainer.warmup import sft_batches, warm_up
 
 
 @dataclasses.dataclass
@@ -347,6 +347,9 @@ def warms_up(config: RunConfig) -> bool:
                                             and config.data.source in TASKS)
 
 
+PROBE_ROWS = 256
+"""The prompts ``trainer.warmup_sft_until`` is judged on."""
+
 FINGERPRINT = "rlx_warmup.json"
 """The settings a saved warm-up was made with, beside its weights."""
 
@@ -366,7 +369,9 @@ def warmup_fingerprint(config: RunConfig) -> dict:
           **({"env.name": config.env.name} if config.env.name else {}),
           "trainer.warmup_sft_steps": t.warmup_sft_steps,
           "trainer.warmup_sft_learning_rate": t.warmup_sft_learning_rate,
-          "trainer.warmup_sft_batch": t.warmup_sft_batch}))  # as it reads back
+          "trainer.warmup_sft_batch": t.warmup_sft_batch,
+          **({"trainer.warmup_sft_until": t.warmup_sft_until} if t.warmup_sft_until else {})
+          }))  # as it reads back
 
 
 def _read_fingerprint(directory: pathlib.Path) -> dict | None:
@@ -412,9 +417,17 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
                         max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
   started = time.perf_counter()
   rows = _episode_prompted(config, tokenizer, stream) if config.env.name else stream
+  probe = None
+  if trainer.warmup_sft_until:  # a fixed sample of the prompts, in another order
+    sample = PromptStream(source, batch_size=PROBE_ROWS, seed=config.data.shuffle_seed + 2,
+                          encode=prompt_encoder(config, tokenizer),
+                          max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
+    probe = next(sft_batches(_episode_prompted(config, tokenizer, sample) if config.env.name
+                             else sample, tokenizer, config.env.enabled))
   model, losses = warm_up(model, rows, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate,
-                          episodes=config.env.enabled, say=say)
+                          episodes=config.env.enabled, say=say,
+                          until=trainer.warmup_sft_until, probe=probe)
   if not (all(map(math.isfinite, losses)) and _finite(model.params)):
     bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     raise NonFiniteError(

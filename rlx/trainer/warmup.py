@@ -9,6 +9,7 @@ results) are context and not trained on.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlx import progress
+from rlx import distributed, progress
 from rlx.data import DataError
 from rlx.models import Model, Tokenizer
 from rlx.rollout import Completion
@@ -57,11 +58,32 @@ def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer,
     yield layout(completions, tokenizer.pad_id)
 
 
+def exact_share(transformer, params, tokens: jax.Array, attention_mask: jax.Array,
+                response_mask: jax.Array) -> jax.Array:
+  """The share of rows whose every response token is the model's most likely one after the
+  tokens before it: the rows greedy decoding answers exactly with their target. Logits are
+  made one row at a time, so a large vocabulary costs one row's worth."""
+  hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
+
+  def exact(row):
+    h, t, m = row
+    predicted = jnp.argmax(transformer.logits(params, h[:-1]), axis=-1)
+    return jnp.all((predicted == t[1:]) | ~m[1:])
+
+  return jnp.mean(jax.lax.map(exact, (hidden, tokens, response_mask.astype(bool))))
+
+
 def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, steps: int,
             learning_rate: float, episodes: bool = False, say=None,
-            every_s: float = 15.0) -> tuple[Model, list[float]]:
-  """``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the model and
-  the loss of every step. ``say``: told where it is at most every ``every_s`` seconds."""
+            every_s: float = 15.0, until: float = 0.0, probe: dict | None = None,
+            check_every: int = 2) -> tuple[Model, list[float]]:
+  """Up to ``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the
+  model and the loss of every step. ``say``: told where it is at most every ``every_s`` seconds.
+
+  ``until`` > 0 with ``probe`` (``sft_batches`` arrays of a fixed sample of rows): stops once
+  that share of the probe's rows is answered exactly (``exact_share``), checked every
+  ``check_every`` steps; where a fixed number of steps leaves a fresh model anywhere on the
+  steep part of its learning curve, this starts RL from the same skill whatever the seed."""
   optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, max(steps // 10, 1), max(steps, 2)), weight_decay=0.0)
   transformer = model.transformer
@@ -83,12 +105,24 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   progress.doing("the supervised warm-up")
   started = told = time.perf_counter()
   compiled = None  # when the first step (which compiles) was done: the rate counts from it
+  probing = until > 0 and probe is not None
+  if probing:
+    share = jax.jit(functools.partial(exact_share, transformer))
+    probe = {key: probe[key] for key in ("tokens", "attention_mask", "response_mask")}
   for done in range(1, steps + 1):
     arrays = next(batches)
     params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
                                    arrays["response_mask"])
     losses.append(float(loss))
     progress.tick()
+    if probing and done % check_every == 0 and done < steps:
+      reached = float(share(params, **probe))
+      # one decision for every process: they would otherwise train different models
+      if distributed.agree(reached >= until):
+        if say is not None:
+          say(f"rlx: supervised warm-up: {reached:.0%} of the probe's prompts answered exactly "
+              f"(the target: {until:.0%}) after {done} steps; stopping there")
+        break
     now = time.perf_counter()
     compiled = now if compiled is None else compiled
     if say is not None and now - told >= every_s and 1 < done < steps:
