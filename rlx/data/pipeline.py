@@ -9,7 +9,8 @@ tokenized, in batches of ``prompts_per_step``, with a position that can be check
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import collections
+from collections.abc import Callable, Iterable, Sequence
 
 import grain
 
@@ -49,6 +50,15 @@ class PromptStream:
     if encode is not None and max_prompt_tokens is not None:
       dataset = dataset.filter(lambda row: row is not None)
     self._iterator = iter(dataset.batch(batch_size, drop_remainder=True, batch_fn=list))
+    self.batch_size = batch_size
+    # Rows are numbered in the order the dataset gives them (serials). A state is a position
+    # in the dataset plus the serials after it already used (``get_state(pending=...)``):
+    self._serial = 0  # the next row's serial
+    self._marks: list[tuple[int, dict]] = [(0, self._iterator.get_state())]
+    """(serial of the first row of a batch drawn from the dataset, its position), oldest
+    first; the newest is where the dataset is now, its rows not yet drawn."""
+    self._buffer: collections.deque[tuple[int, dict]] = collections.deque()  # drawn, not given
+    self._skip: set[int] = set()  # serials a resumed state says were used already
 
   def _encoded(self, row: dict, encode) -> dict | None:
     """The row with its prompt tokens, or None for a prompt past ``max_prompt_tokens``."""
@@ -85,12 +95,53 @@ class PromptStream:
     return self
 
   def __next__(self) -> list[dict]:
-    return next(self._iterator)
+    return [row for _, row in self.take(self.batch_size)]
 
-  def get_state(self) -> dict:
-    """Where the stream is (JSON-serialisable), for checkpoints."""
-    return self._iterator.get_state()
+  def take(self, count: int) -> list[tuple[int, dict]]:
+    """The next ``count`` rows with their serials (``get_state``'s ``pending`` names rows by
+    them)."""
+    while len(self._buffer) < count:
+      batch = next(self._iterator)
+      first = self._serial
+      self._serial += len(batch)
+      self._marks.append((self._serial, self._iterator.get_state()))
+      self._buffer.extend((first + i, row) for i, row in enumerate(batch)
+                          if first + i not in self._skip)
+      self._skip.difference_update(range(first, self._serial))
+    return [self._buffer.popleft() for _ in range(count)]
+
+  def get_state(self, pending: Iterable[int] = ()) -> dict:
+    """Where the stream is (JSON-serialisable), for checkpoints: a stream resumed from it gives
+    every row not given yet, and the rows given whose serials are in ``pending`` (a consumer's
+    rows still in flight: taken, not yet used), each once, in serial order. With nothing
+    pending this is the dataset's own position."""
+    waiting = set(pending) | {serial for serial, _ in self._buffer}
+    oldest = min(waiting, default=self._serial)
+    # the newest batch boundary at or before the oldest row still wanted
+    at = max(i for i, (serial, _) in enumerate(self._marks) if serial <= oldest)
+    start, position = self._marks[at]
+    del self._marks[:at]  # ``pending`` only loses its oldest rows: earlier marks are done with
+    used = sorted(serial - start for serial in range(start, self._serial)
+                  if serial not in waiting)
+    used += sorted(serial - start for serial in self._skip)  # skips not reached yet
+    if not used:
+      return position
+    return {SKIP: used, POSITION: position}
 
   def set_state(self, state: dict) -> None:
     """Continues from a state returned by ``get_state``."""
-    self._iterator.set_state(state)
+    position, used = ((state[POSITION], state[SKIP]) if SKIP in state else (state, []))
+    self._iterator.set_state(position)
+    self._serial = 0
+    self._marks = [(0, position)]
+    self._buffer.clear()
+    self._skip = set(used)
+
+
+SKIP, POSITION = "rlx_used_after", "rlx_position"
+"""A state with rows used past its position (``PromptStream.get_state``)."""
+
+
+def prompts_drawn(state: dict) -> int:
+  """How far into the dataset a stream's state is (``next_index``), -1 if it does not say."""
+  return int(state.get(POSITION, state).get("next_index", -1))

@@ -53,6 +53,7 @@ import jax
 from rlx import cli, distributed, progress
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
+from rlx.data import prompts_drawn
 from rlx.trainer import control, jobstatus
 from rlx.trainer.buffer import buffered
 from rlx.trainer.collect import Draw
@@ -144,7 +145,7 @@ class FileSource(BatchSource):
     metrics = {"rollout/index": index, "rollout/expired_files": self.expired_files,
                # prompts the generator had drawn after this batch: its consecutive batches
                # never repeat or skip prompts, across restarts too
-               "data/prompts_drawn": int(draw.data_state.get("next_index", -1)),
+               "data/prompts_drawn": prompts_drawn(draw.data_state),
                "time/generator_sync_s": extra["generator_sync_s"],
                "rollout/weight_updates_in_flight": extra.get("weight_updates_in_flight", 0)}
     if files.generators > 1:

@@ -25,6 +25,12 @@ learner drops it, counted.
 ready ahead of it; and at most ``mesh.groups_in_flight`` groups (admitted, not yet handed
 over) at once, which keeps the slots full without running far ahead of the learner.
 
+**Resuming.** A batch's data position (what a checkpoint after it keeps) counts every row
+not handed over yet as not drawn: rows drawn and waiting, groups in flight and groups complete
+but waiting for a batch (``PromptStream.get_state(pending=...)``). A run resumed from it
+starts those groups again and skips the rows handed over (or dropped) past the oldest of them,
+so no group is lost or trained twice across a restart, though groups complete out of order.
+
 **Weights.** New versions reach the stream between decode chunks (in-flight updates; the
 admission needs ``mesh.inflight_updates``): a prompt admitted later is prefilled by the
 version of its time, and every token keeps the version that sampled it.
@@ -82,6 +88,8 @@ class _Group:
   row: dict
   index: int
   """Its prompt's index in the stream (the completions' ``prompt_index``)."""
+  serial: int
+  """Its row's serial in the data stream (``PromptStream.take``)."""
   setting: int
   born: float
   completions: list
@@ -115,7 +123,7 @@ class Streamer:
     self.index = self.first = first
     """The next batch to hand over."""
     self.mismatch, self.mismatch_every = mismatch, mismatch_every
-    self.rows: list[dict] = []  # rows drawn from the data stream, not yet admitted
+    self.rows: list[tuple[int, dict]] = []  # (serial, row) drawn from the data, not admitted
     self.flight: dict[int, _Group] = {}  # admitted, not complete
     self.ready: list[_Group] = []  # complete and kept, in completion order
     self.tally = _Tally()
@@ -232,8 +240,8 @@ class Streamer:
         self.retemper = temperature
         return None if not prompts else prompts
       if not self.rows:
-        self.rows = list(next(self.run.stream))
-      row = self.rows.pop(0)
+        self.rows = self.run.stream.take(self.per_batch)
+      serial, row = self.rows.pop(0)
       local = self.admitted - self.offset
       if self.episodes is None:
         prompt = row["prompt_tokens"]
@@ -244,7 +252,7 @@ class Streamer:
           continue
         prompt = started[0]
       self.flight[local] = _Group(
-          row, local, opened.setting, time.time(), [None] * self.size,
+          row, local, serial, opened.setting, time.time(), [None] * self.size,
           np.zeros(self.size, np.float32), np.zeros(self.size, bool))
       self.group_rows.append(row)
       self.admitted += 1
@@ -343,7 +351,7 @@ class Streamer:
     busy, self.since = now - self.since - self.waited, now
     draw = Draw(completions, np.concatenate([g.rewards for g in groups]),
                 np.concatenate([g.correct for g in groups]), counts, busy,
-                self.run.stream.get_state(), self.temperature, min(g.born for g in groups))
+                self._data_state(), self.temperature, min(g.born for g in groups))
     if self.mismatch is not None and self.mismatch_every and self.index % self.mismatch_every == 0:
       measured = self.mismatch(self.weights.params, completions, self.weights.version,
                                self.temperature)
@@ -355,6 +363,15 @@ class Streamer:
                         weight_swaps=self.weights.swaps - self.swaps)
     self.synced, self.swaps, self.waited = self.weights.seconds, self.weights.swaps, 0.0
     return produced
+
+
+  def _data_state(self) -> dict:
+    """Where a run resumed after this batch continues: every row not handed over yet (drawn
+    and waiting, in flight, complete and waiting for a batch) comes again, each once, and no
+    row handed over or dropped comes twice."""
+    pending = [serial for serial, _ in self.rows]
+    pending += [group.serial for group in (*self.flight.values(), *self.ready)]
+    return self.run.stream.get_state(pending=pending)
 
 
 def stream_produce(run: Run, gate, weights, sink, *, first: int = 0, mismatch=None,

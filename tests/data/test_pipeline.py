@@ -1,7 +1,9 @@
 """Sources and the prompt stream: fields, malformed rows (error naming file and line, or skip
 and count), deterministic shuffles, epochs, checkpointable position, tokenization."""
 
+import collections
 import json
+import random
 
 import pytest
 
@@ -95,6 +97,51 @@ def test_stream_is_deterministic_covers_epochs_and_resumes(tmp_path):
   resumed = PromptStream(source, batch_size=4, seed=3)
   resumed.set_state(state)
   assert [prompts(next(resumed)) for _ in range(3)] == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_state_with_rows_in_flight_resumes_each_row_once(tmp_path, seed):
+  """A consumer that takes rows and uses them out of order (continuous admission: groups
+  complete in any order), checkpointed at random moments and resumed from the last checkpoint
+  after a crash, over several restarts and past an epoch: the rows used are the stream's
+  first rows, each once, none lost, none twice."""
+  rng = random.Random(seed)
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(40)]
+  source = JsonlSource(_jsonl(tmp_path / "d.jsonl", rows))
+  used, state, restarts = [], None, 0
+  while True:  # one process's life, from the last checkpoint
+    stream = PromptStream(source, batch_size=rng.choice([2, 3, 4]), seed=1)
+    if state is not None:
+      stream.set_state(json.loads(json.dumps(state)))
+    flight: list[tuple[int, dict]] = []
+    checkpoint_used = len(used)
+    for _ in range(rng.randint(1, 12)):
+      if len(flight) < 5 and rng.random() < 0.6:
+        flight += stream.take(rng.randint(1, 3))
+      elif flight:  # one in flight completes, any of them
+        used.append(flight.pop(rng.randrange(len(flight)))[1]["prompt"])
+      if rng.random() < 0.4:  # a checkpoint; what is in flight is pending
+        state, checkpoint_used = stream.get_state(pending=[s for s, _ in flight]), len(used)
+    if len(used) >= 60:  # the last life: everything in flight completes
+      used += [row["prompt"] for _, row in flight]
+      break
+    del used[checkpoint_used:]  # a crash: what was used after the checkpoint is done again
+    restarts += 1
+  order = [r["prompt"] for b in PromptStream(source, batch_size=1, seed=1, num_epochs=3)
+           for r in b]
+  assert restarts and len(used) > 40
+  assert collections.Counter(used) == collections.Counter(order[:len(used)])
+
+
+def test_a_state_with_nothing_pending_is_the_dataset_position(tmp_path):
+  """Batch by batch (nothing pending) the state is the dataset's own, as before (older
+  checkpoints resume)."""
+  source = JsonlSource(_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": "1"}
+                                                      for i in range(8)]))
+  stream = PromptStream(source, batch_size=2, seed=0)
+  next(stream)
+  assert set(stream.get_state(pending=[1])) == {"rlx_used_after", "rlx_position"}
+  assert stream.get_state() == stream._iterator.get_state()
 
 
 def test_shards_of_a_stream_split_the_rows_between_them(tmp_path):

@@ -4,6 +4,7 @@ once; with k = 0 every token is the version the learner trains at (the gate hold
 prompts back), with k = 2 the stream works ahead and new versions reach sequences in flight;
 a task where every group is alike stops with the cause instead of streaming forever."""
 
+import json
 import threading
 import zlib
 import types
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlx.data import PromptStream
 from rlx.models import builtin_tokenizer, init_model
 from rlx.rewards import Scored
 from rlx.rollout import Engine
@@ -23,20 +25,10 @@ from tests.trainer import tiny
 PER_BATCH, GROUP = 2, 2
 
 
-class _Stream:
-  """The prompt stream: batch after batch of rows with prompts no other row has."""
-
-  def __init__(self):
-    self.rows = 0
-
-  def __next__(self):
-    batch = [{"prompt_tokens": [5, 10 + self.rows + i // 90, 10 + (self.rows + i) % 90],
-              "id": self.rows + i} for i in range(PER_BATCH)]
-    self.rows += PER_BATCH
-    return batch
-
-  def get_state(self):
-    return {"next_index": self.rows}
+def _stream():
+  """The prompt stream: rows whose prompts no other row has, in batches."""
+  rows = [{"prompt_tokens": [5, 10 + i // 90, 10 + i % 90], "id": i} for i in range(400)]
+  return PromptStream(rows, batch_size=PER_BATCH, seed=0)
 
 
 class _Sync:
@@ -70,18 +62,18 @@ def _job(k: int, reward):
     return Scored(rewards, rewards > 0, {"reward/errors": 0, "reward/timeouts": 0}, {})
 
   return types.SimpleNamespace(config=config, engine=engine, tokenizer=tokenizer,
-                               stream=_Stream(), pool=types.SimpleNamespace(score=score),
+                               stream=_stream(), pool=types.SimpleNamespace(score=score),
                                sync=_Sync(model.params))
 
 
-def _learn(job, k: int, batches: int):
+def _learn(job, k: int, batches: int, first: int = 0):
   """Trains on ``batches`` batches as the learner loop would (publish, then finish); returns
   them with the version each was trained at."""
-  generator = Generator(job, first_step=0)
+  generator = Generator(job, first_step=first)
   generator.start()
   seen = []
   try:
-    for version in range(batches):
+    for version in range(first, first + batches):
       produced = generator.next(timeout=60)
       seen.append((version, produced))
       job.sync.publish(version + 1)
@@ -150,3 +142,22 @@ def test_a_reward_that_raises_stops_the_stream_with_its_error():
     raise KeyError("anwser")
 
   _first_batch_raises(broken, KeyError, "anwser")
+
+
+def test_a_run_resumed_mid_stream_loses_and_repeats_no_group():
+  """A crash after batch 2 was trained (its checkpoint holds batch 2's data position) while
+  later groups were in flight or handed over untrained: the resumed stream starts them again,
+  and no group trained before the crash comes twice."""
+  k = 2
+  crashed = _learn(_job(k, _varied), k, batches=5)
+  ids = lambda produced: [c.prompt_tokens for c in produced.draw.completions[::GROUP]]
+  trained = [tuple(p) for _, produced in crashed[:2] for p in ids(produced)]
+  lost = [tuple(p) for _, produced in crashed[2:] for p in ids(produced)]
+  checkpoint = json.loads(json.dumps(crashed[1][1].draw.data_state))
+  job = _job(k, _varied)
+  job.stream.set_state(checkpoint)
+  resumed = [tuple(p) for _, produced in _learn(job, k, batches=6, first=2)
+             for p in ids(produced)]
+  assert not set(trained) & set(resumed)  # nothing twice
+  assert len(set(resumed)) == len(resumed)
+  assert set(lost) <= set(resumed)  # nothing lost
