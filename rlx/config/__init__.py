@@ -136,9 +136,9 @@ def check(config: RunConfig) -> RunConfig:
          "counts generator jobs of a split run as jobs (mesh.role=learner or generator)")
   env = config.env
   if mesh.admission == "continuous":
-    _check(mesh.mode == "split" and mesh.role == "both", "mesh.admission",
-           "'continuous' streams the generator of split in one process: set "
-           "config.mesh.mode=split (role=both), or admission=batch")
+    _check(mesh.mode == "split", "mesh.admission",
+           "'continuous' streams split mode's generator (in one process, or a generator job): "
+           "set config.mesh.mode=split, or admission=batch")
     _check(not mesh.multihost, "mesh.admission",
            "'continuous' needs a generator of one process (each would admit by its own clock); "
            "set mesh.admission=batch")

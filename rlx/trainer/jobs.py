@@ -64,6 +64,7 @@ from rlx.trainer.exchange import RolloutFiles
 from rlx.trainer.learner import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 from rlx.trainer.produce import Opened, Produced, Weights, produce
+from rlx.trainer.stream import stream_produce
 
 POLL_S = 0.1
 INFLIGHT_POLL_S = 0.5
@@ -227,8 +228,9 @@ def train_generator(config: RunConfig, workdir: str | pathlib.Path,
                     pending=cli.take_stop_at_start()) as stop:
       gate.stop = stop
       try:
-        index = produce(run, gate, gate.weights, sink, first=index, stride=jobs,
-                        mismatch=mismatch, mismatch_every=every)
+        producer = stream_produce if config.mesh.admission == "continuous" else produce
+        index = producer(run, gate, gate.weights, sink, first=index, stride=jobs,
+                         mismatch=mismatch, mismatch_every=every)
       except StopIteration:
         say(f"rlx: {name}: the data ran out after {config.data.num_epochs} epoch(s)")
         index = sink.next_index if sink.next_index is not None else index
@@ -257,8 +259,9 @@ class FileGate:
     self.learner = PeerWatch(run.workdir, "learner", 1, config.mesh.job_timeout_s)
     self._noticed = time.perf_counter()
 
-  def wait(self, index: int) -> Opened | None:
+  def wait(self, index: int, timeout: float | None = None) -> Opened | None | bool:
     config, files, weights = self.run.config, self.files, self.weights
+    deadline = None if timeout is None else time.perf_counter() + timeout
     while not files.done() and not (self.stop is not None and self.stop.requested):
       shown = files.progress()
       seen = json.loads(distributed.agree(json.dumps(
@@ -275,6 +278,8 @@ class FileGate:
       if opened and weights.params is not None and weights.version >= seen["version"]:
         self._noticed = time.perf_counter()
         return Opened(knobs.get("setting", 0), knobs.get("temperature"))
+      if deadline is not None and time.perf_counter() >= deadline:
+        return False
       progress.waiting("the learner job")
       self.learner.check(0)
       if time.perf_counter() - self._noticed > NOTICE_S:

@@ -69,8 +69,10 @@ class Produced:
 
 
 class Gate(Protocol):
-  def wait(self, index: int) -> Opened | None:
-    """Blocks until batch ``index`` may start; None: stop producing."""
+  def wait(self, index: int, timeout: float | None = None) -> Opened | None | bool:
+    """Blocks until batch ``index`` may start; None: stop producing. With ``timeout``, False
+    once that many seconds passed without it opening (0: only look; continuous admission
+    asks so between decode chunks)."""
 
 
 class Sink(Protocol):

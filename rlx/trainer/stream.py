@@ -48,9 +48,13 @@ Multi-turn episodes (``env.name``) stream the same way: a group's episodes start
 admitted, a parked episode keeps its slot while its environment works and the free slots take
 new groups, and a group completes when its last episode ends.
 
-What it cannot do: several processes (each would admit by its own clock, and their programs
-would diverge), and agent programs through the endpoint (``env.agent``: each request is its
-own); the config refuses both.
+A generator job (``mesh.role=generator``) streams the same way, its gate the learner's
+progress in the workdir and its weights the newest Orbax version, read between decode chunks;
+one of ``mesh.generators`` jobs hands over every ``stride``-th batch.
+
+What it cannot do: several processes in one job (each would admit by its own clock, and their
+programs would diverge), and agent programs through the endpoint (``env.agent``: each request
+is its own); the config refuses both.
 """
 
 from __future__ import annotations
@@ -114,9 +118,11 @@ class _Tally:
 class Streamer:
   """The producer loop with continuous admission (see the module docstring)."""
 
-  def __init__(self, run: Run, gate, weights, sink, *, first: int = 0, mismatch=None,
-               mismatch_every: int = 0):
+  def __init__(self, run: Run, gate, weights, sink, *, first: int = 0, stride: int = 1,
+               mismatch=None, mismatch_every: int = 0):
     self.run, self.gate, self.weights, self.sink = run, gate, weights, sink
+    self.stride = stride
+    """Batches ``first``, ``first + stride``, ...: one of ``stride`` generator jobs."""
     self.config = config = run.config
     self.size, self.per_batch = config.rollout.group_size, config.data.prompts_per_step
     self.bound = groups_in_flight(config)
@@ -142,6 +148,10 @@ class Streamer:
     config, r = self.config, self.config.rollout
     while not self.halted:
       self.weights.refresh(force=True)
+      # a generator job holds no weights until the learner's first version lands: its gate
+      # opens once it does
+      if self.weights.params is None and self.gate.wait(self.index) is None:
+        break
       self.group_rows: list[dict] = []
       self.seen = 0
       self.offset = self.admitted  # prompt indices of this stream count from 0
@@ -227,7 +237,7 @@ class Streamer:
     """The prompts of the groups the gate and the bound let in now; None: stop."""
     prompts = []
     while len(self.flight) + len(self.ready) < self.bound:
-      target = self.index + (len(self.flight) + len(self.ready)) // self.per_batch
+      target = self.index + (len(self.flight) + len(self.ready)) // self.per_batch * self.stride
       opened = self.gate.wait(target, timeout=0.0)
       if opened is False:
         break
@@ -315,7 +325,7 @@ class Streamer:
     while len(self.ready) >= self.per_batch and not self.halted:
       groups, self.ready = self.ready[:self.per_batch], self.ready[self.per_batch:]
       self.sink.put(self._produced(groups))
-      self.index += 1
+      self.index += self.stride
 
   def _produced(self, groups: list[_Group]) -> Produced:
     tally, self.tally = self.tally, _Tally()
@@ -352,7 +362,8 @@ class Streamer:
     draw = Draw(completions, np.concatenate([g.rewards for g in groups]),
                 np.concatenate([g.correct for g in groups]), counts, busy,
                 self._data_state(), self.temperature, min(g.born for g in groups))
-    if self.mismatch is not None and self.mismatch_every and self.index % self.mismatch_every == 0:
+    if (self.mismatch is not None and self.mismatch_every
+        and (self.index // self.stride) % self.mismatch_every == 0):
       measured = self.mismatch(self.weights.params, completions, self.weights.version,
                                self.temperature)
       if measured is not None:
@@ -374,8 +385,8 @@ class Streamer:
     return self.run.stream.get_state(pending=pending)
 
 
-def stream_produce(run: Run, gate, weights, sink, *, first: int = 0, mismatch=None,
-                   mismatch_every: int = 0) -> int:
+def stream_produce(run: Run, gate, weights, sink, *, first: int = 0, stride: int = 1,
+                   mismatch=None, mismatch_every: int = 0) -> int:
   """``produce`` with continuous admission (the module docstring); returns the next index."""
-  return Streamer(run, gate, weights, sink, first=first, mismatch=mismatch,
+  return Streamer(run, gate, weights, sink, first=first, stride=stride, mismatch=mismatch,
                   mismatch_every=mismatch_every).run_stream()

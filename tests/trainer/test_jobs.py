@@ -154,6 +154,41 @@ def test_a_learner_job_and_two_generator_jobs_with_a_generator_restart(tmp_path)
   assert versions == [steps - 3, steps - 2, steps - 1, steps]  # k + 3 kept
 
 
+def test_a_streaming_generator_job_killed_mid_stream_resumes(tmp_path):
+  """A generator job with continuous admission (its gate the learner's progress on disk, its
+  weights the newest Orbax version between decode chunks), killed mid-run and restarted: the
+  learner trains every batch once, in order, within the bound, and the batches carry the
+  stream's own measures."""
+  steps, stream = 6, ("--config.mesh.admission=continuous", "--config.mesh.max_staleness=2")
+  learner = _start("learner", tmp_path, f"--config.trainer.steps={steps}", *stream)
+  generator = _start("generator", tmp_path, *stream)
+  processes = [learner, generator]
+  try:
+    deadline = time.monotonic() + 180
+    while _steps(tmp_path) < 2:
+      assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
+      time.sleep(0.2)
+    os.killpg(generator.pid, signal.SIGKILL)
+    generator.wait(timeout=30)
+    generator = _start("generator", tmp_path, *stream)
+    processes.append(generator)
+    learner_out, _ = learner.communicate(timeout=240)
+    output, _ = generator.communicate(timeout=60)
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert learner.returncode == 0, learner_out
+  assert generator.returncode == 0, output
+  assert "rlx: generator: resuming at rollout" in output
+  rows = tiny.metrics(tmp_path)
+  assert [row["step"] for row in rows] == list(range(1, steps + 1))
+  assert [row["rollout/index"] for row in rows] == list(range(steps))
+  assert max(row["rollout/policy_lag_max"] for row in rows) <= 2
+  assert all("rollout/slot_occupancy" in row and "rollout/groups_in_flight" in row
+             for row in rows)
+
+
 def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versions(tmp_path):
   steps, overrides = 8, ("--config.trainer.steps=8", "--config.checkpoint.every_steps=3")
   processes = [_start("learner", tmp_path, *overrides), _start("generator", tmp_path, *overrides)]
