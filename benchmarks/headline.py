@@ -16,7 +16,9 @@ and the others start from it. The arms:
 - ``lr_1e-4``, ``lr_3e-4``: full fine-tuning at another learning rate.
 - ``mini_batches_1``: one optimizer step per rollout batch (on-policy within the batch).
 - ``clip_cov``: Clip-Cov on 2% of the tokens.
-- ``entropy_target``: the adaptive entropy bonus (Skywork-OR1) with a target of 0.3.
+- ``entropy_target``: the adaptive entropy bonus (Skywork-OR1) with a target of 0.3 (the
+  shipped config's).
+- ``no_entropy_target``: without it.
 - ``no_tis``: no importance-weight correction of the lag-1 rows.
 - ``no_dynamic_sampling``: every group kept.
 - ``lora``: LoRA rank 16 (alpha 32) at lr 6e-4.
@@ -51,6 +53,7 @@ ARMS: dict[str, list[str]] = {
     "mini_batches_1": ["--config.trainer.mini_batches=1"],
     "clip_cov": ["--config.algorithm.policy_loss=clip_cov", "--config.algorithm.cov_ratio=0.02"],
     "entropy_target": ["--config.algorithm.entropy_target=0.3"],
+    "no_entropy_target": ["--config.algorithm.entropy_target=none"],
     "no_tis": ["--config.algorithm.off_policy=none"],
     "no_dynamic_sampling": ["--config.algorithm.dynamic_sampling=false"],
     "lora": ["--config.model.lora.rank=16", "--config.model.lora.alpha=32",

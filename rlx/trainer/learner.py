@@ -181,6 +181,8 @@ class Learner:
     self.state = update.init_train_state(trainable, optimizer,
                                          jax.random.key(config.trainer.seed))
     self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    if self.base is None:  # its params are the state's now; what reads them reads those
+      self.model = model.replace(params=None)
     base_shardings = (None if self.base is None
                       else jax.tree.map(lambda x: x.sharding, self.base))
     # the reference is the starting policy: with fresh LoRA adapters (adding 0) the base itself
@@ -241,9 +243,14 @@ class Learner:
     """The learner of ``run``: its model, learning mesh, weight sync and checkpoints."""
     reference = (base_reference(run.config, run.workdir) if run.config.model.lora.enabled
                  else None)
-    return cls(run.config, run.model, run.meshes.learning, run.sync,
-               pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say,
-               base_reference=reference)
+    learner = cls(run.config, run.model, run.meshes.learning, run.sync,
+                  pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say,
+                  base_reference=reference)
+    if learner.base is None and run.model is not None:
+      # the train state holds the weights from here on: the run's copy would be a second one
+      # for the whole run (0.5 GB on a 135M model)
+      run.model = learner.model
+    return learner
 
   @property
   def version(self) -> int:
