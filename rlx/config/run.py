@@ -218,6 +218,8 @@ class EnvConfig:
   """A tool result longer than this is cut (the model sees that it was)."""
   step_timeout_s: float = 30.0
   """An environment step (yours, on the host) that runs longer ends its episode, truncated, and is counted."""
+  release_slots: bool = False
+  """An episode waiting for its environment leaves its decode slot to other work, and is prefilled again whole (prompt, turns, reply) into the next free slot when the reply comes; False keeps the slot parked. Pays where tools are slow against decoding (most slots would wait on tools), at the price of prefilling the episode again each turn."""
   agent: str = ""
   """An agent program instead of an environment: 'path/to/file.py:run' or 'package.module:run', an 'async def run(client, row)' that reaches the policy only through an openai.AsyncOpenAI client (the run's OpenAI-compatible endpoint) and returns the episode's reward (or None: the run's reward scores its final answer); or 'verifiers:TASKSET_ID', a verifiers environment whose tasks become the run's prompts (pip install 'rlx[verifiers]'). Needs pip install 'rlx[serve]'."""
   verifiers_config: str = ""

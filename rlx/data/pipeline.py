@@ -10,6 +10,7 @@ tokenized, in batches of ``prompts_per_step``, with a position that can be check
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import grain
@@ -59,6 +60,7 @@ class PromptStream:
     first; the newest is where the dataset is now, its rows not yet drawn."""
     self._buffer: collections.deque[tuple[int, dict]] = collections.deque()  # drawn, not given
     self._skip: set[int] = set()  # serials a resumed state says were used already
+    self._lock = threading.Lock()  # a producer thread takes while the learner's asks the state
 
   def _encoded(self, row: dict, encode) -> dict | None:
     """The row with its prompt tokens, or None for a prompt past ``max_prompt_tokens``."""
@@ -100,43 +102,56 @@ class PromptStream:
   def take(self, count: int) -> list[tuple[int, dict]]:
     """The next ``count`` rows with their serials (``get_state``'s ``pending`` names rows by
     them)."""
-    while len(self._buffer) < count:
-      batch = next(self._iterator)
-      first = self._serial
-      self._serial += len(batch)
-      self._marks.append((self._serial, self._iterator.get_state()))
-      self._buffer.extend((first + i, row) for i, row in enumerate(batch)
-                          if first + i not in self._skip)
-      self._skip.difference_update(range(first, self._serial))
-    return [self._buffer.popleft() for _ in range(count)]
+    with self._lock:
+      while len(self._buffer) < count:
+        batch = next(self._iterator)
+        first = self._serial
+        self._serial += len(batch)
+        self._marks.append((self._serial, self._iterator.get_state()))
+        del self._marks[:-MARKS_KEPT]
+        self._buffer.extend((first + i, row) for i, row in enumerate(batch)
+                            if first + i not in self._skip)
+        self._skip.difference_update(range(first, self._serial))
+      return [self._buffer.popleft() for _ in range(count)]
 
   def get_state(self, pending: Iterable[int] = ()) -> dict:
     """Where the stream is (JSON-serialisable), for checkpoints: a stream resumed from it gives
     every row not given yet, and the rows given whose serials are in ``pending`` (a consumer's
     rows still in flight: taken, not yet used), each once, in serial order. With nothing
-    pending this is the dataset's own position."""
-    waiting = set(pending) | {serial for serial, _ in self._buffer}
-    oldest = min(waiting, default=self._serial)
-    # the newest batch boundary at or before the oldest row still wanted
-    at = max(i for i, (serial, _) in enumerate(self._marks) if serial <= oldest)
-    start, position = self._marks[at]
-    del self._marks[:at]  # ``pending`` only loses its oldest rows: earlier marks are done with
-    used = sorted(serial - start for serial in range(start, self._serial)
-                  if serial not in waiting)
-    used += sorted(serial - start for serial in self._skip)  # skips not reached yet
-    if not used:
-      return position
-    return {SKIP: used, POSITION: position}
+    pending this is the dataset's own position. A consumer that passes ``pending`` passes,
+    call after call, the rows it took and has not used: its oldest are the first to go."""
+    with self._lock:
+      waiting = set(pending) | {serial for serial, _ in self._buffer}
+      oldest = min(waiting, default=self._serial)
+      # the newest batch boundary at or before the oldest row still wanted
+      at = max((i for i, (serial, _) in enumerate(self._marks) if serial <= oldest), default=None)
+      if at is None:
+        raise ValueError(f"row {oldest} is pending, but the stream kept positions only from row "
+                         f"{self._marks[0][0]} on (a row used can not be pending again)")
+      start, position = self._marks[at]
+      if pending:  # a consumer's pending rows only lose their oldest: earlier marks are done with
+        del self._marks[:at]
+      used = sorted(serial - start for serial in range(start, self._serial)
+                    if serial not in waiting)
+      used += sorted(serial - start for serial in self._skip)  # skips not reached yet
+      if not used:
+        return position
+      return {SKIP: used, POSITION: position}
 
   def set_state(self, state: dict) -> None:
     """Continues from a state returned by ``get_state``."""
     position, used = ((state[POSITION], state[SKIP]) if SKIP in state else (state, []))
-    self._iterator.set_state(position)
-    self._serial = 0
-    self._marks = [(0, position)]
-    self._buffer.clear()
-    self._skip = set(used)
+    with self._lock:
+      self._iterator.set_state(position)
+      self._serial = 0
+      self._marks = [(0, position)]
+      self._buffer.clear()
+      self._skip = set(used)
 
+
+MARKS_KEPT = 4096
+"""Batch boundaries a stream remembers: a consumer's oldest pending row must be within them
+(continuous admission holds a bounded number of groups in flight: far fewer)."""
 
 SKIP, POSITION = "rlx_used_after", "rlx_position"
 """A state with rows used past its position (``PromptStream.get_state``)."""

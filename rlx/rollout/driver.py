@@ -271,8 +271,7 @@ class _Run:
     """Asks ``supply`` for more prompts (blocking it when nothing is in flight); whether any
     request is left to run."""
     if not self.closed:
-      idle = all(o is None for o in self.owner) and not self.pending and not self.prefixes
-      more = self.supply(idle)
+      more = self.supply(not self._in_flight())
       if more is None:
         self.closed = True
       else:
@@ -283,6 +282,10 @@ class _Run:
         self.prompts.extend(more)
         self.pending.extend(range(start, len(self.prompts)))
     return self.done < len(self.prompts) * self.n
+
+  def _in_flight(self) -> bool:
+    """Whether some request is admitted and not done."""
+    return any(o is not None for o in self.owner) or bool(self.pending or self.prefixes)
 
   def _admissible(self, prompt: list[int]) -> None:
     """Refuses a streamed prompt this engine cannot run."""
@@ -308,12 +311,13 @@ class _Run:
     prompts = np.array([self.first_prompt_index + p for p, _ in requests], np.int32)
     return _request_keys(self.base_key, prompts, np.array([s for _, s in requests], np.int32))
 
-  def _complete(self, key: tuple[int, int], slot: int, completion: Completion) -> None:
+  def _complete(self, key: tuple[int, int], slot: int | None, completion: Completion) -> None:
     """A request is done: its slot frees and it goes to ``on_finished``."""
     self.done += 1
     if self.supply is None:  # a stream keeps nothing: its consumer has it
       self.results[key] = completion
-    self.owner[slot] = None
+    if slot is not None:  # None: an episode that ended away from the slots
+      self.owner[slot] = None
     if self.on_finished is not None:
       self.on_finished(completion)
 

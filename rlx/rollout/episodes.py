@@ -18,10 +18,20 @@ encoded again. An episode ends when the environment says done, or truncated (fin
 answer within ``step_timeout_s``. With ``weights=``, newer weights are swapped in between
 decode chunks as in ``rollout.generate``: an episode may then span policy versions, each
 token stamped with its own (``Completion.token_versions``).
+
+``release=True`` parks an episode *off* the slots instead: the slot frees at the end of a
+turn and takes other work while the environment runs (with slow tools most slots would
+otherwise sit parked), and when the reply comes the episode's whole sequence so far (prompt,
+turns, reply) is prefilled into the next free slot, ahead of new prompts, and its next turn
+sampled there. The tokens are the same ids; the cache is computed again (by the weights in use
+then, which is also what the learner recomputes the log-probs with), the behaviour log-probs
+of the earlier turns stay those they were sampled with. The engine's ``max_prompt_len`` must
+then hold a prompt and ``max_tokens``.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -50,7 +60,7 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
                       first_prompt_index: int = 0, step_timeout_s: float = 30.0,
                       on_finished: Callable[[Completion], None] | None = None,
                       stats: dict | None = None, weights: Weights | None = None,
-                      supply: Supply | None = None) -> list[Completion]:
+                      supply: Supply | None = None, release: bool = False) -> list[Completion]:
   """``n`` episodes from each prompt (see the module docstring).
 
   Args:
@@ -64,6 +74,7 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
       dispatched), ``busy_steps`` (of those, the ones that produced a token: the slot
       occupancy is their ratio) and ``parked_s`` (seconds every slot waited for an environment
       while no slot decoded).
+    release: an episode waiting for its environment leaves its slot (the module docstring).
     The rest as in ``rollout.generate``.
   """
   prompts = [list(map(int, p)) for p in prompts]
@@ -72,7 +83,7 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
   run = EpisodeRun(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                    tuple(stop_token_ids), seed, policy_version, "continuous", first_prompt_index,
                    on_finished, weights, respond=respond, max_tokens=max_tokens,
-                   step_timeout_s=step_timeout_s, supply=supply, stats=stats)
+                   step_timeout_s=step_timeout_s, supply=supply, stats=stats, release=release)
   for p in prompts:
     run._admissible(p)
   return run.run()
@@ -81,32 +92,50 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
 class EpisodeRun(_Run):
   """``_Run`` whose slots park at the end of a turn instead of freeing."""
 
-  def __init__(self, *args, respond: Respond, max_tokens: int, step_timeout_s: float, **kwargs):
+  def __init__(self, *args, respond: Respond, max_tokens: int, step_timeout_s: float,
+               release: bool = False, **kwargs):
     super().__init__(*args, **kwargs)
     self.respond, self.max_tokens, self.step_timeout_s = respond, max_tokens, step_timeout_s
-    self.parked: dict[int, _Parked] = {}
+    self.parked: dict[int, _Parked] = {}  # slot -> its episode's environment step
     self.turn_start: dict[tuple[int, int], int] = {}
+    self.release = release
+    self.away: dict[tuple[int, int], _Parked] = {}  # released: episode -> its environment step
+    self.returning: collections.deque = collections.deque()  # (episode, reply tokens)
+    """Released episodes whose reply came, waiting for a free slot."""
+
+  def _in_flight(self) -> bool:
+    return super()._in_flight() or bool(self.away or self.returning)
 
   def _admissible(self, prompt: list[int]) -> None:
     super()._admissible(prompt)
     if self.max_tokens > self.engine.max_len - len(prompt):
       raise ValueError(f"max_tokens={self.max_tokens} does not fit in the engine's max_len="
                        f"{self.engine.max_len} after a prompt of {len(prompt)} tokens")
+    if self.release and len(prompt) + self.max_tokens - 1 > self.engine.max_prompt_len:
+      raise ValueError(f"a released episode is prefilled again whole: a prompt of "
+                       f"{len(prompt)} tokens and max_tokens={self.max_tokens} need an engine "
+                       f"max_prompt_len of {len(prompt) + self.max_tokens - 1}, it has "
+                       f"{self.engine.max_prompt_len}")
 
   def _step(self, state):
     """Resumes the slots whose environment answered, fills the free ones, then decodes one
     chunk; when every slot waits on its environment, waits for the first reply."""
     state = self._resume(state)
     free = [s for s, o in enumerate(self.owner) if o is None]
+    if free and self.returning:  # released episodes first: they are older than new prompts
+      state = self._reenter(state, free)
+      free = [s for s, o in enumerate(self.owner) if o is None]
     if free:
       state = self._fill(state, free)
     decoding = [s for s, o in enumerate(self.owner) if o is not None and s not in self.parked]
+    waiting = [*self.parked.values(), *self.away.values()]
     if decoding:
-      state, _ = self._decode(state, decoding, bool(self.pending or self.prefixes or self.parked))
-    elif self.parked:  # every slot waits for its environment
-      oldest = min(p.since for p in self.parked.values())
+      state, _ = self._decode(state, decoding, bool(self.pending or self.prefixes or waiting
+                                                    or self.returning))
+    elif waiting:  # every episode waits for its environment
+      oldest = min(p.since for p in waiting)
       began = time.monotonic()
-      concurrent.futures.wait([p.future for p in self.parked.values()],
+      concurrent.futures.wait([p.future for p in waiting],
                               timeout=max(oldest + self.step_timeout_s - time.monotonic(), 0.01),
                               return_when=concurrent.futures.FIRST_COMPLETED)
       self.stats["parked_s"] += time.monotonic() - began
@@ -131,10 +160,14 @@ class EpisodeRun(_Run):
     if finished:
       turn = completion.response_tokens[self.turn_start[key]:]
       future = self.respond(key[0], key[1], turn, "stop" if stopped else "length")
-      self.parked[slot] = _Parked(future, time.monotonic())
+      if self.release:  # the slot takes other work meanwhile
+        self.away[key] = _Parked(future, time.monotonic())
+        self.owner[slot] = None
+      else:
+        self.parked[slot] = _Parked(future, time.monotonic())
 
-  def _finish(self, slot: int, truncated: bool) -> None:
-    key = self.owner[slot]
+  def _finish(self, slot: int | None, truncated: bool, key: tuple[int, int] | None = None) -> None:
+    key = self.owner[slot] if key is None else key
     completion = self.partial.pop(key)
     completion.finish_reason = "length" if truncated else "stop"
     self._complete(key, slot, completion)
@@ -159,7 +192,75 @@ class EpisodeRun(_Run):
       extend.append((slot, list(reply.tokens)))
     if extend:
       state = self._extend(state, extend)
+    for key, parked in list(self.away.items()):
+      if not parked.future.done():
+        if now - parked.since > self.step_timeout_s:
+          del self.away[key]
+          self._finish(None, truncated=True, key=key)
+        continue
+      del self.away[key]
+      reply = parked.future.result()
+      used = len(self.partial[key].response_tokens) + len(reply.tokens)
+      if reply.done or not reply.tokens or used >= self.max_tokens:
+        self._finish(None, truncated=reply.truncated or (not reply.done), key=key)
+        continue
+      self.returning.append((key, list(reply.tokens)))
     return state
+
+  def _reenter(self, state, free: list[int]):
+    """Prefills released episodes whose reply came (their whole sequence so far) into free
+    slots and samples their next turns' first tokens there."""
+    entries = [self.returning.popleft() for _ in range(min(len(free), len(self.returning)))]
+    count = self.engine.batch_bucket(len(entries))
+    histories = []
+    for key, appended in entries:
+      completion = self.partial[key]
+      self._append_reply(key, appended)
+      histories.append(self.prompts[key[0]] + completion.response_tokens)
+    length = self.engine.prompt_bucket(max(map(len, histories)))
+    tokens = np.zeros((count, length), np.int32)
+    true_length = np.ones((count,), np.int32)
+    for row, history in enumerate(histories):
+      tokens[row, :len(history)], true_length[row] = history, len(history)
+    prefix = self.engine.prefill(self.params, tokens, true_length)
+    slots = np.full((count,), self.engine.max_slots, np.int32)
+    slots[:len(entries)] = free[:len(entries)]
+    requests = self._keys([key for key, _ in entries])
+    keys = [jax.random.fold_in(requests[i], 1_000_000 + self.partial[key].turns)
+            for i, (key, _) in enumerate(entries)]
+    keys += [keys[0]] * (count - len(entries))
+    for i, (key, _) in enumerate(entries):
+      self.owner[int(slots[i])] = key
+      self.index[slots[i]] = len(histories[i])
+    state = self.engine.insert(prefix, state, slots, np.arange(count, dtype=np.int32),
+                               jax.numpy.stack(keys), self._turn_sampling(
+                                   count, [key for key, _ in entries]))
+    placed = slots[:len(entries)]
+    self.firsts.append((placed.tolist(), _first_tokens(state, slots), self.policy_version))
+    return state
+
+  def _append_reply(self, key: tuple[int, int], appended: list[int]) -> None:
+    """The environment's reply joins the episode (log-prob 0, not sampled); a turn starts."""
+    completion = self.partial[key]
+    completion.stamp(len(appended), self.policy_version)
+    completion.response_tokens.extend(appended)
+    completion.logprobs.extend([0.0] * len(appended))
+    completion.policy_logprobs.extend([0.0] * len(appended))
+    completion.sampled_mask.extend([False] * len(appended))
+    completion.turns += 1
+    self.turn_start[key] = len(completion.response_tokens)
+
+  def _turn_sampling(self, count: int, keys: list[tuple[int, int]]) -> SamplingParams:
+    """The sampling of the next turns of ``keys`` (padded to ``count`` rows): each within the
+    turn's limit and what its episode has left."""
+    temperature, top_k, top_p, turn_max, stop_ids = self.sampling_row
+    max_new = np.ones((count,), np.int32)
+    for i, key in enumerate(keys):
+      max_new[i] = min(turn_max, self.max_tokens - len(self.partial[key].response_tokens))
+    return SamplingParams(
+        temperature=np.full((count,), temperature, np.float32),
+        top_k=np.full((count,), top_k, np.int32), top_p=np.full((count,), top_p, np.float32),
+        max_new_tokens=max_new, stop_ids=np.tile(stop_ids, (count, 1)))
 
   def _extend(self, state, replies: list[tuple[int, list[int]]]):
     count = self.engine.batch_bucket(len(replies))
@@ -169,30 +270,18 @@ class EpisodeRun(_Run):
     slots = np.full((count,), self.engine.max_slots, np.int32)
     tokens = np.zeros((count, width), np.int32)
     lengths = np.ones((count,), np.int32)
-    max_new = np.ones((count,), np.int32)
     keys = []
-    temperature, top_k, top_p, turn_max, stop_ids = self.sampling_row
     requests = self._keys([self.owner[slot] for slot, _ in replies])  # one dispatch for all
     for i, (slot, appended) in enumerate(replies):
       key = self.owner[slot]
       completion = self.partial[key]
       row = [completion.response_tokens[-1], *appended]  # the last sampled token is not cached yet
       slots[i], tokens[i, :len(row)], lengths[i] = slot, row, len(row)
-      completion.stamp(len(appended), self.policy_version)
-      completion.response_tokens.extend(appended)
-      completion.logprobs.extend([0.0] * len(appended))
-      completion.policy_logprobs.extend([0.0] * len(appended))
-      completion.sampled_mask.extend([False] * len(appended))
-      completion.turns += 1
-      self.turn_start[key] = len(completion.response_tokens)
-      max_new[i] = min(turn_max, self.max_tokens - len(completion.response_tokens))
+      self._append_reply(key, appended)
       keys.append(jax.random.fold_in(requests[i], 1_000_000 + completion.turns))
       self.index[slot] += len(row)
     keys += [keys[0]] * (count - len(replies))
-    sampling = SamplingParams(
-        temperature=np.full((count,), temperature, np.float32),
-        top_k=np.full((count,), top_k, np.int32), top_p=np.full((count,), top_p, np.float32),
-        max_new_tokens=max_new, stop_ids=np.tile(stop_ids, (count, 1)))
+    sampling = self._turn_sampling(count, [self.owner[slot] for slot, _ in replies])
     state = self.engine.extend(self.params, state, slots, tokens, lengths,
                                jax.numpy.stack(keys), sampling,
                                filled=int(self.index[slots[:len(replies)]].max()))

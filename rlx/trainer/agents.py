@@ -207,7 +207,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
         stop_token_ids=turn_stop_ids(run.tokenizer, tool_format(config, run.tokenizer)),
         seed=seed, policy_version=version,
         first_prompt_index=first_prompt_index, step_timeout_s=config.env.step_timeout_s,
-        stats=slots, weights=inflight)
+        stats=slots, weights=inflight, release=config.env.release_slots)
   finally:
     episodes.close()
   ordered = [episodes.episodes[(c.prompt_index, c.sample_index)] for c in completions]

@@ -159,7 +159,10 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   # an agent program's later requests hold its earlier turns in their prompts
   engine = rollout.Engine(model.transformer, max_slots=r.max_slots,
                           max_len=r.max_prompt_len + r.max_new_tokens,
-                          max_prompt_len=(r.max_prompt_len + r.max_new_tokens - 1 if config.env.agent
+                          # (or an episode released while its environment works, prefilled
+                          # again whole)
+                          max_prompt_len=(r.max_prompt_len + r.max_new_tokens - 1
+                                          if config.env.agent or config.env.release_slots
                                           else r.max_prompt_len),
                           mesh=meshes.generation,
                           decode_steps=r.decode_steps,

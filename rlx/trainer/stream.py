@@ -45,8 +45,9 @@ it, admission stops, the groups in flight finish and are handed over, a partial 
 at the old temperature is dropped (counted), and a new stream starts at the new one.
 
 Multi-turn episodes (``env.name``) stream the same way: a group's episodes start when it is
-admitted, a parked episode keeps its slot while its environment works and the free slots take
-new groups, and a group completes when its last episode ends.
+admitted, a parked episode keeps its slot while its environment works (or with
+``env.release_slots`` leaves it, to be prefilled again when the reply comes) and the free
+slots take new groups, and a group completes when its last episode ends.
 
 A generator job (``mesh.role=generator``) streams the same way, its gate the learner's
 progress in the workdir and its weights the newest Orbax version, read between decode chunks;
@@ -172,6 +173,7 @@ class Streamer:
               self.run.engine, [], self.episodes.respond,
               max_new_tokens=env.turn_max_new_tokens or r.max_new_tokens,
               max_tokens=env.max_tokens, step_timeout_s=env.step_timeout_s,
+              release=env.release_slots,
               stop_token_ids=turn_stop_ids(self.run.tokenizer,
                                            tool_format(config, self.run.tokenizer)), **common)
       finally:

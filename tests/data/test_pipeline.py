@@ -142,6 +142,8 @@ def test_a_state_with_nothing_pending_is_the_dataset_position(tmp_path):
   next(stream)
   assert set(stream.get_state(pending=[1])) == {"rlx_used_after", "rlx_position"}
   assert stream.get_state() == stream._iterator.get_state()
+  # another thread asking the position (the learner's, at its start) loses the producer none
+  assert set(stream.get_state(pending=[1])) == {"rlx_used_after", "rlx_position"}
 
 
 def test_shards_of_a_stream_split_the_rows_between_them(tmp_path):

@@ -60,12 +60,17 @@ def _full_logprobs(model, tokens, length=128):
   return np.asarray(jax.nn.log_softmax(model(jnp.array([padded]))[0, :len(tokens)]))
 
 
-def test_episodes_keep_sampled_tokens_and_match_a_full_recompute(model):
-  engine = Engine(model.transformer, max_slots=4, max_len=96, max_prompt_len=16, decode_steps=4)
+@pytest.mark.parametrize("release", [False, True])
+def test_episodes_keep_sampled_tokens_and_match_a_full_recompute(model, release):
+  """Parked in their slots, or released and prefilled again when the reply comes (then with
+  fewer slots than episodes, so that the slots really change hands)."""
+  engine = Engine(model.transformer, max_slots=2 if release else 4, max_len=96,
+                  max_prompt_len=48 if release else 16, decode_steps=4)
   env = FakeEnv()
   prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
   completions = generate_episodes(engine, prompts, env.respond, params=model.params, n=2,
-                                  max_new_tokens=6, max_tokens=40, stop_token_ids=STOP, seed=1)
+                                  max_new_tokens=6, max_tokens=40, stop_token_ids=STOP, seed=1,
+                                  release=release)
   assert len(completions) == 6
   assert max(c.turns for c in completions) >= 2  # some episodes really had several turns
   for c in completions:
@@ -107,3 +112,38 @@ def test_an_environment_that_never_answers_ends_its_episode_truncated(model):
                                   max_new_tokens=4, max_tokens=20, stop_token_ids=STOP,
                                   step_timeout_s=0.2)
   assert [c.finish_reason for c in completions] == ["length", "length"]
+
+
+def test_released_episodes_leave_their_slots_to_others_while_their_environment_works(model):
+  """Two slots, six episodes, an environment that takes 0.3 s a step: parked in their slots at
+  most two episodes wait on it at once; released, the slots take the others meanwhile."""
+  for release, most in ((False, 2), (True, 3)):
+    waiting = []
+    lock = threading.Lock()
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    futures = []
+
+    def respond(p, s, tokens, reason):
+      def answer():
+        time.sleep(0.3)
+        return Reply([] if tokens[-1] == 3 else [10, 11], done=tokens[-1] == 3)
+      with lock:
+        futures.append(pool.submit(answer))
+        waiting.append(sum(not f.done() for f in futures))
+        return futures[-1]
+
+    engine = Engine(model.transformer, max_slots=2, max_len=96, max_prompt_len=48,
+                    decode_steps=4)
+    completions = generate_episodes(engine, [[5, 6], [7, 8], [9, 10]], respond,
+                                    params=model.params, n=2, max_new_tokens=4, max_tokens=30,
+                                    stop_token_ids=STOP, seed=5, release=release)
+    pool.shutdown()
+    assert len(completions) == 6
+    assert (max(waiting) >= most) if release else (max(waiting) <= most), (release, waiting)
+
+
+def test_a_release_the_engine_cannot_prefill_again_is_refused(model):
+  engine = Engine(model.transformer, max_slots=2, max_len=64, max_prompt_len=8, decode_steps=4)
+  with pytest.raises(ValueError, match="max_prompt_len of 21"):
+    generate_episodes(engine, [[5, 6]], FakeEnv().respond, params=model.params, max_new_tokens=4,
+                      max_tokens=20, stop_token_ids=STOP, release=True)
