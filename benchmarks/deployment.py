@@ -14,6 +14,8 @@ on the same two CPU cores, one arm after the other:
 - ``split``: one process, 2 devices (one generates, one learns), both cores, a thread each.
 - ``stream``: ``split`` with continuous admission (``mesh.admission=continuous``): one
   generation stream, new prompts taking the slots finished samples leave.
+- ``stream_release``: ``stream`` where an episode waiting for its environment leaves its slot
+  (``env.release_slots``); episodes only.
 - ``jobs``: a learner process and a generator process (``mesh.role``), 1 device each,
   each pinned to its own core with ``taskset`` when it exists; they share the workdir.
 
@@ -70,11 +72,12 @@ def _processes(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> list[l
   if arm == "colocated":
     return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=colocated",
                                       "--config.mesh.cpu_devices=2", *warm)]
-  if arm in ("split", "stream"):
-    admission = "continuous" if arm == "stream" else "batch"
+  if arm in ("split", "stream", "stream_release"):
+    admission = "batch" if arm == "split" else "continuous"
+    release = ["--config.env.release_slots=true"] if arm == "stream_release" else []
     return [_pinned("0,1") + _command(workdir, args, "--config.mesh.mode=split",
                                       "--config.mesh.cpu_devices=2",
-                                      f"--config.mesh.admission={admission}", *warm)]
+                                      f"--config.mesh.admission={admission}", *release, *warm)]
   if arm == "processes":
     with socket.socket() as s:
       s.bind(("localhost", 0))
@@ -121,7 +124,7 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
       "final_reward_mean": round(statistics.mean(r["reward/mean"] for r in tail), 4),
       "final_train_accuracy": round(statistics.mean(r["reward/accuracy"] for r in tail), 4),
   }
-  if arm in ("split", "stream"):
+  if arm in ("split", "stream", "stream_release"):
     report["generation_busy_frac"] = round(rows[-1]["time/generation_busy_frac"], 3)
     report["learning_busy_frac"] = round(rows[-1]["time/learning_busy_frac"], 3)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
@@ -151,7 +154,7 @@ def main() -> None:
   parser.add_argument("--config", default="configs/dapo_split.py",
                       help="the config every arm runs (its mesh mode is the arm's)")
   arms = ["colocated", "processes", "split", "stream", "jobs"]
-  parser.add_argument("--arms", nargs="+", default=arms, choices=arms)
+  parser.add_argument("--arms", nargs="+", default=arms, choices=[*arms, "stream_release"])
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the final reward averages")
