@@ -20,6 +20,8 @@ from tests.trainer import tiny
 def test_the_only_copies_of_the_weights_are_the_state_s_and_the_generator_s(tmp_path, mode):
   config = tiny.config("dapo_split", f"--config.mesh.mode={mode}",
                        "--config.trainer.warmup_sft_steps=0")
+  gc.collect()
+  earlier = jax.live_arrays()  # other tests' (held, so that no new array takes their ids)
   run = prepare(config, tmp_path, say=lambda line: None)
   try:
     learner = Learner.for_run(run, say=lambda line: None)
@@ -29,7 +31,8 @@ def test_the_only_copies_of_the_weights_are_the_state_s_and_the_generator_s(tmp_
     held = {id(learner.state.params["embed"]), id(learner.sync.latest()[0]["embed"])}
     held |= {id(leaf) for leaf in jax.tree.leaves(learner.state.opt_state)
              if getattr(leaf, "shape", None) == shape}
-    live = [a for a in jax.live_arrays() if a.shape == shape]
+    before = {id(a) for a in earlier}
+    live = [a for a in jax.live_arrays() if a.shape == shape and id(a) not in before]
     assert len(held) == 4  # params, the two moments, the generator's copy
     assert {id(a) for a in live} == held, [a.sharding for a in live if id(a) not in held]
     assert run.model.params is None  # what would read the run's copy reads the learner's
