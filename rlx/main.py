@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 from rlx import cli
 from rlx.config import ConfigError, RunConfig
@@ -200,6 +201,24 @@ def _stop_at_start(signum, frame) -> None:
   raise KeyboardInterrupt if signum == signal.SIGINT else _StoppedAtStart
 
 
+ERROR_LOG = "error.log"
+"""Where in the workdir a run that ended on an error keeps its traceback."""
+
+
+def _keep_traceback(invocation) -> None:
+  """Writes the error being handled, with its traceback, to the workdir's ``error.log`` and
+  says where: the one-line message is for the user, the traceback for a bug report (an error
+  no refusal meant, such as an empty ``max()``, would be lost otherwise)."""
+  if invocation is None or not pathlib.Path(invocation.workdir).is_dir():
+    return
+  path = pathlib.Path(invocation.workdir) / ERROR_LOG
+  try:
+    path.write_text(traceback.format_exc())
+  except OSError:
+    return
+  print(f"rlx: the traceback is in {path}", file=sys.stderr)
+
+
 MMAP_THRESHOLD = 1 << 20
 """Host buffers of at least this many bytes get their own pages (``return_freed_memory``)."""
 
@@ -255,6 +274,7 @@ def _main(argv: list[str] | None) -> int:
     return os.EX_TEMPFAIL  # 75, rlx.checkpoint.EXIT_STOPPED: a scheduler requeues it
   except ValueError as error:  # CheckpointError and other refusals with a message for the user
     print(f"rlx: error: {error}", file=sys.stderr)
+    _keep_traceback(invocation)
     return 2
   except OSError as error:  # the machine refused: a full disk, a read-only or forbidden path
     if error.errno not in _MACHINE_ERRORS:

@@ -413,3 +413,20 @@ def test_a_config_outside_the_checkout_imports_the_shipped_ones(tmp_path):
   out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                        text=True, check=True).stdout
   assert out.strip() == "base"
+
+
+def test_an_error_the_run_did_not_mean_keeps_its_traceback_in_the_workdir(tmp_path, capsys,
+                                                                          monkeypatch):
+  from rlx import main
+
+  def deep_inside():
+    return max([])  # a bug, not a refusal: the one-line message alone would hide where
+
+  monkeypatch.setattr(main, "run", lambda config, workdir: deep_inside())
+  status = main.main(["--config", str(ROOT / "configs/base.py"), "--workdir", str(tmp_path)])
+  error = capsys.readouterr().err.splitlines()
+  assert status == 2
+  assert error[0].startswith("rlx: error: max()")
+  assert error[1] == f"rlx: the traceback is in {tmp_path / 'error.log'}"
+  kept = (tmp_path / "error.log").read_text()
+  assert "Traceback" in kept and "deep_inside" in kept
