@@ -90,7 +90,8 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
 
 
 class EpisodeRun(_Run):
-  """``_Run`` whose slots park at the end of a turn instead of freeing."""
+  """``_Run`` whose slots park at the end of a turn instead of freeing (with ``release``, whose
+  episodes leave their slots and come back)."""
 
   def __init__(self, *args, respond: Respond, max_tokens: int, step_timeout_s: float,
                release: bool = False, **kwargs):
