@@ -99,6 +99,16 @@ def _steps(workdir: pathlib.Path) -> int:
   return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+def _wait_for_steps(learner: subprocess.Popen, workdir: pathlib.Path, count: int, *,
+                    timeout_s: float) -> None:
+  """Until the learner job has logged ``count`` steps; fails with its output if it ends first
+  or the time runs out."""
+  deadline = time.monotonic() + timeout_s
+  while _steps(workdir) < count:
+    assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
+    time.sleep(0.2)
+
+
 def test_a_learner_job_and_two_generator_jobs_with_a_generator_restart(tmp_path):
   steps = 8
   # an entropy floor no policy reaches: the learner's controller raises the sampling
@@ -110,10 +120,7 @@ def test_a_learner_job_and_two_generator_jobs_with_a_generator_restart(tmp_path)
                 for g in (0, 1)]
   processes = [learner, *generators]
   try:
-    deadline = time.monotonic() + 180
-    while _steps(tmp_path) < 3:
-      assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
-      time.sleep(0.2)
+    _wait_for_steps(learner, tmp_path, 3, timeout_s=180)
     os.killpg(generators[1].pid, signal.SIGKILL)  # mid-run, maybe mid-write
     generators[1].wait(timeout=30)
     generators[1] = _start("generator", tmp_path, *control, "--config.mesh.generator_id=1")
@@ -164,10 +171,7 @@ def test_a_streaming_generator_job_killed_mid_stream_resumes(tmp_path):
   generator = _start("generator", tmp_path, *stream)
   processes = [learner, generator]
   try:
-    deadline = time.monotonic() + 180
-    while _steps(tmp_path) < 2:
-      assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
-      time.sleep(0.2)
+    _wait_for_steps(learner, tmp_path, 2, timeout_s=180)
     os.killpg(generator.pid, signal.SIGKILL)
     generator.wait(timeout=30)
     generator = _start("generator", tmp_path, *stream)
@@ -240,10 +244,7 @@ def test_a_generator_killed_without_a_word_stops_the_learner_naming_it(tmp_path)
   learner = _start("learner", tmp_path, "--config.trainer.steps=50")
   generator = _start("generator", tmp_path)
   try:
-    deadline = time.monotonic() + 240
-    while _steps(tmp_path) < 1:
-      assert time.monotonic() < deadline and learner.poll() is None, learner.stdout.read()
-      time.sleep(0.2)
+    _wait_for_steps(learner, tmp_path, 1, timeout_s=240)
     os.killpg(generator.pid, signal.SIGKILL)
     killed = time.monotonic()
     out, _ = learner.communicate(timeout=90)
