@@ -6,8 +6,8 @@ The suite compiles hundreds of small programs and runs each a few times, so comp
 of its time. LLVM's optimisation passes (``xla_backend_optimization_level``) change how fast
 the compiled code runs, never what it computes; at level 0 the update-step tests take half as
 long. XLA:CPU's older loop emitters (``xla_cpu_use_fusion_emitters=false``) compile a tiny run's
-programs in two thirds of the time of the MLIR fusion emitters, to the same metrics
-(``XLA_FLAGS`` set by hand wins, flag by flag). Programs compiled by one test are loaded by the next
+programs in two thirds of the time of the MLIR fusion emitters, to the same values up to float
+rounding (``XLA_FLAGS`` set by hand wins, flag by flag). Programs compiled by one test are loaded by the next
 from a session-wide persistent cache, which ``tiny.OVERRIDES`` hands to the runs tests start as
 subprocesses too; nothing is written under the user's home.
 """

@@ -279,8 +279,10 @@ def test_minibatch_schedule_equals_the_step_by_step_reference(model, name, clip_
     reference, metrics = step.minibatch(reference, jax.tree.map(lambda x: x[i], scheduled))
     ratio_max.append(float(metrics["policy/ratio_max"]))
   state, metrics = step(state, batch)
+  # Adam's g / sqrt(v) turns a float rounding in a near-zero gradient into ~1e-6 of a weight
+  # (each step moves a weight by up to the learning rate, 3e-2)
   chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(reference.params),
-                              rtol=2e-5, atol=2e-6)
+                              rtol=2e-5, atol=1e-5)
   assert int(state.step) == 4 and int(state.policy_version) == 1
   assert float(metrics["policy/ratio_max"]) == pytest.approx(max(ratio_max), rel=1e-5)
   assert int(metrics["train/updates"]) == 4
