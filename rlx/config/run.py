@@ -126,7 +126,7 @@ class DataConfig:
   answer_format: Literal["plain", "gsm8k"] = "plain"
   """How the answer field reads: as it is, or GSM8K's rationale ending in '#### 72' (the reference answer is what follows the last '####', without thousands commas)."""
   system_prompt: str = ""
-  """A system message put before every prompt (a row whose prompt is a list of messages that already starts with one keeps its own); without a chat template, plain text before the prompt. '' none."""
+  """A system message put before every prompt (a row whose prompt is a list of messages that already starts with one keeps its own), and first in every episode whose environment starts without one (e.g. to describe the tools to a model whose chat template takes no tool list); without a chat template, plain text before the prompt. '' none."""
   chat_template_kwargs: str = ""
   """Extra variables for the chat template, as a JSON object, e.g. '{"enable_thinking": false}' for Qwen3; '' none."""
 

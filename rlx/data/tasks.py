@@ -14,8 +14,8 @@ its text falls in ``eval_fraction``.
   order.`` -> ``1379``.
 - ``calc``: ``What is 347*582?`` -> ``201954``: products too large
   for the built-in model to compute, for the ``calc`` environment's calculator tool. A share
-  of the rows' warm-up targets (``sft_segments``) call the tool; the environment's part of
-  them (the ``<result>``) is not trained on.
+  of the rows' warm-up targets (``sft_turns``) call the tool, in the run's tool-call format;
+  the environment's part of them (the result) is not trained on.
 - ``word_sums``: two-number addition and subtraction as one-sentence word problems
   (``Mia has 7 pens and buys 5 more. How many pens does Mia have now?`` -> ``12``), numbers
   1-10, asking for a ``\\boxed{}`` answer: for small pretrained instruct models with no
@@ -30,7 +30,6 @@ its text falls in ``eval_fraction``.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Callable
 from typing import Literal
@@ -96,8 +95,11 @@ def _code(rng: random.Random) -> dict:
                     "Reply in ```python.",
           "answer": program, "sft_target": answer, "tests": tests,
           # with the code environment: try the program against the visible tests, then answer
-          "sft_segments": [[f"<call>run_tests({json.dumps(program)})</call>", True],
-                           ["<result>all passed</result>", False], [answer, True]]}
+          "sft_turns": [
+              {"role": "assistant", "tool_calls": [{"name": "run_tests",
+                                                    "arguments": {"code": program}}]},
+              {"role": "tool", "name": "run_tests", "content": "all passed"},
+              {"role": "assistant", "content": answer}]}
 
 
 _NAMES = ("Tom", "Mia", "Sam", "Ana", "Leo", "Zoe", "Ben", "Eva")
@@ -131,10 +133,13 @@ def _calc(rng: random.Random) -> dict:
   value = str(a * b)
   row = {"prompt": f"What is {a}*{b}?", "answer": value}
   if rng.random() < CALC_TOOL_SHARE:
-    row["sft_segments"] = [[f'<call>calculator("{a}*{b}")</call>', True],
-                           [f"<result>{value}</result>", False],
-                           [f"<answer>{value}</answer>", True]]
-    row["sft_target"] = "".join(text for text, _ in row["sft_segments"])
+    # written in the run's tool-call format and chat template by the warm-up
+    row["sft_turns"] = [
+        {"role": "assistant", "tool_calls": [{"name": "calculator",
+                                              "arguments": {"expression": f"{a}*{b}"}}]},
+        {"role": "tool", "name": "calculator", "content": value},
+        {"role": "assistant", "content": f"<answer>{value}</answer>"}]
+    row["sft_target"] = f'<call>calculator("{a}*{b}")</call><result>{value}</result><answer>{value}</answer>'
   else:
     row["sft_target"] = f"<answer>{value}</answer>"
   return row

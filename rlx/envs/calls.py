@@ -9,7 +9,7 @@
   3.1+ JSON tool calling; ``<|python_tag|>`` in front is allowed), several separated by ``;``.
 
 ``parse(text, format)`` gives the calls, or raises ``MalformedCall`` with what is wrong (the
-model reads that message as the call's answer).
+model reads that message as the call's answer); ``write(call, format)`` is the text of a call.
 """
 
 from __future__ import annotations
@@ -98,6 +98,23 @@ def parse(text: str, format: Format) -> list[ToolCall]:
     if not body.startswith("{"):
       return []
     return [_json_call(part.strip(), "parameters") for part in body.split(";") if part.strip()]
+  raise ValueError(f"unknown tool-call format {format!r}; choose one of {', '.join(FORMATS)}")
+
+
+def write(call: ToolCall, format: Format) -> str:
+  """The text of ``call`` as a model writes it in ``format`` (``parse`` reads it back): the
+  supervised warm-up's tool calls. 'builtin' writes a one-argument call positionally
+  (``calculator("347*582")``), others by keyword."""
+  if format == "builtin":
+    literal = lambda value: json.dumps(value) if isinstance(value, str) else repr(value)
+    values = list(call.arguments.values())
+    inside = (literal(values[0]) if len(values) == 1 else
+              ", ".join(f"{key}={literal(value)}" for key, value in call.arguments.items()))
+    return f"{BUILTIN_CALL[0]}{call.name}({inside}){BUILTIN_CALL[1]}"
+  if format == "qwen":
+    return f'<tool_call>\n{json.dumps({"name": call.name, "arguments": call.arguments})}\n</tool_call>'
+  if format == "llama":
+    return json.dumps({"name": call.name, "parameters": call.arguments})
   raise ValueError(f"unknown tool-call format {format!r}; choose one of {', '.join(FORMATS)}")
 
 

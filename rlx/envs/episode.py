@@ -106,8 +106,10 @@ class Episode:
 
   def __init__(self, env: Environment, renderer: Renderer, runner: ToolRunner,
                toolbox: Toolbox | None, *, format: Format, max_turns: int,
-               max_observation_chars: int = 0):
+               max_observation_chars: int = 0, system: str = ""):
     self.env, self.renderer, self.runner, self.toolbox = env, renderer, runner, toolbox
+    self.system = system
+    """A system message put first when the environment's first messages have none."""
     self.format, self.max_turns = format, max_turns
     self.max_observation_chars = max_observation_chars
     """An environment message longer than this is cut, as a tool result is (0: never)."""
@@ -138,6 +140,8 @@ class Episode:
     if problem:
       raise EnvError(f"reset() returned {problem}")
     self.messages = [self._cut(m) for m in messages]
+    if self.system and not (self.messages and self.messages[0].get("role") == "system"):
+      self.messages.insert(0, {"role": "system", "content": self.system})
     return self.renderer.prompt(self.messages)
 
   def _cut(self, message: Message) -> Message:

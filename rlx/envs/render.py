@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlx.envs.calls import BUILTIN_RESULT, Format
+from rlx.envs.calls import BUILTIN_RESULT, Format, ToolCall, stop_strings, write
 
 _PLACEHOLDER = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 
@@ -60,3 +60,29 @@ class Renderer:
     start = before.rindex(eos) + (len(eos) if closed else 0) if eos and eos in before else None
     closing = before[start:] if start is not None else ""
     return self.tokenizer.encode(closing + after[len(before):], add_special_tokens=False)
+
+  def scripted(self, turns: Sequence[dict]) -> list[tuple[list[int], bool]]:
+    """A written continuation of the prompt, as an episode would produce it: ``[(ids,
+    trained)]`` where each assistant turn (``content``, then its ``tool_calls`` in this
+    format, then the end of turn) is trained, and the messages between them (tool results,
+    the environment's turns) are the template's increments, not trained. The supervised
+    warm-up of a multi-turn run trains on these (a row's ``sft_turns``). A tool call is
+    ``{"name": ..., "arguments": {...}}``; the script ends on an assistant turn."""
+    segments: list[tuple[list[int], bool]] = []
+    waiting: list[dict] = []
+    for turn in turns:
+      if turn.get("role") != "assistant":
+        waiting.append(dict(turn))
+        continue
+      if waiting:
+        segments.append((self.increment(waiting), False))
+        waiting = []
+      calls = [ToolCall(c["name"], dict(c.get("arguments", {}))) for c in turn.get("tool_calls", ())]
+      text = str(turn.get("content", "")) + "".join(write(call, self.format) for call in calls)
+      ids = self.tokenizer.encode(text, add_special_tokens=False)
+      if not (calls and stop_strings(self.format)):  # else the call's closing token ends it
+        ids.append(self.tokenizer.eos_id)
+      segments.append((ids, True))
+    if waiting or not segments:
+      raise ValueError("a scripted conversation (sft_turns) must end on an assistant turn")
+    return segments

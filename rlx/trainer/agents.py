@@ -140,7 +140,8 @@ class _Episodes:
       renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
       episode = Episode(env, renderer, self.run.tools, toolbox, format=self.format,
                         max_turns=config.env.max_turns,
-                        max_observation_chars=config.env.max_observation_chars)
+                        max_observation_chars=config.env.max_observation_chars,
+                        system=config.data.system_prompt)
       try:
         prompt = self._started(episode)
       except EnvError:

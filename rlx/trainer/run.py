@@ -20,7 +20,7 @@ import jax
 
 from rlx import distributed, rollout
 from rlx.config import ConfigError, RunConfig
-from rlx.envs import ToolRunner, load_agent, load_factory, verifiers
+from rlx.envs import Renderer, ToolRunner, load_agent, load_factory, verifiers
 from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import (
@@ -420,16 +420,20 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
                         max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
   started = time.perf_counter()
   rows = _episode_prompted(config, tokenizer, stream) if config.env.name else stream
+  renderer = None
+  if config.env.enabled:  # the targets' tool calls and results as the episodes write them
+    from rlx.trainer.agents import tool_format  # noqa: PLC0415 - agents imports this module
+    renderer = Renderer(tokenizer, tool_format(config, tokenizer))
   probe = None
   if trainer.warmup_sft_until:  # a fixed sample of the prompts, in another order
     sample = PromptStream(source, batch_size=PROBE_ROWS, seed=config.data.shuffle_seed + 2,
                           encode=prompt_encoder(config, tokenizer),
                           max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
     probe = next(sft_batches(_episode_prompted(config, tokenizer, sample) if config.env.name
-                             else sample, tokenizer, config.env.enabled))
+                             else sample, tokenizer, renderer))
   model, losses = warm_up(model, rows, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate,
-                          episodes=config.env.enabled, say=say,
+                          renderer=renderer, say=say,
                           until=trainer.warmup_sft_until, probe=probe)
   if not (all(map(math.isfinite, losses)) and _finite(model.params)):
     bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)

@@ -2,9 +2,11 @@
 freshly initialised model learns the answer format before RL improves its answers.
 
 The response a row is trained on is its ``sft_target`` (the built-in tasks give one), else
-``<answer>{answer}</answer>``, followed by eos. A multi-turn run trains on a row's ``sft_segments``
-when it has them: a list of ``[text, trained]`` pairs, where the environment's parts (tool
-results) are context and not trained on.
+``<answer>{answer}</answer>``, followed by eos. A multi-turn run trains on a row's ``sft_turns``
+when it has them: the assistant's turns and the messages between them (tool results), rendered
+as the run's episodes render them (``Renderer.scripted``: its tool-call format, its chat
+template's increments), the environment's parts context and not trained on; or on its
+``sft_segments``, a list of ``[text, trained]`` pairs written out by hand.
 """
 
 from __future__ import annotations
@@ -36,21 +38,31 @@ def target_text(row: dict) -> str:
   return f"<answer>{row['answer']}</answer>"
 
 
+def _response(row: dict, tokenizer: Tokenizer, renderer) -> tuple[list[int], list[bool]]:
+  """A row's target response and which of its tokens are trained (``renderer``: a multi-turn
+  run's, else None)."""
+  if renderer is not None and row.get("sft_turns"):
+    segments = renderer.scripted(row["sft_turns"])  # each assistant turn ends itself
+  else:
+    texts = (renderer is not None and row.get("sft_segments")) or [[target_text(row), True]]
+    segments = [(tokenizer.encode(text, add_special_tokens=False), bool(trained))
+                for text, trained in texts] + [([tokenizer.eos_id], True)]
+  response, trained = [], []
+  for ids, sampled in segments:
+    response += ids
+    trained += [sampled] * len(ids)
+  return response, trained
+
+
 def sft_batches(rows: Iterator[list[dict]], tokenizer: Tokenizer,
-                episodes: bool = False) -> Iterator[dict[str, np.ndarray]]:
+                renderer=None) -> Iterator[dict[str, np.ndarray]]:
   """Token arrays of prompt + target response (the response is what the loss sees). With
-  ``episodes`` (a multi-turn run), a row's ``sft_segments`` are its target when it has them."""
+  the ``renderer`` of a multi-turn run (``rlx.envs.Renderer``), a row's ``sft_turns`` or
+  ``sft_segments`` are its target when it has them."""
   for batch in rows:
     completions = []
     for row in batch:
-      segments = (episodes and row.get("sft_segments")) or [[target_text(row), True]]
-      response, trained = [], []
-      for text, sampled in segments:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        response += ids
-        trained += [bool(sampled)] * len(ids)
-      response.append(tokenizer.eos_id)
-      trained.append(True)
+      response, trained = _response(row, tokenizer, renderer)
       completions.append(Completion(prompt_tokens=row["prompt_tokens"], response_tokens=response,
                                     logprobs=[0.0] * len(response), policy_logprobs=[],
                                     finish_reason="stop", policy_version=0, prompt_index=0,
@@ -74,11 +86,12 @@ def exact_share(transformer, params, tokens: jax.Array, attention_mask: jax.Arra
 
 
 def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, steps: int,
-            learning_rate: float, episodes: bool = False, say=None,
+            learning_rate: float, renderer=None, say=None,
             every_s: float = 15.0, until: float = 0.0, probe: dict | None = None,
             check_every: int = 2) -> tuple[Model, list[float]]:
   """Up to ``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the
   model and the loss of every step. ``say``: told where it is at most every ``every_s`` seconds.
+  ``renderer``: a multi-turn run's (rows' ``sft_turns`` / ``sft_segments``), see ``sft_batches``.
 
   ``until`` > 0 with ``probe`` (``sft_batches`` arrays of a fixed sample of rows): stops once
   that share of the probe's rows is answered exactly (``exact_share``), checked every
@@ -101,7 +114,7 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   params = model.params
   opt_state = optimizer.init(params)
   losses = []
-  batches = sft_batches(rows, tokenizer, episodes)
+  batches = sft_batches(rows, tokenizer, renderer)
   progress.doing("the supervised warm-up")
   started = told = time.perf_counter()
   compiled = None  # when the first step (which compiles) was done: the rate counts from it

@@ -2,6 +2,7 @@
 failures as observations, limits, and observations rendered as token increments (built-in
 format and a chat template)."""
 
+import random
 import re
 
 import pytest
@@ -172,3 +173,64 @@ def test_reset_failures_are_named_and_a_huge_observation_is_cut(tokenizer):
   reply = episode.respond("x", "stop")
   assert not reply.done and len(reply.tokens) < 200
   assert "[cut: 9999900 more characters]" in episode.messages[-1]["content"]
+
+
+def _templated():
+  base = builtin_tokenizer()
+  base.backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+  return Tokenizer(base.backend, eos_token="<|im_end|>", pad_token="<|pad|>",
+                   chat_template=QWEN_LIKE)
+
+
+@pytest.mark.parametrize("format", ["builtin", "qwen", "llama"])
+def test_a_scripted_warm_up_target_is_what_an_episode_of_the_same_turns_produces(format):
+  """The warm-up's ``sft_turns`` (rendered by ``Renderer.scripted``) are token for token the
+  sequence an episode produces when the model writes those turns: the call in the run's
+  format, the tool's result as the template's increment, untrained."""
+  from rlx.data import tasks
+  from rlx.envs.calls import ToolCall, bind, parse, write
+  tokenizer = builtin_tokenizer() if format == "builtin" else _templated()
+  renderer = Renderer(tokenizer, format, Toolbox.of([calculator]).schemas)
+  row = next(row for row in map(tasks.TASKS["calc"], map(random.Random, range(50)))
+             if "sft_turns" in row)
+  script = renderer.scripted(row["sft_turns"])
+  assert [trained for _, trained in script] == [True, False, True]
+  call = ToolCall("calculator", {"expression": row["prompt"][8:-1]})
+  [read] = parse(write(call, format), format)
+  assert read.name == call.name and bind(read, ["expression"]) == call.arguments
+  episode = Episode(make_calc(row), renderer, ToolRunner(num_workers=0),
+                    Toolbox.of([calculator]), format=format, max_turns=3)
+  episode.start()
+  first = tokenizer.decode([t for t in script[0][0] if t != tokenizer.eos_id])
+  reply = episode.respond(first, "stop")
+  assert reply.tokens == script[1][0]
+  assert row["answer"] in tokenizer.decode(reply.tokens)
+  assert script[2][0][-1] == tokenizer.eos_id
+  assert episode.respond(tokenizer.decode(script[2][0][:-1]), "stop").done
+  assert episode.counts["tool_calls"] == 1 and episode.counts["tool_errors"] == 0
+  if format == "builtin":  # the built-in model's warm-up text, as it was written by hand
+    a, b = row["prompt"][8:-1].split("*")
+    written = [(f'<call>calculator("{a}*{b}")</call>', True),
+               (f"<result>{row['answer']}</result>", False),
+               (f"<answer>{row['answer']}</answer>", True)]
+    expected = [(tokenizer.encode(text, add_special_tokens=False), trained)
+                for text, trained in written]
+    expected[-1][0].append(tokenizer.eos_id)
+    assert script == expected
+
+
+def test_a_system_prompt_goes_first_in_episodes_that_start_without_one():
+  templated = _templated()
+  renderer = Renderer(templated, "qwen")
+  row = {"prompt": "What is 2*3?", "answer": "6"}
+  with_system = Episode(make_calc(row), renderer, ToolRunner(num_workers=0), None, format="qwen",
+                        max_turns=2, system="Use the calculator.")
+  assert templated.decode(with_system.start(), skip_special_tokens=False) == \
+      templated.render_chat([{"role": "system", "content": "Use the calculator."},
+                             {"role": "user", "content": "What is 2*3?"}], True)
+  assert with_system.messages[0]["role"] == "system"
+
+
+def test_a_script_must_end_on_the_assistant_s_turn():
+  with pytest.raises(ValueError, match="must end on an assistant turn"):
+    Renderer(builtin_tokenizer(), "builtin").scripted([{"role": "tool", "content": "1"}])
