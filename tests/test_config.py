@@ -56,7 +56,8 @@ def test_shipped_configs_choose_their_algorithm_and_mode():
 
 
 def test_shipped_configs_leave_to_the_preset_what_it_fills():
-  for name in ("base", "dapo_split", "grpo_colocated", "ppo_colocated", "smollm2_math"):
+  for name in ("base", "dapo_split", "grpo_colocated", "ppo_colocated", "smollm2_math",
+               "smollm2_calc"):
     config = cli.load_config_file(str(ROOT / "configs" / f"{name}.py"))
     assert config.algorithm.pinned_over_preset() == [], name
   # the code recipes run GRPO with DAPO's clip-higher on purpose: the start line says so
