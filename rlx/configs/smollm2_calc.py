@@ -40,7 +40,7 @@ def get_config() -> RunConfig:
                     turn_max_new_tokens=48, tool_timeout_s=5.0),
       reward=RewardConfig(num_workers=1),
       checkpoint=CheckpointConfig(every_steps=50),
-      trainer=TrainerConfig(steps=30, eval_every=15, eval_prompts=100, warmup_sft_steps=40,
+      trainer=TrainerConfig(steps=15, eval_every=15, eval_prompts=100, warmup_sft_steps=40,
                             warmup_sft="always", warmup_sft_until=0.0, warmup_sft_batch=8,
                             warmup_sft_learning_rate=5e-5, pack_sequences=True),
   )
