@@ -47,8 +47,9 @@ def evaluate(run: Run, params) -> dict[str, float]:
   correct (a format bonus never counts); with ``trainer.eval_samples`` = n, also
   ``eval/pass@k`` for k = 1, 2, 4, ..., n (the unbiased estimate from the n samples at
   ``rollout.temperature``: the chance that some of k samples is correct) and
-  ``eval/sampled_accuracy`` (the share of samples correct, = pass@1). Empty when there are no
-  eval rows. With several processes, each answers its share of the prompts and the metrics
+  ``eval/sampled_accuracy`` (the share of samples correct, = pass@1). Multi-turn episodes
+  also give ``eval/turns_mean`` and ``eval/tool_calls_mean`` of the greedy episodes. Empty
+  when there are no eval rows. With several processes, each answers its share of the prompts and the metrics
   are over all of them."""
   if not run.eval_rows:
     return {}
@@ -57,10 +58,13 @@ def evaluate(run: Run, params) -> dict[str, float]:
   rows = run.eval_rows[index::count]
   n = run.config.trainer.eval_samples
   ks = pass_ks(n) if n else []
-  totals = np.zeros(2 + len(ks))  # greedy correct, correct samples, sums of pass@k
+  # greedy correct, the greedy episodes' count, turns and tool calls, correct samples, pass@k
+  totals = np.zeros(5 + len(ks))
   if rows:
     _, scored = generate_and_score(run, params, rows, n=1, temperature=0.0, seed=0, version=0)
     totals[0] = np.sum(scored.correct)
+    totals[1:4] = [scored.counts.get(f"agent:{key}", 0.0)
+                   for key in ("episodes", "turns", "tool_calls")]
     if n:
       completions, scored = generate_and_score(run, params, rows, n=n,
                                                temperature=run.config.rollout.temperature,
@@ -68,13 +72,16 @@ def evaluate(run: Run, params) -> dict[str, float]:
       right = np.zeros(len(rows), np.int64)
       for completion, correct in zip(completions, scored.correct):
         right[completion.prompt_index] += bool(correct)
-      totals[1] = right.sum()
-      totals[2:] = [pass_at_k(n, right, k).sum() for k in ks]
+      totals[4] = right.sum()
+      totals[5:] = [pass_at_k(n, right, k).sum() for k in ks]
   totals = distributed.sum_over_processes(totals)
   run.seconds["evals"] = run.seconds.get("evals", 0.0) + time.perf_counter() - started
   prompts = len(run.eval_rows)
   metrics = {"eval/accuracy": float(totals[0] / prompts)}
+  if totals[1]:
+    metrics["eval/turns_mean"] = float(totals[2] / totals[1])
+    metrics["eval/tool_calls_mean"] = float(totals[3] / totals[1])
   if n:
-    metrics["eval/sampled_accuracy"] = float(totals[1] / (prompts * n))
-    metrics.update({f"eval/pass@{k}": float(total / prompts) for k, total in zip(ks, totals[2:])})
+    metrics["eval/sampled_accuracy"] = float(totals[4] / (prompts * n))
+    metrics.update({f"eval/pass@{k}": float(total / prompts) for k, total in zip(ks, totals[5:])})
   return metrics

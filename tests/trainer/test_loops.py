@@ -1,5 +1,6 @@
 """Every shipped config runs a few steps at a tiny size, through the loop its mesh mode asks for."""
 
+import json
 import subprocess
 import sys
 
@@ -69,6 +70,8 @@ def test_agent_config_runs_episodes_in_both_deployments(mode, tmp_path):
     assert key in rows[-1] and np.isfinite(rows[-1][key]), key
   assert rows[-1]["agent/turns_mean"] >= 1 and 0 < rows[-1]["rollout/slot_occupancy"] <= 1
   assert (tmp_path / "episodes.jsonl").is_file()
+  final = json.loads((tmp_path / "eval_final.json").read_text())  # the greedy episodes' too
+  assert final["eval/turns_mean"] >= 1 and final["eval/tool_calls_mean"] >= 0, final
 
 
 @pytest.mark.parametrize("admission", ["batch", "continuous"])
