@@ -26,8 +26,7 @@ COMMON = (*tiny.OVERRIDES, "--config.trainer.steps=2", "--config.trainer.warmup_
 def _run(command: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
   """Runs ``command`` in its own process group, killed whole if it outlives ``timeout``: a
   failing multi-process run fails the test, never hangs it."""
-  env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+  process = subprocess.Popen(command, cwd=ROOT, env=tiny.this_python_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
   try:
     out, err = process.communicate(timeout=timeout)

@@ -17,9 +17,8 @@ fine-tuning at 1e-5, 4 prompts x 8 episodes of at most 3 turns, split on 2 CPU d
 
 import dataclasses
 
-from rlx.config import (AlgorithmConfig, CheckpointConfig, DataConfig, EnvConfig, MeshConfig,
-                        ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig, RunConfig,
-                        TrainerConfig)
+from rlx.config import EnvConfig, RunConfig
+from rlx.configs import smollm2_math
 
 SYSTEM = ('You have a calculator. To use it, reply with only <tool_call>\n{"name": "calculator", '
           '"arguments": {"expression": "..."}}\n</tool_call> and its result comes back. '
@@ -27,22 +26,19 @@ SYSTEM = ('You have a calculator. To use it, reply with only <tool_call>\n{"name
 
 
 def get_config() -> RunConfig:
-  return RunConfig(
-      name="smollm2_calc",
-      model=ModelConfig(path="models/SmolLM2-135M-Instruct", dtype="float32", remat="full"),
-      rollout=RolloutConfig(max_slots=64, max_prompt_len=96, max_new_tokens=96, group_size=8,
-                            temperature=0.7),
-      algorithm=AlgorithmConfig(name="grpo", kl_coef=0.0),
-      optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0, max_grad_norm=1.0),
-      mesh=MeshConfig(mode="split", cpu_devices=2, max_staleness=1),
-      data=DataConfig(source="calc", prompts_per_step=4, system_prompt=SYSTEM),
+  """``configs/smollm2_math.py`` (model, GRPO, optimizer, split mesh) with the tool task."""
+  config = smollm2_math.get_config()
+  replace = dataclasses.replace
+  return replace(
+      config, name="smollm2_calc",
+      rollout=replace(config.rollout, max_new_tokens=96),
+      data=replace(config.data, source="calc", system_prompt=SYSTEM),
       env=EnvConfig(name="calc", tool_format="qwen", max_turns=3, max_tokens=96,
                     turn_max_new_tokens=48, tool_timeout_s=5.0),
-      reward=RewardConfig(num_workers=1),
-      checkpoint=CheckpointConfig(every_steps=50),
-      trainer=TrainerConfig(steps=15, eval_every=15, eval_prompts=100, warmup_sft_steps=40,
-                            warmup_sft="always", warmup_sft_until=0.0, warmup_sft_batch=8,
-                            warmup_sft_learning_rate=5e-5, pack_sequences=True),
+      reward=replace(config.reward, name="auto"),
+      trainer=replace(config.trainer, steps=15, eval_prompts=100, warmup_sft="always",
+                      warmup_sft_steps=40, warmup_sft_until=0.0, warmup_sft_batch=8,
+                      warmup_sft_learning_rate=5e-5),
   )
 
 

@@ -287,9 +287,7 @@ def test_a_failing_generator_job_stops_the_launcher_with_its_status(tmp_path):
        "--config.mesh.cpu_devices=1", "--config.trainer.warmup_sft_steps=0",
        "--config.trainer.eval_prompts=0", "--config.reward.name=tests.trainer.toy_rewards:constant",
        "--config.algorithm.dynamic_sampling_max_draws=1", "--config.trainer.steps=5"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      # the launcher starts `python`: this interpreter's, whether or not its venv is activated
-      env=dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"))
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=tiny.this_python_env())
   out = launcher.stdout + launcher.stderr
   assert launcher.returncode != 0, out
   assert "dynamic sampling kept 0 of 2 groups" in out, out

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import sys
 import types
 
 import jax
@@ -30,6 +31,12 @@ OVERRIDES = (
     # the session's compilation cache (tests/conftest.py), also for runs in subprocesses
     f"--config.trainer.compile_cache={os.environ.get('RLX_TEST_COMPILE_CACHE', '')}",
 )
+
+
+def this_python_env() -> dict[str, str]:
+  """The environment for a launcher that starts ``python``: this interpreter's first on PATH,
+  whether or not its virtual environment is activated."""
+  return dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
 
 def config(name: str, *overrides: str):
