@@ -388,6 +388,22 @@ def stop_at_start(name: str) -> None:
   _stops_at_start.append(name)
 
 
+class StoppedAtStart(Exception):
+  """SIGTERM before the training loop took over the stop signals."""
+
+
+def stopped_at_start() -> bool:
+  """Whether a stop signal came during start-up and was not taken yet."""
+  return bool(_stops_at_start)
+
+
+def end_start_up() -> None:
+  """Raises what the start-up's signal handler raises for the recorded stop signal (for a
+  long start-up stage, such as the warm-up, that checks for one its exception missed):
+  KeyboardInterrupt for SIGINT, ``StoppedAtStart`` for SIGTERM."""
+  raise KeyboardInterrupt if take_stop_at_start() == "SIGINT" else StoppedAtStart
+
+
 def take_stop_at_start() -> str | None:
   """The first stop signal recorded during start-up, once; None when none came."""
   name = _stops_at_start[0] if _stops_at_start else None

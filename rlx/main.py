@@ -185,10 +185,6 @@ _MACHINE_ERRORS = {
 }
 
 
-class _StoppedAtStart(Exception):
-  """SIGTERM before the training loop took over the stop signals."""
-
-
 _stopped_at_start = False
 """Set when a start-up was stopped: JAX's threads may be mid-work, and the interpreter's
 teardown can abort on them, so the command exits without it (nothing is left to save)."""
@@ -198,7 +194,20 @@ def _stop_at_start(signum, frame) -> None:
   # recorded first: the exception below can be swallowed where it lands (a garbage-collector
   # callback, an import), and the training loop then stops before it trains instead
   cli.stop_at_start("SIGINT" if signum == signal.SIGINT else "SIGTERM")
-  raise KeyboardInterrupt if signum == signal.SIGINT else _StoppedAtStart
+  raise KeyboardInterrupt if signum == signal.SIGINT else cli.StoppedAtStart
+
+
+def _quiet_unraisable(unraisable) -> None:
+  """``sys.unraisablehook`` during start-up: the stop exception of ``_stop_at_start`` that
+  landed where Python cannot raise it (a garbage-collector callback) is dropped without the
+  "Exception ignored ... Traceback" it would print: the signal is recorded, and the training
+  loop stops before it trains and says so. Anything else goes to the usual hook."""
+  ours = isinstance(unraisable.exc_value, (cli.StoppedAtStart, KeyboardInterrupt))
+  if not (ours and cli.stopped_at_start()):
+    _unraisable_before(unraisable)
+
+
+_unraisable_before = sys.__unraisablehook__
 
 
 ERROR_LOG = "error.log"
@@ -247,9 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     # ends the run with one line and the requeue status, not a bare -15; a Ctrl-C, with 130
     previous = {sig: signal.signal(sig, _stop_at_start) for sig in (signal.SIGTERM,
                                                                      signal.SIGINT)}
+  global _unraisable_before
+  _unraisable_before, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
   try:
     return _main(argv)
   finally:
+    sys.unraisablehook = _unraisable_before
     for sig, handler in previous.items():
       signal.signal(sig, handler)
 
@@ -266,7 +278,7 @@ def _main(argv: list[str] | None) -> int:
   except KeyboardInterrupt:  # before the training loop took over the stop signals
     print("rlx: interrupted before training started; nothing to save", file=sys.stderr)
     return 130
-  except _StoppedAtStart:
+  except cli.StoppedAtStart:
     print("rlx: SIGTERM before training started: nothing to save; rerun the same command to "
           "start", file=sys.stderr)
     global _stopped_at_start

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlx import distributed, progress
+from rlx import cli, distributed, progress
 from rlx.data import DataError
 from rlx.models import Model, Tokenizer
 from rlx.rollout import Completion
@@ -128,6 +128,8 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
                                    arrays["response_mask"])
     losses.append(float(loss))
     progress.tick()
+    if distributed.any_process(cli.stopped_at_start()):  # a signal its exception missed
+      cli.end_start_up()
     if probing and done % check_every == 0 and done < steps:
       reached = float(share(params, **probe))
       # one decision for every process: they would otherwise train different models

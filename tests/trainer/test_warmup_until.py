@@ -4,6 +4,7 @@ decoding does; and the warm-up stops at the first check that reaches the target.
 
 import jax
 import numpy as np
+import pytest
 
 from rlx import rollout
 from rlx.config import ArchConfig
@@ -72,3 +73,22 @@ def test_the_warm_up_stops_at_the_first_check_that_reaches_the_target():
   # without a target (or a probe) it runs every step
   _, losses = warm_up(model, rows(), tokenizer, steps=6, learning_rate=1e-2, probe=probe)
   assert len(losses) == 6
+
+
+def test_a_start_up_stop_signal_its_exception_missed_ends_the_warm_up():
+  """The start-up's signal handler raises where the signal lands; when that was a callback
+  that only prints it (a garbage collector's), the recorded signal ends the warm-up at its
+  next step, with the exception the command turns into its exit status."""
+  from rlx import cli
+
+  tokenizer = builtin_tokenizer()
+  model = init_model(ARCH, jax.random.key(0))
+
+  def rows():
+    cli.stop_at_start("SIGTERM")  # before the first step's batch: as if during its compile
+    while True:
+      yield [{"prompt_tokens": [5, 6, 7], "sft_target": "1"} for _ in range(4)]
+
+  with pytest.raises(cli.StoppedAtStart):
+    warm_up(model, rows(), tokenizer, steps=50, learning_rate=1e-2)
+  assert not cli.stopped_at_start()  # taken: the training loop does not stop a rerun for it
