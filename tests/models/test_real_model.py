@@ -28,7 +28,8 @@ from rlx.rollout import Engine, generate, generate_episodes
 from rlx.trainer.experience import layout
 from rlx.update import sequence_logprobs
 
-# one worker runs them all: the model is loaded (and, the first time, fetched) once
+# one worker runs them all, and the model is loaded (and, the first time, fetched) once per
+# session: other modules' tests may run between these on the same worker
 pytestmark = pytest.mark.xdist_group("real_model")
 
 torch = pytest.importorskip("torch")
@@ -54,7 +55,7 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir() -> pathlib.Path:
   directory = CACHE / "SmolLM2-135M-Instruct"
   if not GGUF.is_file():
@@ -78,7 +79,7 @@ def model_dir() -> pathlib.Path:
   return directory
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_model():
   torch.set_num_threads(2)
   model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -86,12 +87,12 @@ def hf_model():
   return model.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_tokenizer():
   return transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ours(model_dir):
   return from_pretrained(model_dir, dtype=jnp.float32), load_tokenizer(model_dir)
 
@@ -190,9 +191,9 @@ def test_a_multi_turn_episode_is_token_exact_on_the_real_tokenizer(ours):
       return reply
     return pool.submit(answer)
 
-  engine = Engine(model.transformer, max_slots=4, max_len=320, max_prompt_len=64, decode_steps=4)
+  engine = Engine(model.transformer, max_slots=4, max_len=192, max_prompt_len=64, decode_steps=4)
   completions = generate_episodes(engine, prompts, respond, params=model.params, n=2,
-                                  max_new_tokens=40, max_tokens=250,
+                                  max_new_tokens=40, max_tokens=128,
                                   stop_token_ids=list(tokenizer.eos_ids), temperature=1.0, seed=3)
   assert sum(c.turns >= 2 for c in completions) >= 2, [c.turns for c in completions]
   arrays = layout(completions, tokenizer.pad_id)
