@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -443,3 +444,20 @@ def test_nan_in_the_optimizer_moments_alone_is_skipped(model):
                                            schedule)(poisoned, batch)
   assert int(metrics["train/skipped"]) == 1
   chex.assert_trees_all_equal(jax.device_get(after.params), before)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1.0, 1e6])
+def test_the_clip_by_global_norm_equals_optax(max_norm):
+  """The reference is optax's clip: the same values up to a rounding, below, at and above the
+  norm, and the same (empty) state, so checkpoints of either load in the other."""
+  from rlx.update.optimizer import clip_by_global_norm
+
+  rng = np.random.default_rng(0)
+  grads = {"a": jnp.asarray(rng.normal(size=(7, 5)), jnp.float32),
+           "b": [jnp.asarray(rng.normal(size=(3,)) * 100, jnp.float32)]}
+  ours, theirs = clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+  assert jax.tree.structure(ours.init(grads)) == jax.tree.structure(theirs.init(grads))
+  got, _ = ours.update(grads, ours.init(grads))
+  expected, _ = theirs.update(grads, theirs.init(grads))
+  jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=2e-7, atol=0), got, expected)
+  assert float(optax.tree.norm(got)) <= max_norm * (1 + 1e-6)

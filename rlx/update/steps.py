@@ -68,6 +68,17 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.True_
 
 
+def _checked_norm(params: Params, updates: Params) -> jax.Array:
+  """The norm of ``updates``; infinite where an update or the param it makes is not finite.
+  One reduction per leaf reads each update once: the checks never hold a whole new copy of
+  the params or the updates (XLA materialises an expensive value, such as Adam's division,
+  that several reductions read)."""
+  def leaf(p, u):
+    ok = jnp.isfinite(optax.apply_updates(p, u))  # the new param: inf - inf or an overflow
+    return jnp.sum(jnp.where(ok, jnp.square(u.astype(jnp.float32)), jnp.inf))
+  return jnp.sqrt(sum(jax.tree.leaves(jax.tree.map(leaf, params, updates)), jnp.float32(0)))
+
+
 def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, loss: jax.Array,
                     grads: Params, empty: jax.Array | bool = False, max_update_ratio: float = 0.0
                     ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -81,11 +92,10 @@ def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, 
   (Adam's momentum would move the weights even on a zero gradient) and counts as ``empty``,
   not ``skipped``."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)  # for the checks only: see below
   grad_norm = optax.tree.norm(grads)
   gradient_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  ratio = optax.tree.norm(updates) / jnp.maximum(optax.tree.norm(state.params), 1e-12)
-  update_finite = all_finite(params) & all_finite(opt_state) & jnp.isfinite(ratio)
+  ratio = _checked_norm(state.params, updates) / jnp.maximum(optax.tree.norm(state.params), 1e-12)
+  update_finite = all_finite(opt_state) & jnp.isfinite(ratio)
   if max_update_ratio:
     update_finite &= ratio <= max_update_ratio
   finite = gradient_finite & update_finite
