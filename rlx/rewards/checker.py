@@ -29,39 +29,19 @@ import ast
 import builtins
 import dataclasses
 import json
-import math
 import sys
 
+from rlx.rewards.evaluator import PROBE, TRUSTED_MODULES, Evaluator, NeedsSandbox, Raised
+from rlx.rewards.evaluator import evaluate as evaluate_module
 from rlx.rewards.plain import (_ALIAS_IMPORTS, LITERAL_MODULES, Iterated, decode,  # noqa: F401
                                exception_class, literal)
 
-# modules a test may use without importing them (its program usually imports them); the
-# trusted side uses the real module, never one the program defines under that name
-TRUSTED_MODULES = ("math", "cmath", "re", "string", "collections", "itertools", "functools",
-                   "heapq", "bisect", "fractions", "decimal", "statistics", "operator")
 _BUILTINS = frozenset(dir(builtins))
-_PROBE = "_rlx_probe_"
-_MAX_DEPTH = 64
-_MAX_SIZE = 10**6  # elements a sequence the evaluator builds may have
 
 
 class UnsupportedTest(ValueError):
   """A test whose probes cannot be evaluated apart from it (e.g. ``f(x)`` inside a loop over
   ``x``): it cannot be checked without running the program's judge inside the program."""
-
-
-class _NeedsSandbox(Exception):
-  """A construct the trusted evaluator does not cover: the test runs in the second sandbox."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Raised:
-  """A probe that raised (or returned something that is not plain data) in the sandbox."""
-
-  error: str
-  bases: tuple[str, ...] = ()
-  """The names of the exception's classes, its own first (``("MyError", "ValueError",
-  "Exception", ...)``): a test that expects an exception catches it by any of them."""
 
 
 @dataclasses.dataclass
@@ -242,7 +222,7 @@ def plan_asserts(test: str) -> AssertPlan:
           uses.append((len(probes), self.statement, taken))
           probes.append(ast.unparse(probe))
           named.append(sorted(taken))
-          return ast.copy_location(ast.Name(f"{_PROBE}{len(probes) - 1}", ast.Load()), node)
+          return ast.copy_location(ast.Name(f"{PROBE}{len(probes) - 1}", ast.Load()), node)
       return super().generic_visit(node)
 
   body = [Replace(index).visit(statement) for index, statement in enumerate(module.body)]
@@ -256,15 +236,15 @@ def plan_asserts(test: str) -> AssertPlan:
       last = body[binders[-1]]
       if (isinstance(last, ast.Assign) and len(last.targets) == 1
           and isinstance(last.targets[0], ast.Name) and isinstance(last.value, ast.Name)
-          and last.value.id.startswith(_PROBE)):
-        aliases[name] = int(last.value.id[len(_PROBE):])
+          and last.value.id.startswith(PROBE)):
+        aliases[name] = int(last.value.id[len(PROBE):])
       else:
         needed.update(binders)
   for index in sorted(needed, reverse=True):  # the setup's own statements may need earlier ones
     for name in _names(module.body[index]):
       needed.update(i for i in top.get(name, ()) if i < index)
   for index in needed:
-    if any(isinstance(n, ast.Name) and n.id.startswith(_PROBE) for n in ast.walk(body[index])):
+    if any(isinstance(n, ast.Name) and n.id.startswith(PROBE) for n in ast.walk(body[index])):
       raise UnsupportedTest(f"the test computes the program's input from the program's own "
                             f"values ({ast.unparse(module.body[index])!r}): bind each of them "
                             "to one call alone (r = f(3)) or write the input out")
@@ -306,8 +286,8 @@ def render(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> 
 
   class Fill(ast.NodeTransformer):
     def visit_Name(self, node):
-      if node.id.startswith(_PROBE):
-        value = values[int(node.id[len(_PROBE):])]
+      if node.id.startswith(PROBE):
+        value = values[int(node.id[len(PROBE):])]
         if isinstance(value, Raised):
           return ast.parse(_raising(value), mode="eval").body
         return ast.Name(node.id, ast.Load())  # bound first, as a literal
@@ -315,12 +295,12 @@ def render(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> 
 
   # values are written as source, never through ast (an int past 4,300 digits has no repr)
   head = [_ALIAS_IMPORTS + _RAISE] + [f"import {name}" for name in plan.imports]
-  head += [f"{_PROBE}{k} = {literal(value)}" for k, value in enumerate(values)
+  head += [f"{PROBE}{k} = {literal(value)}" for k, value in enumerate(values)
            if not isinstance(value, Raised)]
   body = []
   for statement in ast.parse(ast.unparse(plan.module)).body:
-    probed = sorted(int(n.id[len(_PROBE):]) for n in ast.walk(statement)
-                    if isinstance(n, ast.Name) and n.id.startswith(_PROBE))
+    probed = sorted(int(n.id[len(PROBE):]) for n in ast.walk(statement)
+                    if isinstance(n, ast.Name) and n.id.startswith(PROBE))
     body.append(ast.unparse(Fill().visit(statement)))
     for k in probed:
       body.extend(f"{name} = {literal(after)}" for name, after in afters[k].items())
@@ -383,183 +363,22 @@ def arguments(plan: AssertPlan) -> dict[str, object] | None:
   ``{"_rlx_arg_<m>": value}`` for the anonymous ones; None when the setup needs more than the
   evaluator covers (a helper function, a comprehension: the sandbox without the program
   computes them, ``sandbox.test_arguments``)."""
-  evaluator = _Evaluator([], [])
+  evaluator = Evaluator([], [])
   try:
     evaluator.run(ast.parse(plan.setup))
     found = {name: evaluator.names[name] for probe in plan.named for name in probe
              if name not in plan.aliases and name in evaluator.names}
     for m, source in enumerate(plan.anonymous):
       found[f"_rlx_arg_{m}"] = evaluator.expr(ast.parse(source, mode="eval").body)
-  except _NeedsSandbox:
+  except NeedsSandbox:
     return None
   except Exception:  # noqa: BLE001 - the test's own input raises: it cannot be checked
     return None
   return found
 
 
-# --- the trusted evaluator ----------------------------------------------------------------------
-
-def _bounded_range(*args):
-  r = range(*args)
-  if len(r) > _MAX_SIZE:
-    raise _NeedsSandbox("a long range")
-  return r
-
-
-_CALLABLES = {name: getattr(builtins, name) for name in (
-    "abs", "all", "any", "bool", "bytes", "chr", "dict", "divmod", "enumerate", "float",
-    "frozenset", "int", "isinstance", "len", "list", "max", "min", "ord", "repr", "reversed",
-    "round", "set", "sorted", "str", "sum", "tuple", "type", "zip", "complex", "iter",
-    "next")}
-_CALLABLES["range"] = _bounded_range
-_VALUES = {"True": True, "False": False, "None": None}
-_MATH = {name: getattr(math, name) for name in (
-    "isclose", "fabs", "sqrt", "floor", "ceil", "isnan", "isinf", "isfinite", "log", "log2",
-    "log10", "exp", "gcd", "hypot", "trunc", "inf", "nan", "pi", "e", "tau")}
-
-_BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-           ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
-           ast.Pow: lambda a, b: a ** b, ast.BitAnd: lambda a, b: a & b,
-           ast.BitOr: lambda a, b: a | b, ast.BitXor: lambda a, b: a ^ b}
-_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
-            ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-            ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
-            ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b}
-_UNARY = {ast.Not: lambda a: not a, ast.USub: lambda a: -a, ast.UAdd: lambda a: +a,
-          ast.Invert: lambda a: ~a}
-
-
-def _size(value) -> int:
-  return len(value) if isinstance(value, (str, bytes, list, tuple, set, frozenset, dict)) else 0
-
-
-def _unpack(target: ast.AST, value, names: dict) -> None:
-  """Binds an assignment's target (a name, or tuples and lists of them) to ``value``."""
-  if isinstance(target, ast.Name):
-    names[target.id] = value
-  elif isinstance(target, (ast.Tuple, ast.List)) and not any(
-      isinstance(e, ast.Starred) for e in target.elts):
-    items = list(value)
-    if len(items) != len(target.elts):
-      raise ValueError("wrong number of values to unpack")
-    for element, item in zip(target.elts, items):
-      _unpack(element, item, names)
-  else:
-    raise _NeedsSandbox("an assignment to a subscript or attribute")
-
-
-class _Evaluator:
-  def __init__(self, values: list, afters: list[dict]):
-    self.probes = {f"{_PROBE}{k}": (v if not isinstance(v, Iterated) else iter(v.items), after)
-                   for k, (v, after) in enumerate(zip(values, afters))}
-    self.names: dict = {}
-
-  def run(self, module: ast.Module) -> bool:
-    for statement in module.body:
-      if isinstance(statement, ast.Assert):
-        if not self.expr(statement.test):
-          return False
-      elif isinstance(statement, ast.Assign):
-        value = self.expr(statement.value)
-        for target in statement.targets:
-          _unpack(target, value, self.names)
-      elif isinstance(statement, ast.Expr):
-        self.expr(statement.value)
-      elif isinstance(statement, ast.Import) and all(
-          a.name in TRUSTED_MODULES and a.asname is None for a in statement.names):
-        continue  # the trusted modules are known by name
-      elif not isinstance(statement, ast.Pass):
-        raise _NeedsSandbox(type(statement).__name__)
-    return True
-
-  def expr(self, node: ast.AST):
-    if isinstance(node, ast.Constant):
-      return node.value
-    if isinstance(node, ast.Name):
-      if node.id in self.probes:  # the program's value; the names it took, as it left them
-        value, after = self.probes[node.id]
-        self.names.update(after)
-        if isinstance(value, Raised):
-          raise ValueError(f"the program raised {value.error}")
-        return value
-      if node.id in self.names:
-        return self.names[node.id]
-      if node.id in _VALUES:
-        return _VALUES[node.id]
-      if node.id in _CALLABLES:
-        return _CALLABLES[node.id]
-      raise _NeedsSandbox(node.id)
-    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-      if any(isinstance(e, ast.Starred) for e in node.elts):
-        raise _NeedsSandbox("starred")
-      items = [self.expr(e) for e in node.elts]
-      return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
-    if isinstance(node, ast.Dict):
-      if any(k is None for k in node.keys):
-        raise _NeedsSandbox("dict unpacking")
-      return {self.expr(k): self.expr(v) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, ast.BoolOp):
-      value = None
-      for operand in node.values:
-        value = self.expr(operand)
-        if isinstance(node.op, ast.And) != bool(value):
-          return value
-      return value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-      return _UNARY[type(node.op)](self.expr(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-      left, right = self.expr(node.left), self.expr(node.right)
-      if isinstance(node.op, ast.Pow) and not (
-          isinstance(right, (int, float)) and abs(right) <= 1000
-          and (not isinstance(left, int) or abs(left).bit_length() <= 64)):
-        raise _NeedsSandbox("a large power")
-      counts = [abs(x) for x in (left, right) if type(x) is int]
-      if isinstance(node.op, ast.Mult) and counts and (
-          max(_size(left), _size(right)) * counts[0] > _MAX_SIZE):
-        raise _NeedsSandbox("a large repetition")
-      return _BINARY[type(node.op)](left, right)
-    if isinstance(node, ast.Compare):
-      left = self.expr(node.left)
-      for op, comparator in zip(node.ops, node.comparators):
-        right = self.expr(comparator)
-        if not _COMPARE[type(op)](left, right):
-          return False
-        left = right
-      return True
-    if isinstance(node, ast.IfExp):
-      return self.expr(node.body) if self.expr(node.test) else self.expr(node.orelse)
-    if isinstance(node, ast.Subscript):
-      value = self.expr(node.value)
-      if isinstance(node.slice, ast.Slice):
-        part = [None if p is None else self.expr(p)
-                for p in (node.slice.lower, node.slice.upper, node.slice.step)]
-        return value[slice(*part)]
-      return value[self.expr(node.slice)]
-    if isinstance(node, ast.Attribute):
-      if (isinstance(node.value, ast.Name) and node.value.id == "math"
-          and "math" not in self.names and node.attr in _MATH):
-        return _MATH[node.attr]
-      raise _NeedsSandbox(f"attribute {node.attr}")
-    if isinstance(node, ast.Call):
-      function = self.expr(node.func)
-      if any(isinstance(a, ast.Starred) for a in node.args) or any(
-          k.arg is None for k in node.keywords):
-        raise _NeedsSandbox("unpacked arguments")
-      args = [self.expr(a) for a in node.args]
-      kwargs = {k.arg: self.expr(k.value) for k in node.keywords}
-      return function(*args, **kwargs)
-    raise _NeedsSandbox(type(node).__name__)
-
-
 def evaluate(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> bool | None:
   """Whether the test holds with the probes' ``values``: True or False from the trusted
-  evaluator, or None when the test needs the second sandbox. A probe that raised, or an
-  expression that raises, fails the test."""
-  try:
-    return bool(_Evaluator(values, afters or [{} for _ in values]).run(plan.module))
-  except _NeedsSandbox:
-    return None
-  except Exception:  # noqa: BLE001 - an assert whose expression raises fails, as in Python
-    return False
+  evaluator (``rlx.rewards.evaluator``), or None when the test needs the second sandbox. A
+  probe that raised, or an expression that raises, fails the test."""
+  return evaluate_module(plan.module, values, afters)
