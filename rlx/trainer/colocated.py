@@ -23,7 +23,7 @@ from rlx.trainer.buffer import buffered
 from rlx.trainer.collect import collect
 from rlx.trainer.common import Say
 from rlx.trainer.run import Run
-from rlx.trainer.learner import begin
+from rlx.trainer.lifecycle import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 
 

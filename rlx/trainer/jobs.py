@@ -61,7 +61,7 @@ from rlx.trainer.experience import make_mismatch
 from rlx.trainer.common import Say, TrainingError
 from rlx.trainer.run import Run, prepare
 from rlx.trainer.exchange import RolloutFiles
-from rlx.trainer.learner import begin
+from rlx.trainer.lifecycle import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 from rlx.trainer.produce import Opened, Produced, Weights, produce
 from rlx.trainer.stream import stream_produce

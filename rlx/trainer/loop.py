@@ -45,7 +45,8 @@ from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.evaluate import evaluate, evaluation_due
 from rlx.trainer.health import Health, describe_sample, sample_rows
 from rlx.trainer.run import Run
-from rlx.trainer.learner import Learner, finish
+from rlx.trainer.learner import Learner
+from rlx.trainer.lifecycle import finish
 
 
 @dataclasses.dataclass

@@ -44,7 +44,7 @@ from rlx.trainer.collect import collect
 from rlx.trainer.common import Say
 from rlx.trainer.experience import make_mismatch
 from rlx.trainer.run import Run
-from rlx.trainer.learner import begin
+from rlx.trainer.lifecycle import begin
 from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
 from rlx.trainer.produce import Opened, Produced, Weights, produce
 from rlx.trainer.stream import stream_produce

@@ -310,7 +310,7 @@ def test_the_final_evaluation_is_a_step_metric_run_once(tmp_path, monkeypatch, s
     return {"eval/accuracy": 0.1 * len(calls)}
 
   monkeypatch.setattr("rlx.trainer.loop.evaluate", evaluate)
-  monkeypatch.setattr("rlx.trainer.learner.evaluate", evaluate)
+  monkeypatch.setattr("rlx.trainer.lifecycle.evaluate", evaluate)
   summary, *_ = _loop(tmp_path, script, f"--config.trainer.steps={steps}",
                       "--config.trainer.eval_every=2")
   rows = [row for row in tiny.metrics(tmp_path) if "eval/accuracy" in row]

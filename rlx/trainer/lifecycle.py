@@ -1,0 +1,133 @@
+"""A run's start and end around its learner, shared by every loop.
+
+    run, learner, start, accuracy_before = begin(config, workdir, say)
+    ...                                                # the loop: learner.learn(draw) per step
+    ended = finish(run, learner, start=start, step=step, stop=stop, ...)
+
+``begin`` builds the run, resumes from the newest checkpoint, publishes the first weights and
+measures the held-out accuracy before RL; ``finish`` saves the last step, exports the final
+policy and evaluates it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+from rlx import cli, distributed
+from rlx.checkpoint import CheckpointError
+from rlx.config import RunConfig
+from rlx.trainer.common import Say
+from rlx.trainer.evaluate import evaluate
+from rlx.trainer.learner import Learner
+from rlx.trainer.run import Run, prepare
+
+
+def begin(config: RunConfig, workdir: str | pathlib.Path,
+          say: Say) -> tuple[Run, Learner, int | None, float | None]:
+  """Builds a run and its learner, resumes from the newest checkpoint if there is one (the
+  data stream continues from the checkpoint's position), publishes the first weights and (on
+  a fresh run) measures the held-out accuracy before RL.
+
+  Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
+  """
+  started = time.perf_counter()
+  run = prepare(config, workdir, say)
+  learner = Learner.for_run(run, say)
+  # a checkpoint whose data position the stream refuses is damaged like an unreadable one
+  try:
+    restored = learner.restore(usable=lambda restored: run.stream.set_state(restored.data_state))
+  except CheckpointError as error:
+    raise CheckpointError(f"{error}{_what_changed(run)}") from None
+  start = None
+  if restored is not None:
+    start = restored.step
+    saved, now = restored.meta.get("data_fingerprint"), run.source.fingerprint()
+    if saved is not None and saved != now:
+      say(f"rlx: warning: the data changed since the checkpoint was written ({saved} then, "
+          f"{now} now); the run resumes at the saved position of the changed data")
+    say(f"rlx: resumed from {learner.checkpointer.directory} at step {start}")
+  # versions from this one on are written again; a dead run's are never sampled from
+  discarded = run.sync.discard_from(learner.version)
+  if discarded:
+    say(f"rlx: moved {discarded} policy version(s) from {learner.version} on aside: a stopped "
+        "run wrote them after the checkpoint this run resumes from")
+  learner.publish()
+  initial = evaluate(run, learner.generation_params()) if start is None else {}
+  accuracy_before = initial.get("eval/accuracy")
+  if initial and distributed.lead():  # the baseline a report draws at step 0
+    (run.workdir / "eval_initial.json").write_text(json.dumps(dict(initial, step=0), indent=1))
+  if accuracy_before is not None:
+    say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
+  elif start is not None:  # resumed: the run's first start measured it
+    accuracy_before = _initial_accuracy(run.workdir)
+  evals = run.seconds.setdefault("evals", 0.0)
+  run.seconds["start-up"] = time.perf_counter() - started - run.seconds["warm-up"] - evals
+  run.seconds["loop started"], run.seconds["evals before loop"] = time.perf_counter(), evals
+  return run, learner, start, accuracy_before
+
+
+def _initial_accuracy(workdir: pathlib.Path) -> float | None:
+  """The held-out accuracy before RL that the run's first start wrote, if it did."""
+  try:
+    return json.loads((workdir / "eval_initial.json").read_text()).get("eval/accuracy")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _what_changed(run: Run) -> str:
+  """The fields of the config that changed since the run's previous start (its config.json
+  kept aside by ``rlx.main``), as a sentence; "" when none was kept."""
+  earlier = sorted(run.workdir.glob("config.*.json"))
+  if not earlier:
+    return ""
+  try:
+    changes = cli.config_changes(json.loads(earlier[-1].read_text()), run.config)
+  except (OSError, ValueError):
+    return ""
+  return (f". The config differs from the one of the run's previous start ({earlier[-1].name}) "
+          f"in: {'; '.join(changes)}") if changes else ""
+
+
+def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
+           say: Say, save_meta: dict | None = None, final: dict | None = None) -> dict:
+  """Saves the last step (unless that save is already started), waits until it is on disk,
+  and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
+  after RL, "final": the final evaluation's figures}`` (skipped after a stop signal, so that
+  a stop takes seconds). ``final``: that evaluation, when the loop's last step ran it (the
+  same weights are not evaluated twice). The final evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
+  ``WORKDIR/eval_final.json``, and the final policy to ``WORKDIR/hf/final`` (Hugging Face
+  format, what ``python -m rlx.serve --model`` and ``transformers`` load)."""
+  seconds = run.seconds
+  seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
+                        - (seconds["evals"] - seconds.pop("evals before loop")))
+  if step != (start or 0) and learner.saved_step != step:
+    learner.save(step, data_state, **(save_meta or {}))
+  learner.close()  # waits for every started save
+  if run.stream.skipped:
+    say(f"rlx: data: skipped {run.stream.skipped} prompt(s) longer than "
+        f"config.rollout.max_prompt_len (config.data.on_bad_row=skip); the first: "
+        f"{run.stream.first_skipped}")
+  if stop.agree():
+    saved = learner.checkpointer.latest_step()
+    where = (f"checkpoint saved at step {saved} in {learner.checkpointer.directory}"
+             if saved is not None else "no checkpoint to save yet")
+    say(f"rlx: stopped by {stop.received} after step {step}: {where}; the final evaluation is "
+        "skipped; rerun the same command to resume")
+    accuracy_after, final = None, {}
+  else:
+    if run.model is not None:  # a run without a model (a test's stand-in) has none to export
+      exported = learner.export(run.workdir / "hf" / "final", run.tokenizer)
+      kind = "a PEFT adapter" if learner.base is not None else "Hugging Face format"
+      say(f"rlx: final policy (step {step}) in {kind}: {', '.join(map(str, exported))}")
+    if final is None:
+      final = evaluate(run, learner.generation_params())
+    accuracy_after = final.get("eval/accuracy")
+    if final and distributed.lead():  # every held-out figure of the final policy, kept
+      (run.workdir / "eval_final.json").write_text(json.dumps(dict(final, step=step), indent=1))
+    passes = {name.removeprefix("eval/"): value for name, value in final.items()
+              if name.startswith("eval/pass@")}
+    if passes:
+      say("rlx: held-out after RL, sampled: " + ", ".join(f"{k} {v:.1%}" for k, v in passes.items()))
+  return {"seconds": dict(seconds), "eval_accuracy_after": accuracy_after, "final": final}
