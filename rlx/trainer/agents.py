@@ -46,24 +46,37 @@ def tool_format(config: RunConfig, tokenizer) -> Format:
 
 
 class _DaemonPool:
-  """``submit(fn, *args) -> Future`` on ``workers`` daemon threads. An environment's call that
-  never returns then holds one thread and no more: it can keep neither a batch nor the
-  process alive (``ThreadPoolExecutor`` joins its threads at exit, so a hung ``step`` kept a
-  finished run from exiting)."""
+  """``submit(fn, *args) -> Future`` on up to ``workers`` daemon threads, started as work comes
+  (a thread per call waiting at once, so a quick call never queues behind slow ones while
+  the bound allows). An environment's call that never returns then holds one thread and no
+  more: it can keep neither a batch nor the process alive (``ThreadPoolExecutor`` joins its
+  threads at exit, so a hung ``step`` kept a finished run from exiting)."""
 
   def __init__(self, workers: int, name: str):
     self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-    self._closed, self._workers = False, workers
-    for i in range(workers):
-      threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+    self._closed, self._workers, self._name = False, workers, name
+    self._lock = threading.Lock()
+    self._started = self._idle = 0
 
   def submit(self, fn, *args) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     if self._closed:
       future.cancel()
       return future
+    with self._lock:
+      if self._idle:
+        self._idle -= 1  # that thread takes this task
+      elif self._started < self._workers:
+        threading.Thread(target=self._work, name=f"{self._name}-{self._started}",
+                         daemon=True).start()
+        self._started += 1
     self._tasks.put((future, fn, args))
     return future
+
+  @property
+  def threads(self) -> int:
+    """Threads started so far."""
+    return self._started
 
   def _work(self) -> None:
     while True:
@@ -71,12 +84,13 @@ class _DaemonPool:
       if task is None:
         return
       future, fn, args = task
-      if not future.set_running_or_notify_cancel():
-        continue
-      try:
-        future.set_result(fn(*args))
-      except BaseException as error:  # noqa: BLE001 - the caller reads it from the future
-        future.set_exception(error)
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - the caller reads it from the future
+          future.set_exception(error)
+      with self._lock:
+        self._idle += 1
 
   def shutdown(self) -> None:
     """Stops taking work; idle threads end, busy ones end with their call (or the process)."""
@@ -87,14 +101,19 @@ class _DaemonPool:
       except queue.Empty:
         break
       future.cancel()
-    for _ in range(self._workers):
+    with self._lock:
+      started = self._started
+    for _ in range(started):
       self._tasks.put(None)
 
 
 class _Episodes:
   """The environments of one ``run_episodes`` call, and the thread pool that answers turns."""
 
-  def __init__(self, run, rows: Sequence[dict], n: int):
+  def __init__(self, run, rows: Sequence[dict], n: int, episodes: int = 0):
+    """``episodes``: the most that may be under way at once (default: ``rows``'s); each gets a
+    thread for its environment step, so a step that ends an episode never waits for another
+    episode's slow tool call (the tools have their own bound, ``env.tool_workers``)."""
     config = run.config
     self.run, self.rows, self.n = run, [], n
     self.factory = load_factory(config.env.name)
@@ -102,7 +121,8 @@ class _Episodes:
     self.episodes: dict[tuple[int, int], Episode] = {}
     self.prompts: list[list[int]] = []
     self.toolboxes: dict[tuple, Toolbox | None] = {}
-    self.pool = _DaemonPool(max(4, 2 * config.env.tool_workers), "rlx-env")
+    self.pool = _DaemonPool(max(4, 2 * config.env.tool_workers, episodes or len(rows) * n),
+                            "rlx-env")
     self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
     self.failed_rows = 0
     """Rows skipped because an environment's ``reset`` failed (counted as env errors)."""

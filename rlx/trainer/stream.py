@@ -161,7 +161,9 @@ class Streamer:
                     first_prompt_index=self.offset, policy_version=self.weights.version,
                     weights=self.weights, supply=self._supply, on_finished=self._finished,
                     stats=self.slots)
-      self.episodes = _Episodes(self.run, [], self.size) if config.env.name else None
+      # every episode admitted may be waiting for its environment, and a group's resets
+      self.episodes = (_Episodes(self.run, [], self.size, (self.bound + 1) * self.size)
+                       if config.env.name else None)
       self.scorer = _Scorer(self.run, self.group_rows, *self._judges())
       try:
         if self.episodes is None:

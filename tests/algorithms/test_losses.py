@@ -172,6 +172,18 @@ def test_kl_estimators_by_hand_and_unbiasedness():
     np.testing.assert_allclose(estimate, exact, atol=0.01)
 
 
+def test_k3_keeps_its_precision_for_nearly_equal_policies():
+  """k3 = exp(-x) - 1 + x cancels almost wholly when x is small: between an engine and a
+  learner that agree to 1e-5 it must still be x^2 / 2, not float32 rounding noise."""
+  rng = np.random.default_rng(0)
+  for scale in (1e-6, 1e-5, 1e-4, 1e-2):
+    x = (rng.normal(size=1000) * scale).astype(np.float32)
+    exact = np.expm1(-x.astype(np.float64)) + x.astype(np.float64)
+    for estimator in ("k3", "k3+"):
+      got = np.asarray(algorithms.kl_estimate(jnp.asarray(x), jnp.zeros_like(x), estimator))
+      np.testing.assert_allclose(got, exact, rtol=1e-3, atol=1e-30)
+
+
 def test_kl_reward_penalty_and_adaptive_coefficient():
   rewards = jnp.array([[0.0, 0.0, 1.0]])
   mask = jnp.array([[False, True, True]])
