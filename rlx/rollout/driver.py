@@ -327,8 +327,11 @@ class _Run:
     chunk (host arrays)."""
     self._refresh()
     attend_len = self.engine.attend_bucket(int(self.index[slots].max()))
+    # only the leading slots that hold the decoding ones (new work takes the lowest free slot,
+    # so with few requests in flight they are few)
     state, chunk = self.engine.generate(self.params, state, attend_len,
-                                        self.refill_at if waiting else None)
+                                        self.refill_at if waiting else None,
+                                        self.engine.decode_width(max(slots) + 1))
     # One host round trip per chunk: the first tokens of the slots filled before it, then
     # the chunk's tokens.
     firsts, chunk = jax.device_get((self.firsts, chunk))

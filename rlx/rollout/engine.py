@@ -282,8 +282,22 @@ class Engine:
       raise ValueError(f"cache length {length} is outside 1..max_len={self.max_len}")
     return state if cache_len(state) == length else _resize(state, length)
 
+  @property
+  def decode_widths(self) -> tuple[int, ...]:
+    """How many leading slots a chunk may decode (``generate``'s ``width``): powers of two from
+    an eighth of the slots up, and all of them. Only all of them when the slots are split over
+    the mesh's ``data`` axis (a prefix would not split evenly)."""
+    if self.mesh is not None and self.mesh.shape.get("data", 1) > 1:
+      return (self.max_slots,)
+    return _buckets(self.max_slots, max(1, self.max_slots // 8))
+
+  def decode_width(self, slots: int) -> int:
+    """The narrowest decode width that holds slots ``0 .. slots - 1``."""
+    return next(w for w in self.decode_widths if w >= slots)
+
   def generate(self, params: Params, state: DecodeState, attend_len: int | None = None,
-               refill_at: int | None = None) -> tuple[DecodeState, StepResult]:
+               refill_at: int | None = None, width: int | None = None
+               ) -> tuple[DecodeState, StepResult]:
     """Advances every active slot by up to ``decode_steps`` tokens in one dispatch.
 
     The StepResult's fields are [decode_steps, S]. A slot that finishes inside the chunk
@@ -291,13 +305,21 @@ class Engine:
     slots have finished in it (so that the caller can refill them; None: never). ``attend_len`` (see
     ``attend_bucket``) limits attention to the filled part of the cache; every active slot
     must keep ``index + decode_steps <= attend_len``. A ``per_layer`` cache is resized to it
-    (None: to ``max_len``).
+    (None: to ``max_len``). ``width`` (one of ``decode_widths``; None: every slot) decodes
+    only the first ``width`` slots, which must hold every active one: a chunk then costs
+    what ``width`` slots cost (the slots beyond emit nothing and are left as they are).
     """
     if cache_layout(state.cache) == "per_layer":
       state, attend_len = self.resize(state, attend_len or self.max_len), None
     if self.decode_steps == 1:
       return _generate_one(self.transformer, params, state, self.max_len, attend_len)
     refill_at = jnp.int32(self.max_slots + 1 if refill_at is None else refill_at)
+    if width is not None and width < self.max_slots:
+      if width not in self.decode_widths:
+        raise ValueError(f"width={width} is not one of the engine's decode widths "
+                         f"{self.decode_widths}")
+      return _generate_prefix(self.transformer, params, state, self.decode_steps, self.max_len,
+                              attend_len, refill_at, width)
     return _generate_chunk(self.transformer, params, state, self.decode_steps, self.max_len,
                            attend_len, refill_at)
 
@@ -473,6 +495,29 @@ def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState
 
   _, state, out = jax.lax.while_loop(running, step, (0, state, out))
   return state, out
+
+
+def _slot_axes(state: DecodeState) -> DecodeState:
+  """The slot axis of every array of a decode state (a stacked cache's keys and values hold
+  it second, after the layers)."""
+  axes = jax.tree.map(lambda _: 0, state)
+  if cache_layout(state.cache) == "stacked":
+    axes = axes.replace(cache=dict(axes.cache, k=1, v=1))
+  return axes
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 7), donate_argnums=2)
+def _generate_prefix(transformer: Transformer, params: Params, state: DecodeState, steps: int,
+                     max_len: int, attend_len: int | None, refill_at: jax.Array, width: int):
+  """``_generate_chunk`` over the first ``width`` slots only (they hold every active one), the
+  others untouched; the result padded to [steps, S] with slots that emitted nothing."""
+  axes = _slot_axes(state)
+  sub = jax.tree.map(lambda x, axis: jax.lax.slice_in_dim(x, 0, width, axis=axis), state, axes)
+  sub, out = _generate_chunk(transformer, params, sub, steps, max_len, attend_len, refill_at)
+  state = jax.tree.map(lambda x, new, axis: jax.lax.dynamic_update_slice_in_dim(x, new, 0, axis),
+                       state, sub, axes)
+  S = state.active.shape[0]
+  return state, jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, S - width))), out)
 
 
 def shard_params(params: Params, transformer: Transformer, mesh: Mesh, rules) -> Params:

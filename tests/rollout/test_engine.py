@@ -274,3 +274,32 @@ def test_a_chunk_ends_once_refill_at_slots_have_finished(model):
   assert whole.emitted[:, 2].all() and whole.finished[2, 0]
   assert early.emitted[:3].any() and not early.emitted[3:].any()
   np.testing.assert_array_equal(early.tokens[:3], whole.tokens[:3])
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # per-layer cache / stacked
+def test_decoding_only_the_leading_slots_gives_the_same_completions(model, platform,
+                                                                     monkeypatch):
+  # 16 slots, few requests at a time (a stream with most episodes away on their tools): the
+  # chunks decode 2, 4 or 8 leading slots instead of 16, and sample what all 16 would.
+  engine = Engine(model.transformer, max_slots=16, max_len=48, max_prompt_len=16,
+                  decode_steps=4, platform=platform)
+  assert engine.decode_widths == (2, 4, 8, 16) and engine.decode_width(3) == 4
+  kwargs = dict(params=model.params, n=2, max_new_tokens=20, temperature=1.0,
+                stop_token_ids=[3], seed=5)
+  widths, generate = [], Engine.generate
+  def spy(self, params, state, attend_len=None, refill_at=None, width=None):
+    widths.append(width)
+    return generate(self, params, state, attend_len, refill_at, width)
+  monkeypatch.setattr(Engine, "generate", spy)
+  narrow = rollout.generate(engine, PROMPTS[:3], **kwargs)
+  narrow += rollout.generate(engine, PROMPTS, **kwargs)  # 12 requests: some chunks at 16
+  assert {8, 16} <= set(widths)
+  monkeypatch.setattr(Engine, "decode_width", lambda self, slots: self.max_slots)
+  full = rollout.generate(engine, PROMPTS[:3], **kwargs) + rollout.generate(engine, PROMPTS,
+                                                                             **kwargs)
+  assert set(widths[-2:]) == {16}
+  for a, b in zip(narrow, full):
+    assert a.response_tokens == b.response_tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="decode widths"):
+    generate(engine, model.params, engine.init_decode_state(), None, None, 3)
