@@ -285,9 +285,10 @@ class Engine:
   @property
   def decode_widths(self) -> tuple[int, ...]:
     """How many leading slots a chunk may decode (``generate``'s ``width``): powers of two from
-    an eighth of the slots up, and all of them. Only all of them when the slots are split over
-    the mesh's ``data`` axis (a prefix would not split evenly)."""
-    if self.mesh is not None and self.mesh.shape.get("data", 1) > 1:
+    an eighth of the slots up, and all of them. Only all of them with fewer than 16 slots (each
+    width is one more program to compile) or when the slots are split over the mesh's ``data``
+    axis (a prefix would not split evenly)."""
+    if self.max_slots < 16 or (self.mesh is not None and self.mesh.shape.get("data", 1) > 1):
       return (self.max_slots,)
     return _buckets(self.max_slots, max(1, self.max_slots // 8))
 

@@ -97,6 +97,12 @@ def ours(model_dir):
   return from_pretrained(model_dir, dtype=jnp.float32), load_tokenizer(model_dir)
 
 
+@pytest.fixture(scope="session")
+def engine(ours):
+  """One engine for the decoding tests: they share its compiled programs."""
+  return Engine(ours[0].transformer, max_slots=8, max_len=192, max_prompt_len=96)
+
+
 def test_logits_equal_transformers(ours, hf_model):
   model, tokenizer = ours
   ids = [tokenizer.apply_chat_template(chat) for chat in CHATS[:4]]
@@ -131,10 +137,9 @@ def test_tokenizer_and_chat_template_equal_transformers(ours, hf_tokenizer):
                           skip_special_tokens=False) == text
 
 
-def test_greedy_decoding_equals_transformers_generate(ours, hf_model):
+def test_greedy_decoding_equals_transformers_generate(ours, hf_model, engine):
   model, tokenizer = ours
   prompts = [tokenizer.apply_chat_template(chat) for chat in CHATS]
-  engine = Engine(model.transformer, max_slots=8, max_len=160, max_prompt_len=96)
   completions = generate(engine, prompts, params=model.params, max_new_tokens=48,
                          temperature=0.0, stop_token_ids=list(tokenizer.eos_ids))
   width = max(map(len, prompts))  # one left-padded batch, as generate is meant to be used
@@ -169,7 +174,7 @@ class _Quiz:
                        done=self.turns == 2, reward=1.0)
 
 
-def test_a_multi_turn_episode_is_token_exact_on_the_real_tokenizer(ours):
+def test_a_multi_turn_episode_is_token_exact_on_the_real_tokenizer(ours, engine):
   model, tokenizer = ours
   renderer = Renderer(tokenizer, "qwen")
   rows = [{"prompt": "Reply with one word: name a fruit."},
@@ -191,7 +196,6 @@ def test_a_multi_turn_episode_is_token_exact_on_the_real_tokenizer(ours):
       return reply
     return pool.submit(answer)
 
-  engine = Engine(model.transformer, max_slots=4, max_len=192, max_prompt_len=64, decode_steps=4)
   completions = generate_episodes(engine, prompts, respond, params=model.params, n=2,
                                   max_new_tokens=40, max_tokens=128,
                                   stop_token_ids=list(tokenizer.eos_ids), temperature=1.0, seed=3)
