@@ -122,6 +122,8 @@ class Episode:
     self.info: dict[str, float] = {}
     self.tool_seconds: list[tuple[str, float]] = []
     self.env_seconds = 0.0
+    self.tool_wait_seconds = 0.0
+    """Seconds its tool calls waited for a free tool worker."""
     self.final_text = ""
     self.error: str | None = None
     """Why the environment ended the episode by failing (its first words are logged)."""
@@ -223,6 +225,7 @@ class Episode:
     result = self.runner.call(self.toolbox.references[name],
                               {**arguments, **self.toolbox.bound[name]})
     self.tool_seconds.append((name, result.seconds))
+    self.tool_wait_seconds += result.waited
     if result.status == "timeout":
       self.counts["tool_timeouts"] += 1
     elif result.status == "error":

@@ -132,6 +132,9 @@ class ToolResult:
   text: str
   status: Literal["ok", "error", "timeout"]
   seconds: float
+  """How long the call ran (from when a worker took it)."""
+  waited: float = 0.0
+  """How long it waited for a free worker before that (all ``num_workers`` busy)."""
 
 
 def _cut(text: str, max_chars: int) -> str:
@@ -274,6 +277,7 @@ class ToolRunner:
       return ToolResult(text, status, time.monotonic() - started)
     worker = self._idle.get()
     self._busy.add(worker)
+    waited = time.monotonic() - started
     try:
       if not worker.wait_ready():
         raise EOFError
@@ -287,15 +291,15 @@ class ToolRunner:
         if left <= 0 or not worker.connection.poll(left):
           worker = self._replace(worker)
           return ToolResult(f"the tool ran past its {self.timeout_s:g}s limit and was stopped",
-                            "timeout", time.monotonic() - started)
+                            "timeout", time.monotonic() - started, waited)
         answered, status, text = worker.connection.recv()
         if answered == call:
-          return ToolResult(text, status, time.monotonic() - started)
+          return ToolResult(text, status, time.monotonic() - started, waited)
     except (EOFError, OSError, ValueError):  # it died: killed itself, or out of memory
       code = worker.process.exitcode
       worker = self._replace(worker)
       return ToolResult(f"the tool's process died (exit code {code})", "error",
-                        time.monotonic() - started)
+                        time.monotonic() - started, waited)
     finally:
       self._busy.discard(worker)
       if self._closed:

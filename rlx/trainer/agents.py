@@ -34,8 +34,8 @@ from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.rewards import Scored
 from rlx.rollout import Completion
 
-AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "step_timeouts", "slot_steps",
-              "busy_steps", "parked_s", *COUNTS)
+AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "tool_wait_s", "step_timeouts",
+              "slot_steps", "busy_steps", "parked_s", *COUNTS)
 
 
 def tool_format(config: RunConfig, tokenizer) -> Format:
@@ -304,6 +304,7 @@ def episode_sums(episodes: Sequence[Episode], completions: Sequence[Completion])
     sums["turns"] += completion.turns
     sums["truncated"] += completion.finish_reason == "length"
     sums["env_s"] += episode.env_seconds
+    sums["tool_wait_s"] += episode.tool_wait_seconds
     for key in COUNTS:
       sums[key] += episode.counts[key]
   return sums
@@ -346,6 +347,8 @@ def agent_metrics(sums: dict[str, float],
         "agent/env_errors": sums.get("env_errors", 0),
         "agent/env_timeouts": sums.get("step_timeouts", 0),
         "time/env_s": sums.get("env_s", 0.0),
+        # a call's wait for a free tool worker, before it runs (the latencies leave it out)
+        "agent/tool_wait_mean_s": sums.get("tool_wait_s", 0.0) / max(sums.get("tool_calls", 0), 1),
         "time/all_slots_parked_s": sums.get("parked_s", 0.0),
     })
   tools = sorted({name for name, _ in latencies})

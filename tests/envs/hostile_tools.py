@@ -65,3 +65,9 @@ def spawns_and_hangs(x: str) -> str:
     f.write(str(child.pid))
   time.sleep(120)
   return "never"
+
+
+def sleeps(x: str) -> str:
+  """Sleeps x seconds."""
+  time.sleep(float(x))
+  return x

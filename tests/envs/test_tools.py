@@ -1,6 +1,7 @@
 """Tools: schemas from hints and docstrings, the call parsers of each format, and hostile tools
 in the workers: each failure is an observation, counted, and the run goes on."""
 
+import concurrent.futures
 import functools
 import pathlib
 import time
@@ -167,3 +168,15 @@ def test_a_process_that_fails_with_its_runner_open_exits(tmp_path):
   assert result.returncode == 1, result.stderr[-2000:]
   assert "the environment's reset failed" in result.stderr
   assert time.monotonic() - started < 30
+
+
+def test_a_call_reports_its_wait_for_a_free_worker_apart_from_its_run():
+  with ToolRunner(num_workers=1, timeout_s=10.0) as runner:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      first = pool.submit(runner.call, f"{HOSTILE}:sleeps", {"x": "0.6"})
+      time.sleep(0.2)  # the first holds the only worker
+      second = pool.submit(runner.call, f"{HOSTILE}:sleeps", {"x": "0.6"})
+      a, b = first.result(), second.result()
+  assert a.status == b.status == "ok"
+  assert a.waited < 0.2 and 0.2 < b.waited < 1.0
+  assert 0.5 < b.seconds < 1.0  # its run alone
