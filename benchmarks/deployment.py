@@ -138,7 +138,7 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
   if "rollout/slot_occupancy" in rows[-1]:  # episodes, or a stream: means over the steps
     for key in ("rollout/slot_occupancy", "rollout/version_span_mean", "rollout/groups_in_flight", "agent/turns_mean", "agent/tool_calls_mean",
                 "time/all_slots_parked_s", "agent/tool_latency_p50_s",
-                "agent/tool_latency_p90_s"):
+                "agent/tool_latency_p90_s", "agent/tool_wait_mean_s", "rollout/dropped_groups"):
       values = [r[key] for r in steady if key in r]
       if values:
         report[key.split("/", 1)[1]] = round(statistics.mean(values), 4)
