@@ -171,12 +171,12 @@ def test_a_process_that_fails_with_its_runner_open_exits(tmp_path):
 
 
 def test_a_call_reports_its_wait_for_a_free_worker_apart_from_its_run():
-  with ToolRunner(num_workers=1, timeout_s=10.0) as runner:
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      first = pool.submit(runner.call, f"{HOSTILE}:sleeps", {"x": "0.6"})
-      time.sleep(0.2)  # the first holds the only worker
-      second = pool.submit(runner.call, f"{HOSTILE}:sleeps", {"x": "0.6"})
-      a, b = first.result(), second.result()
+  with (ToolRunner(num_workers=1, timeout_s=10.0) as runner,
+        concurrent.futures.ThreadPoolExecutor(2) as pool):
+    first = pool.submit(runner.call, f"{HOSTILE}:sleeps", {"x": "0.6"})
+    time.sleep(0.2)  # the first holds the only worker
+    second = pool.submit(runner.call, f"{HOSTILE}:sleeps", {"x": "0.6"})
+    a, b = first.result(), second.result()
   assert a.status == b.status == "ok"
   assert a.waited < 0.2 and 0.2 < b.waited < 1.0
   assert 0.5 < b.seconds < 1.0  # its run alone
