@@ -245,7 +245,8 @@ class Learner:
     sampled, stats = sample_arrays(draw.completions, draw.rewards, config,
                                    pad_id=self.pad_id, lengths=tuple(lengths),
                                    temperature=temperature)
-    lag = self.version - sampled.policy_version
+    version = self.version  # the params that train on it (the update below advances it)
+    lag = version - sampled.policy_version
     pad_frac = packing.pad_fraction(sampled.attention_mask.sum(1), sampled.attention_mask.size)
     sampled = distributed.global_tree(self.batch_sharding, sampled)
     plans, packed = self._packing(sampled) if config.trainer.pack_sequences else ((None, None), {})
@@ -280,7 +281,7 @@ class Learner:
     # this process's rows: every process has as many, so means of means are exact
     means = dict(stats, **{"reward/kept_accuracy": float(np.mean(draw.correct)),
                            "rollout/policy_lag_mean": float(lag.mean()),
-                           "rollout/token_lag_mean": _token_lag(draw.completions, self.version),
+                           "rollout/token_lag_mean": _token_lag(draw.completions, version),
                            "train/pad_frac": pad_frac})
     maxima = {"response/length_max": stats.pop("response/length_max"),
               "rollout/policy_lag_max": int(lag.max())}

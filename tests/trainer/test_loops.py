@@ -30,6 +30,8 @@ def test_each_config_runs_a_few_steps(name, tmp_path):
   if name == "ppo_colocated":
     assert "critic/value_mse" in rows[-1]
   assert 0 <= rows[-1]["advantage/zero_groups_frac"] <= 1
+  for row in rows:  # every token is at least as new as its row's oldest, and colocated: current
+    assert 0 <= row["rollout/token_lag_mean"] <= row["rollout/policy_lag_max"], row
   if name == "dapo_split":
     for side in ("generation", "learning"):
       assert 0 <= rows[-1][f"time/{side}_busy_frac"] <= 1
