@@ -40,7 +40,7 @@ def _exp_minus_one_plus(u: jax.Array) -> jax.Array:
   series to u^6 (relative error below 1e-8 for |u| < 0.1)."""
   series = jnp.square(u) * (0.5 + u * (1 / 6 + u * (1 / 24 + u * (1 / 120 + u / 720))))
   small = jnp.abs(u) < 0.1
-  return jnp.where(small, series, jnp.expm1(jnp.where(small, 1.0, u)) - u)
+  return jnp.where(small, series, jnp.expm1(u) - u)
 
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: Estimator,

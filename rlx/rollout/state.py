@@ -1,0 +1,61 @@
+"""What the engine's programs pass between them: prefilled prompts, per-slot sampling settings,
+the decode state of the slots, and what a decode chunk produced (``rlx.rollout.engine`` uses
+them; they are pytrees, so the programs take and return them whole)."""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+from rlx.models.transformer import Cache
+
+NO_STOP = -1
+
+
+@struct.dataclass
+class Prefix:
+  """Prefilled prompts: their KV cache (for P rows of B positions, laid out as the model's),
+  last-token logits [P, V] and lengths [P]."""
+
+  cache: Cache
+  logits: jax.Array
+  true_length: jax.Array
+
+
+@struct.dataclass
+class SamplingParams:
+  """Per-slot sampling settings (arrays, so changing them never recompiles)."""
+
+  temperature: jax.Array  # float [n]
+  top_k: jax.Array  # int [n]
+  top_p: jax.Array  # float [n]
+  max_new_tokens: jax.Array  # int [n]
+  stop_ids: jax.Array  # int [n, max_stop_tokens], NO_STOP-padded
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything about the S decode slots."""
+
+  cache: Cache
+  last_token: jax.Array  # int [S]: the token sampled last (input of the next step)
+  last_logprob: jax.Array  # [S] its behaviour log-prob
+  last_policy_logprob: jax.Array  # [S] its log-prob under the untruncated policy
+  generated: jax.Array  # int [S] response tokens so far
+  active: jax.Array  # bool [S] slot holds an unfinished request
+  finished: jax.Array  # bool [S] the last token ended the request
+  stopped: jax.Array  # bool [S] it ended on a stop token (else on the length limit)
+  keys: jax.Array  # [S] PRNG key of each slot's request
+  sampling: SamplingParams
+
+
+@struct.dataclass
+class StepResult:
+  """What one ``generate`` call produced, per decode step and slot: [decode_steps, S]."""
+
+  tokens: jax.Array  # int
+  logprobs: jax.Array  # behaviour log-probs
+  policy_logprobs: jax.Array
+  emitted: jax.Array  # bool: the slot produced a token at this step
+  finished: jax.Array  # bool: that token ended its request
+  stopped: jax.Array  # bool: ... on a stop token
