@@ -251,7 +251,7 @@ class _Run:
     self.refill_at = max(1, engine.max_slots // 16)
     self.stats = {} if stats is None else stats
     """The slots' use, added to as it runs (a caller's dict, which it reads meanwhile):
-    ``slot_steps`` (decode steps x slots dispatched), ``busy_steps`` (the steps of those that
+    ``slot_steps`` (decode steps x the slots they computed: the chunk's width), ``busy_steps`` (the steps of those that
     produced a token: the occupancy is their ratio) and ``parked_s`` (seconds every slot
     waited on an environment)."""
     for key in ("slot_steps", "busy_steps", "parked_s"):
@@ -329,15 +329,15 @@ class _Run:
     attend_len = self.engine.attend_bucket(int(self.index[slots].max()))
     # only the leading slots that hold the decoding ones (new work takes the lowest free slot,
     # so with few requests in flight they are few)
+    width = self.engine.decode_width(max(slots) + 1)
     state, chunk = self.engine.generate(self.params, state, attend_len,
-                                        self.refill_at if waiting else None,
-                                        self.engine.decode_width(max(slots) + 1))
+                                        self.refill_at if waiting else None, width)
     # One host round trip per chunk: the first tokens of the slots filled before it, then
     # the chunk's tokens.
     firsts, chunk = jax.device_get((self.firsts, chunk))
     progress.tick()
     self.firsts = []
-    self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * self.engine.max_slots
+    self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * width  # slots computed
     self.stats["busy_steps"] += int(chunk.emitted.sum())
     for placed, first, version in firsts:
       for i, slot in enumerate(placed):

@@ -70,8 +70,8 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
     stop_token_ids: ids that end a turn.
     step_timeout_s: an environment reply that takes longer ends its episode, truncated (the
       caller's ``respond`` side counts it: the reply never arrives).
-    stats: a dict to which the slots' use is added: ``slot_steps`` (decode steps x slots
-      dispatched), ``busy_steps`` (of those, the ones that produced a token: the slot
+    stats: a dict to which the slots' use is added: ``slot_steps`` (decode steps x the
+      slots they computed), ``busy_steps`` (of those, the ones that produced a token: the slot
       occupancy is their ratio) and ``parked_s`` (seconds every slot waited for an environment
       while no slot decoded).
     release: an episode waiting for its environment leaves its slot (the module docstring).

@@ -291,7 +291,11 @@ def test_decoding_only_the_leading_slots_gives_the_same_completions(model, platf
     widths.append(width)
     return generate(self, params, state, attend_len, refill_at, width)
   monkeypatch.setattr(Engine, "generate", spy)
-  narrow = rollout.generate(engine, PROMPTS[:3], **kwargs)
+  stats = {}
+  narrow = rollout.generate(engine, PROMPTS[:3], stats=stats, **kwargs)
+  assert set(widths) == {8}  # 6 requests in slots 0-5
+  # the occupancy counts the slots a chunk computed: 6 of 8 busy at first, not 6 of 16
+  assert 0.5 < stats["busy_steps"] / stats["slot_steps"] <= 0.75
   narrow += rollout.generate(engine, PROMPTS, **kwargs)  # 12 requests: some chunks at 16
   assert {8, 16} <= set(widths)
   monkeypatch.setattr(Engine, "decode_width", lambda self, slots: self.max_slots)
