@@ -18,6 +18,7 @@ on the same two CPU cores, one arm after the other:
   (``env.release_slots``); episodes only.
 - ``jobs``: a learner process and a generator process (``mesh.role``), 1 device each,
   each pinned to its own core with ``taskset`` when it exists; they share the workdir.
+- ``jobs_stream``: ``jobs`` with continuous admission in the generator job.
 
     python benchmarks/deployment.py --steps 150 [--arms colocated processes split jobs] \
         [--config configs/X.py] [--config.a.b=v ...]
@@ -89,6 +90,8 @@ def _processes(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> list[l
             for i in range(2)]
   jobs = ["--config.mesh.mode=split", "--config.mesh.cpu_devices=1",
           "--config.mesh.weight_sync=orbax", *warm]
+  if arm == "jobs_stream":
+    jobs.append("--config.mesh.admission=continuous")
   return [_pinned("0") + _command(workdir, args, *jobs, "--config.mesh.role=learner"),
           _pinned("1") + _command(workdir, args, *jobs, "--config.mesh.role=generator")]
 
@@ -131,7 +134,7 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
   else:  # from each step's own timings
     report["generation_busy_frac"] = round(sum(r["time/generate_s"] for r in steady) / total, 3)
     report["learning_busy_frac"] = round(sum(r["time/learn_s"] for r in steady) / total, 3)
-  if arm == "jobs":
+  if arm in ("jobs", "jobs_stream"):
     report["generator_sync_s_median"] = round(
         statistics.median(r["time/generator_sync_s"] for r in steady), 5)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
@@ -154,7 +157,7 @@ def main() -> None:
   parser.add_argument("--config", default="configs/dapo_split.py",
                       help="the config every arm runs (its mesh mode is the arm's)")
   arms = ["colocated", "processes", "split", "stream", "jobs"]
-  parser.add_argument("--arms", nargs="+", default=arms, choices=[*arms, "stream_release"])
+  parser.add_argument("--arms", nargs="+", default=arms, choices=[*arms, "stream_release", "jobs_stream"])
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the final reward averages")
