@@ -17,7 +17,8 @@ on the same two CPU cores, one arm after the other:
 - ``stream_release``: ``stream`` where an episode waiting for its environment leaves its slot
   (``env.release_slots``); episodes only.
 - ``jobs``: a learner process and a generator process (``mesh.role``), 1 device each,
-  each pinned to its own core with ``taskset`` when it exists; they share the workdir.
+  each pinned to its own core with ``taskset`` when it exists (``--job-cores shared``: both
+  on both cores, as a split process's two devices share them); they share the workdir.
 - ``jobs_stream``: ``jobs`` with continuous admission in the generator job.
 
     python benchmarks/deployment.py --steps 150 [--arms colocated processes split jobs] \
@@ -92,8 +93,11 @@ def _processes(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> list[l
           "--config.mesh.weight_sync=orbax", *warm]
   if arm == "jobs_stream":
     jobs.append("--config.mesh.admission=continuous")
-  return [_pinned("0") + _command(workdir, args, *jobs, "--config.mesh.role=learner"),
-          _pinned("1") + _command(workdir, args, *jobs, "--config.mesh.role=generator")]
+  own = args.job_cores == "own"
+  return [_pinned("0" if own else "0,1") + _command(workdir, args, *jobs,
+                                                    "--config.mesh.role=learner"),
+          _pinned("1" if own else "0,1") + _command(workdir, args, *jobs,
+                                                    "--config.mesh.role=generator")]
 
 
 def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
@@ -161,6 +165,9 @@ def main() -> None:
   parser.add_argument("--max-staleness", type=int, default=1)
   parser.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
   parser.add_argument("--tail", type=int, default=20, help="last steps the final reward averages")
+  parser.add_argument("--job-cores", choices=["own", "shared"], default="own",
+                      help="jobs arms: each job pinned to a core of its own, or both jobs on "
+                           "both cores (as the two devices of a split process share them)")
   parser.add_argument("--timeout-s", type=int, default=3600, help="per arm")
   parser.add_argument("--workdir", type=pathlib.Path, default=None)
   args = runs.parse_args(parser)
@@ -178,6 +185,7 @@ def main() -> None:
         results[f"{arm}_over_colocated_samples_per_s"] = round(
             results[arm]["samples_per_s"] / results["colocated"]["samples_per_s"], 3)
   results["config"] = {"file": args.config, "steps": args.steps, "max_staleness": args.max_staleness,
+                       "job_cores": args.job_cores,
                        "taskset": bool(shutil.which("taskset")), "overrides": args.overrides}
   print(json.dumps(results, indent=2))
 
