@@ -110,18 +110,22 @@ class OrbaxSync:
   """Policy versions as Orbax checkpoints under ``directory`` (keeps the newest ``keep``).
 
   ``like``: the params' tree of shapes and dtypes (arrays or ``ShapeDtypeStruct``s), which a
-  reader restores into, in ``generation_shardings``.
+  reader restores into, in ``generation_shardings``. ``asynchronous``: ``publish`` returns once
+  the version is copied to host memory and writes it in the background (a learner job: its next
+  step overlaps the write; the next ``publish``, any read and ``close`` wait for it). A reader
+  never sees a version before it is complete on storage either way.
   """
 
   def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
-               keep: int = 2):
+               keep: int = 2, asynchronous: bool = False):
     self.directory = pathlib.Path(directory).absolute()
     self.generation_shardings = generation_shardings
     self._abstract = jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         like, generation_shardings)
-    self._options = ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                 enable_async_checkpointing=False, create=True)
+    self.asynchronous = asynchronous
+    self._options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=asynchronous, create=True)
     self._manager = self._open()
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
     self.last_seconds = 0.0
@@ -132,14 +136,21 @@ class OrbaxSync:
     return _retried(lambda: ocp.CheckpointManager(self.directory, options=self._options))
 
   def publish(self, params: Params, version: int) -> float:
-    """Writes version ``version``; returns the seconds until it is on storage."""
+    """Writes version ``version``; returns the seconds until it is on storage (asynchronous:
+    until it is copied to host memory, after the previous version's write has finished)."""
     started = time.perf_counter()
     self.last_bytes = lora.nbytes(params)
     with self._lock:
       self._manager.save(version, args=ocp.args.StandardSave(params))
-      self._manager.wait_until_finished()
+      if not self.asynchronous:
+        self._manager.wait_until_finished()
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
+
+  def _written(self) -> None:
+    """Waits for a write in the background (the caller holds the lock)."""
+    if self.asynchronous:
+      self._manager.wait_until_finished()
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """Restores the newest version above ``newer_than`` into the generation shardings. A
@@ -147,6 +158,7 @@ class OrbaxSync:
     the versions are listed again."""
     for attempt in range(50):
       with self._lock:
+        self._written()
         _retried(self._manager.reload)  # another job may have written or moved versions
         version = self._manager.latest_step()
       if version is None or version <= newer_than:
@@ -169,6 +181,7 @@ class OrbaxSync:
 
   def versions(self) -> list[int]:
     with self._lock:
+      self._written()
       _retried(self._manager.reload)
       return list(self._manager.all_steps())
 
@@ -177,6 +190,7 @@ class OrbaxSync:
     every process of the job then sees the same versions)."""
     moved = 0
     with self._lock:
+      self._written()
       _retried(self._manager.reload)
       if distributed.lead():
         aside = self.directory.with_name(self.directory.name + ".discarded")
@@ -190,7 +204,9 @@ class OrbaxSync:
     return moved
 
   def close(self) -> None:
-    self._manager.close()
+    with self._lock:
+      self._written()
+      self._manager.close()
 
 
 class BaseMismatch(RuntimeError):

@@ -70,6 +70,33 @@ def test_latest_only_returns_newer_versions(meshes, tmp_path):
 
 
 
+def test_an_asynchronous_writer_keeps_what_it_was_given(meshes, tmp_path):
+  # A learner job writes each version in the background. What it published must not change
+  # when its arrays are donated to the next step (deleted here) before the write finishes, and
+  # a reader sees the newest version once the writer is done.
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  writer = sync.OrbaxSync(tmp_path / "w", generation, like=like, keep=2, asynchronous=True)
+  try:
+    published = {}
+    for version in (1, 2, 3):
+      params = _learner_params(meshes, version)
+      published[version] = jax.device_get(params)
+      writer.publish(params, version)
+      for leaf in jax.tree.leaves(params):
+        leaf.delete()
+    reader = sync.OrbaxSync(tmp_path / "w", generation, like=like)
+    try:
+      assert writer.versions() == [2, 3]  # the writer's own read waits for its write
+      params, version = reader.latest(newer_than=0)
+      assert version == 3
+      chex.assert_trees_all_equal(jax.device_get(params), published[3])
+    finally:
+      reader.close()
+  finally:
+    writer.close()
+
+
 def test_a_resumed_writer_discards_the_versions_it_writes_again(meshes, tmp_path):
   generation = param_shardings(ARCH, meshes.generation, RULES)
   like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))

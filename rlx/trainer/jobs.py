@@ -269,11 +269,15 @@ class FileGate:
            "control": files.control() or {}})))
       knobs = seen["control"]
       opened = control.may_start(index, seen["done"], knobs.get("k", control.bound(config)))
-      if opened:
+      # Storage is read only when the learner shows a version this job lacks, or one older
+      # than it holds: a stream asks the gate before every decode chunk, and listing the
+      # versions costs tens of milliseconds.
+      if opened and (weights.params is None or weights.version < seen["version"]):
         weights.refresh(force=True)
-        if (weights.version >= 0 and max(self.run.sync.versions(), default=-1) < weights.version):
-          # nothing newer because the learner resumed from an earlier checkpoint: take its
-          weights.params, weights.version = _latest(self.run, -1) or (None, -1)
+      elif (opened and weights.version > seen["version"]
+            and max(self.run.sync.versions(), default=-1) < weights.version):
+        # nothing newer because the learner resumed from an earlier checkpoint: take its
+        weights.params, weights.version = _latest(self.run, -1) or (None, -1)
       # open, with weights the learner has reached (shared storage may not show them yet)
       if opened and weights.params is not None and weights.version >= seen["version"]:
         self._noticed = time.perf_counter()

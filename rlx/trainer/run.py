@@ -205,9 +205,11 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes,
   else:
     shardings = param_shardings(model.arch, meshes.generation, rules)
     like = model.params
-  # versions a reader may still be restoring stay on storage: k + 2 of them
+  # versions a reader may still be restoring stay on storage: k + 2 of them. A learner job
+  # only writes them: in the background, while it trains the next batch (its generator's gate
+  # waits until the version is on storage).
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=like,
-                    keep=control.bound(config) + 3)
+                    keep=control.bound(config) + 3, asynchronous=config.mesh.role == "learner")
           if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
   if not lora_config.enabled:
     return sync

@@ -207,7 +207,9 @@ def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versio
       p.wait(timeout=30)
     dead = sorted(int(p.name) for p in (tmp_path / "policy_versions").iterdir()
                   if p.name.isdigit())
-    assert max(dead) >= 5  # the dead run published past its checkpoint (step 3)
+    # the dead run published past its checkpoint (step 3); a learner job writes each version
+    # in the background, so version 5 may not have reached storage when it was killed
+    assert max(dead) >= 4
     processes += [_start("learner", tmp_path, *overrides), _start("generator", tmp_path,
                                                                     *overrides)]
     learner_out, _ = processes[2].communicate(timeout=300)
