@@ -63,11 +63,18 @@ class WeightSync(Protocol):
     """Waits for what is being published, then lets go of storage."""
 
 
-class ReshardSync:
-  """In-memory resharding to the generation layout."""
+def _as_is(params: Params) -> Params:
+  return params
 
-  def __init__(self, generation_shardings: Any):
+
+class ReshardSync:
+  """In-memory resharding to the generation layout. ``prepare``: what the generator keeps of
+  each version instead of the resharded params (``Engine.decode_params``: per-layer weights),
+  so that only that form stays in memory."""
+
+  def __init__(self, generation_shardings: Any, prepare: Callable[[Params], Params] = _as_is):
     self.generation_shardings = generation_shardings
+    self.prepare = prepare
     self._lock = threading.Lock()
     self._latest: tuple[Params, int] | None = None
     self.last_seconds = 0.0
@@ -81,8 +88,8 @@ class ReshardSync:
     # copy must not share buffers with them even when the layouts agree (one device).
     if jax.process_count() > 1:  # the generator's mesh is this process's devices
       params = distributed.local_replica(params)
-    resharded = jax.block_until_ready(
-        jax.device_put(params, self.generation_shardings, may_alias=False))
+    resharded = jax.block_until_ready(self.prepare(
+        jax.device_put(params, self.generation_shardings, may_alias=False)))
     with self._lock:
       self._latest = (resharded, version)
     self.last_seconds = time.perf_counter() - started
@@ -110,16 +117,19 @@ class OrbaxSync:
   """Policy versions as Orbax checkpoints under ``directory`` (keeps the newest ``keep``).
 
   ``like``: the params' tree of shapes and dtypes (arrays or ``ShapeDtypeStruct``s), which a
-  reader restores into, in ``generation_shardings``. ``asynchronous``: ``publish`` returns once
+  reader restores into, in ``generation_shardings``, then keeps as ``prepare`` makes it (see
+  ``ReshardSync``). ``asynchronous``: ``publish`` returns once
   the version is copied to host memory and writes it in the background (a learner job: its next
   step overlaps the write; the next ``publish``, any read and ``close`` wait for it). A reader
   never sees a version before it is complete on storage either way.
   """
 
   def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
-               keep: int = 2, asynchronous: bool = False):
+               keep: int = 2, asynchronous: bool = False,
+               prepare: Callable[[Params], Params] = _as_is):
     self.directory = pathlib.Path(directory).absolute()
     self.generation_shardings = generation_shardings
+    self.prepare = prepare
     self._abstract = jax.tree.map(
         lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         like, generation_shardings)
@@ -166,7 +176,8 @@ class OrbaxSync:
       started = time.perf_counter()
       try:
         with self._lock:
-          params = self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract))
+          params = self.prepare(
+              self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract)))
       except Exception:  # noqa: BLE001 - Orbax's error for a vanished step is no FileNotFoundError
         if (self.directory / str(version)).exists() or attempt == 49:
           raise
@@ -225,8 +236,9 @@ class LoraSync:
   the reading side refuses adapters made on another base (``BaseMismatch``)."""
 
   def __init__(self, inner: WeightSync, base: Params | Callable[[], Params], scale: float, *,
-               reference: dict | None = None, reference_file: pathlib.Path | None = None):
-    self.inner, self.scale = inner, scale
+               reference: dict | None = None, reference_file: pathlib.Path | None = None,
+               prepare: Callable[[Params], Params] = _as_is):
+    self.inner, self.scale, self.prepare = inner, scale, prepare
     self._base = base
     self.reference, self.reference_file = reference, reference_file
     self._merged: tuple[Params, int] | None = None
@@ -279,7 +291,8 @@ class LoraSync:
         shardings = jax.tree.map(lambda x: x.sharding, base)
         self._merge = jax.jit(functools.partial(lora.merge, scale=self.scale),
                               out_shardings=shardings)
-      self._merged = (jax.block_until_ready(self._merge(base, adapters)), version)
+      self._merged = None  # the last merge's memory goes before the next is made
+      self._merged = (jax.block_until_ready(self.prepare(self._merge(base, adapters))), version)
       self.last_seconds = self.inner.last_seconds + time.perf_counter() - started
       return self._merged
 

@@ -178,3 +178,21 @@ def test_a_version_moved_aside_between_the_listing_and_the_read_is_not_read(mesh
   finally:
     reader.close()
     writer.close()
+
+
+def test_a_sync_keeps_each_version_in_the_form_the_generator_decodes_from(meshes, tmp_path):
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  per_layer = lambda params: dict(params, layers=[params["layers"]])  # noqa: E731 - a marker
+  reshard = sync.ReshardSync(generation, prepare=per_layer)
+  orbax = sync.OrbaxSync(tmp_path / "w", generation, like=like, prepare=per_layer)
+  try:
+    params = _learner_params(meshes, 1)
+    reshard.publish(params, 1)
+    orbax.publish(params, 1)
+    for got in (reshard.latest()[0], orbax.latest()[0]):
+      assert isinstance(got["layers"], list)
+      chex.assert_trees_all_equal(jax.device_get(got["layers"][0]),
+                                  jax.device_get(params["layers"]))
+  finally:
+    orbax.close()

@@ -112,7 +112,8 @@ def layer_list(params: Params) -> list[dict[str, jax.Array]]:
 def unstack_layers(params: Params) -> Params:
   """``params`` with the stacked layers as a list of per-layer dicts, for the unrolled
   (``per_layer``) cached forward. Done before a decode loop, the slices are copied once per
-  dispatch rather than at every step on XLA:CPU."""
+  dispatch rather than at every step on XLA:CPU; a generator that holds its weights this way
+  (``Engine.decode_params``) copies them once per policy version."""
   return dict(params, layers=layer_list(params))
 
 
@@ -427,7 +428,11 @@ class Transformer:
 
       if self.remat != "none":
         layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat])
-      x, _ = jax.lax.scan(layer, x, params["layers"], unroll=unroll.factor())
+      if isinstance(params["layers"], (list, tuple)):  # a generator's per-layer weights
+        for p in params["layers"]:
+          x, _ = layer(x, p)
+      else:
+        x, _ = jax.lax.scan(layer, x, params["layers"], unroll=unroll.factor())
       return rms_norm(x, params["final_norm"], a.rms_norm_eps), None
 
     rows = jnp.arange(B)[:, None, None]

@@ -179,7 +179,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
           f"{config.trainer.warmup_sft_steps} steps at lr {config.trainer.warmup_sft_learning_rate} "
           "before RL (config.trainer.warmup_sft=always)")
     model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
-  sync = make_sync(config, model, meshes, workdir)
+  sync = make_sync(config, model, meshes, workdir, prepare=engine.decode_params)
   tools = None
   if config.env.name:
     e = config.env
@@ -191,12 +191,14 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   return run
 
 
-def make_sync(config: RunConfig, model: Model, meshes: Meshes,
-              workdir: pathlib.Path) -> WeightSync:
+def make_sync(config: RunConfig, model: Model, meshes: Meshes, workdir: pathlib.Path,
+              prepare=None) -> WeightSync:
   """How the learner's versions reach the generator (``mesh.weight_sync``). With LoRA only the
   adapters cross: ``LoraSync`` over a sync in the adapters' layout, merging them into the
   generator's copy of ``model`` (the base, after any warm-up; a generator job of a warmed-up
-  run loads the learner's warm-up when the first version has landed)."""
+  run loads the learner's warm-up when the first version has landed). ``prepare``: the form
+  the generator keeps each version in (the engine's ``decode_params``)."""
+  decoding = {} if prepare is None else {"prepare": prepare}
   rules = config.mesh.logical_axis_rules
   lora_config = config.model.lora
   if lora_config.enabled:
@@ -208,9 +210,12 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes,
   # versions a reader may still be restoring stay on storage: k + 2 of them. A learner job
   # only writes them: in the background, while it trains the next batch (its generator's gate
   # waits until the version is on storage).
+  # with LoRA the inner sync ships adapters, and the merged model is what the generator keeps
+  inner = {} if lora_config.enabled else decoding
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=like,
-                    keep=control.bound(config) + 3, asynchronous=config.mesh.role == "learner")
-          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings))
+                    keep=control.bound(config) + 3, asynchronous=config.mesh.role == "learner",
+                    **inner)
+          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings, **inner))
   if not lora_config.enabled:
     return sync
   generation = param_shardings(model.arch, meshes.generation, rules)
@@ -221,7 +226,7 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes,
   else:
     base = functools.partial(_generation_copy, model.params, generation)
   return LoraSync(sync, base, lora_config.scale, reference=base_reference(config, workdir),
-                  reference_file=workdir / "lora_base.json")
+                  reference_file=workdir / "lora_base.json", **decoding)
 
 
 def _generation_copy(params, shardings):

@@ -307,3 +307,34 @@ def test_decoding_only_the_leading_slots_gives_the_same_completions(model, platf
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="decode widths"):
     generate(engine, model.params, engine.init_decode_state(), None, None, 3)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_weights_held_per_layer_decode_the_same_and_need_no_copy_per_chunk(model, platform):
+  # A generator keeps each version as the engine decodes fastest from it: per layer for a
+  # per-layer cache (no per-chunk copy of the weights), as they are for a stacked one.
+  engine = Engine(model.transformer, max_slots=4, max_len=48, max_prompt_len=16,
+                  decode_steps=4, platform=platform)
+  held = engine.decode_params(model.params)
+  assert isinstance(held["layers"], list) == (platform == "cpu")
+  assert engine.decode_params(held) is held
+  kwargs = dict(n=2, max_new_tokens=20, temperature=1.0, stop_token_ids=[3], seed=5)
+  stacked = rollout.generate(engine, PROMPTS, params=model.params, **kwargs)
+  per_layer = rollout.generate(engine, PROMPTS, params=held, **kwargs)
+  for a, b in zip(stacked, per_layer):
+    assert a.response_tokens == b.response_tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+  # the plain forward (the learner's log-probs of a generator's weights) takes them too
+  tokens = jnp.array([list(range(1, 13))])
+  np.testing.assert_allclose(model.transformer(held, tokens)[0],
+                             model.transformer(model.params, tokens)[0], rtol=1e-5, atol=1e-5)
+  if platform == "tpu":
+    return
+  # compiled, a chunk over stacked weights holds a per-layer copy of them in its temporaries
+  state = jax.eval_shape(engine.init_decode_state)
+  weights = sum(x.nbytes for x in jax.tree.leaves(model.params["layers"]))
+  temps = {name: engine_lib._generate_chunk.lower(
+      model.transformer, jax.eval_shape(lambda p=p: p), state, 4, 48, None,
+      jnp.int32(5)).compile().memory_analysis().temp_size_in_bytes
+      for name, p in (("stacked", model.params), ("per_layer", held))}
+  assert temps["stacked"] - temps["per_layer"] >= weights, (temps, weights)
