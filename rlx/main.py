@@ -11,7 +11,6 @@ stderr (what a run that seems stuck is doing) and lets it go on.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import faulthandler
 import os
@@ -24,7 +23,7 @@ import traceback
 
 from rlx import cli
 from rlx.config import ConfigError, RunConfig
-
+from rlx.hostmem import HeapTrimmer, return_freed_memory
 
 """Stopped by a signal after saving a checkpoint: rerun the same command to resume (EX_TEMPFAIL;
 a scheduler requeues on it). Finished is 0, a failed run 1, a refused config, checkpoint or
@@ -228,28 +227,13 @@ def _keep_traceback(invocation) -> None:
   print(f"rlx: the traceback is in {path}", file=sys.stderr)
 
 
-MMAP_THRESHOLD = 1 << 20
-"""Host buffers of at least this many bytes get their own pages (``return_freed_memory``)."""
-
-
-def return_freed_memory() -> bool:
-  """Makes glibc give large freed buffers back to the system at once: each buffer of at least
-  ``MMAP_THRESHOLD`` bytes is its own mapping, unmapped when freed. By default glibc raises that
-  threshold as large buffers are freed and keeps later ones in its heap, where a freed step's
-  temporaries stay resident: on SmolLM2-135M (split, 2 CPU devices) the peak resident memory
-  was 6.05 GB with it and 5.17 GB without, at the same speed. A ``MALLOC_MMAP_THRESHOLD_``
-  the user set wins. Returns whether it was set (False off glibc)."""
-  if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-    return False
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-    return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
-  except (OSError, AttributeError):  # not glibc
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
   return_freed_memory()
+  with HeapTrimmer():  # a checkpoint's freed buffers, among others, leave the process
+    return _main_with_handlers(argv)
+
+
+def _main_with_handlers(argv: list[str] | None) -> int:
   previous = {}
   if threading.current_thread() is threading.main_thread():
     # until the loop's own handler (save, then stop): a scheduler's SIGTERM during start-up

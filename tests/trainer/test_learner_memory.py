@@ -64,3 +64,37 @@ def test_freed_large_buffers_go_back_to_the_system():
                                  text=True, check=True, env={**os.environ}).stdout)
          for how in ("set", "default")}
   assert rss["set"] + 120 < rss["default"], rss  # 160 MB freed
+
+
+TRIM = """
+import numpy as np
+from rlx import hostmem, main
+assert main.return_freed_memory()
+trimmer = hostmem.HeapTrimmer(growth_bytes=50 << 20)
+assert not trimmer.check()  # its first look: nothing freed since
+kept = [np.ones(65_536) for _ in range(400)]  # 512 KB each: under the mmap threshold, in the heap
+del kept[::2]  # 100 MB freed between live buffers: resident until trimmed
+before = hostmem.resident_bytes()
+assert trimmer.check() and trimmer.trims == 1
+assert not trimmer.check()  # trimmed pages still count as free: not trimmed again
+print(before // 2**20, hostmem.resident_bytes() // 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_freed_small_buffers_go_back_to_the_system_once_they_add_up():
+  before, after = map(int, subprocess.run([sys.executable, "-c", TRIM], capture_output=True,
+                                          text=True, check=True).stdout.split())
+  assert after + 60 < before, (before, after)
+
+
+def test_the_heaps_are_trimmed_when_their_free_bytes_grew_since_the_last_trim():
+  from rlx.hostmem import HeapTrimmer
+  frees, trims = iter([100, 90, 150, 200, 120, 250, 260]), []
+  trimmer = HeapTrimmer(growth_bytes=100, free=lambda: next(frees), trim=lambda: trims.append(1))
+  # the floor is the least seen (90): 150 is 60 above it, 200 is 110
+  assert [trimmer.check() for _ in range(3)] == [False, False, False]
+  assert trimmer.check() and trims == [1] and trimmer.floor == 200
+  # reused (120), then freed again (250: 130 above 120)
+  assert not trimmer.check() and trimmer.check() and trims == [1, 1]
+  assert not trimmer.check()  # 260: 10 above what the last trim left counted as free
