@@ -230,6 +230,13 @@ def decode_program(config: RunConfig, mesh):
   params = placed(jax.eval_shape(lambda: transformer.init(jax.random.key(0),
                                                           jnp.dtype(config.model.dtype))),
                   param_shardings(transformer.arch, mesh, config.mesh.logical_axis_rules))
+  if engine.cache_layout == "per_layer":  # as the weight sync keeps them (decode_params)
+    layers = params["layers"]
+    count = jax.tree.leaves(layers)[0].shape[0]
+    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape[1:], x.dtype, sharding=NamedSharding(mesh, PartitionSpec(*x.sharding.spec[1:]))),
+        layers)
+    params = dict(params, layers=[layer] * count)
   state = engine.abstract_decode_state()
   if r.decode_steps == 1:
     return _generate_one, (transformer, params, state, engine.max_len, None)
