@@ -16,6 +16,7 @@ A run's peak is what it holds plus what its allocator kept of what it freed:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -32,7 +33,9 @@ class _Mallinfo2(ctypes.Structure):
       "fordblks", "keepcost")]
 
 
+@functools.cache
 def _glibc():
+  """glibc, loaded once (the trimmer asks every second); None elsewhere."""
   if not sys.platform.startswith("linux"):
     return None
   try:
@@ -40,6 +43,8 @@ def _glibc():
     libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's, not another C library's
   except (OSError, AttributeError):
     return None
+  if hasattr(libc, "mallinfo2"):
+    libc.mallinfo2.restype = _Mallinfo2
   return libc
 
 
@@ -60,12 +65,12 @@ def heap_free_bytes() -> int | None:
   libc = _glibc()
   if libc is None or not hasattr(libc, "mallinfo2"):
     return None
-  libc.mallinfo2.restype = _Mallinfo2
   return int(libc.mallinfo2().fordblks)
 
 
 def resident_bytes() -> int:
-  """The process's resident memory (0 where ``/proc`` is not there)."""
+  """The process's resident memory (0 where ``/proc`` is not there; a reward worker's memory
+  check reads it too)."""
   try:
     with open("/proc/self/statm") as statm:
       return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

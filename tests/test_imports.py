@@ -33,7 +33,7 @@ ALLOWED = {
     "rollout": {"models", "mesh", "types", "config", "kernels", "progress"},
     # with LoRA, the generator's side merges the shipped adapters into its base (models.lora)
     "sync": {"mesh", "types", "config", "distributed", "models"},
-    "rewards": {"config"},
+    "rewards": {"config", "hostmem"},
     "data": {"config", "types"},
     # environments and tools of multi-turn episodes: plain Python (tools run in reward-like
     # workers, the code tool in the reward's sandbox)

@@ -112,8 +112,7 @@ def layer_list(params: Params) -> list[dict[str, jax.Array]]:
 def unstack_layers(params: Params) -> Params:
   """``params`` with the stacked layers as a list of per-layer dicts, for the unrolled
   (``per_layer``) cached forward. Done before a decode loop, the slices are copied once per
-  dispatch rather than at every step on XLA:CPU; a generator that holds its weights this way
-  (``Engine.decode_params``) copies them once per policy version."""
+  dispatch rather than at every step on XLA:CPU (once per version: ``Engine.decode_params``)."""
   return dict(params, layers=layer_list(params))
 
 

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rlx.hostmem import resident_bytes
 from rlx.rewards.functions import RewardFn, check, judge, judge_batch
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def _serve(connection, reward: RewardFn, memory_mb: int, log_path: str | None = 
     except BaseException as error:  # noqa: BLE001 - any reward failure (exit too) is reported
       reply = ("error", f"{type(error).__name__}: {error}")
     _kill_descendants()  # what the call started ends with it
-    retire = bool(memory_mb) and _resident_bytes() > limit // 2  # it leaks: a fresh one takes over
+    retire = bool(memory_mb) and resident_bytes() > limit // 2  # it leaks: a fresh one takes over
     try:
       connection.send((*reply, retire))
     except (OSError, ValueError):
@@ -176,14 +177,6 @@ def _kill_descendants() -> None:
         os.waitpid(pid, 0)
       except ChildProcessError:
         pass
-
-
-def _resident_bytes() -> int:
-  try:
-    with open("/proc/self/statm") as f:
-      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-  except (OSError, ValueError, IndexError):
-    return 0
 
 
 def _die_with_parent() -> None:
