@@ -109,7 +109,8 @@ def test_the_update_step_holds_one_new_copy_of_the_state_at_most():
   CPU (the real recipe's batch, full remat), a select between them took 2.08 GB of
   temporaries (4.0x the params); the step computed again under a conditional 1.52 GB (2.95x);
   with the checks read from one reduction per leaf and the clip a multiplication 1.28 GB
-  (2.5x: the gradient, the saved layer inputs and the backward pass's own)."""
+  (2.5x); without reading Adam's new moments (a predicate per element of each) 1.08 GB
+  (2.1x: the gradient, the saved layer inputs and the backward pass's own)."""
   import jax
 
   from rlx.mesh import make_meshes
@@ -126,4 +127,4 @@ def test_the_update_step_holds_one_new_copy_of_the_state_at_most():
   params_mib = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0].params)) / 2**20
   memory = aot.compile_one(fn, args)
   assert memory["status"] == "ok", memory
-  assert memory["temp_mib"] < 2.65 * params_mib, (memory, params_mib)
+  assert memory["temp_mib"] < 2.3 * params_mib, (memory, params_mib)
