@@ -31,6 +31,7 @@ from rlx import progress
 from rlx.models.model import Model
 from rlx.models.transformer import Params
 from rlx.rollout.engine import DecodeState, Engine, Prefix, SamplingParams, np_stop_ids
+from rlx.rollout.state import swap_slots
 
 Weights = Callable[[], "tuple[Params, int] | None"]
 """Newer weights for an in-flight update: (params, version), or None to keep those in use."""
@@ -224,6 +225,11 @@ def _first_tokens(state: DecodeState, slots: jax.Array):
 class _Run:
   """The host-side bookkeeping of one ``generate`` call."""
 
+  compacts = True
+  """Whether a chunk first moves the decoding slots above the narrowest width that holds them
+  into the holes below it (free slots, or slots parked on an environment, which go up in
+  exchange), so that it computes that width and no idle slot inside it."""
+
   def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                stop, seed, policy_version, batching, first_prompt_index=0, on_finished=None,
                weights=None, supply: Supply | None = None, stats: dict | None = None):
@@ -326,9 +332,11 @@ class _Run:
     are ``waiting``), with the newest weights, its tokens recorded; returns the state and the
     chunk (host arrays)."""
     self._refresh()
+    if self.compacts:
+      state, slots = self._compact(state, slots)
     attend_len = self.engine.attend_bucket(int(self.index[slots].max()))
     # only the leading slots that hold the decoding ones (new work takes the lowest free slot,
-    # so with few requests in flight they are few)
+    # and the compaction moves the others down)
     width = self.engine.decode_width(max(slots) + 1)
     state, chunk = self.engine.generate(self.params, state, attend_len,
                                         self.refill_at if waiting else None, width)
@@ -344,6 +352,30 @@ class _Run:
         self._append(slot, *(x[i:i + 1] for x in first[:3]), first[3][i], first[4][i], version)
     self._record(chunk)
     return state, chunk
+
+  def _compact(self, state, slots: list[int]):
+    """Exchanges each decoding slot at or above the narrowest width that holds ``len(slots)``
+    with the lowest hole below it; returns the state and where the decoding slots are now."""
+    narrow = self.engine.decode_width(len(slots))
+    movers = [s for s in slots if s >= narrow]
+    if not movers:
+      return state, slots
+    decoding = set(slots)
+    holes = [s for s in range(narrow) if s not in decoding][:len(movers)]
+    count = self.engine.batch_bucket(len(movers))
+    pad = [self.engine.max_slots] * (count - len(movers))
+    state = swap_slots(state, np.array(movers + pad, np.int32), np.array(holes + pad, np.int32))
+    moved = {**dict(zip(movers, holes)), **dict(zip(holes, movers))}
+    self._moved(moved)
+    return state, sorted(moved.get(s, s) for s in slots)
+
+  def _moved(self, moved: dict[int, int]) -> None:
+    """The host's records follow slots the device exchanged (``moved``: old slot -> new)."""
+    owner, index = list(self.owner), self.index.copy()
+    for old, new in moved.items():
+      self.owner[new], self.index[new] = owner[old], index[old]
+    for placed, _, _ in self.firsts:  # first tokens not read yet belong to requests, not slots
+      placed[:] = [moved.get(s, s) for s in placed]
 
   def _refresh(self) -> None:
     """Takes newer weights between chunks, when ``weights`` has them."""

@@ -167,6 +167,10 @@ class EpisodeRun(_Run):
       else:
         self.parked[slot] = _Parked(future, time.monotonic())
 
+  def _moved(self, moved: dict[int, int]) -> None:
+    super()._moved(moved)
+    self.parked = {moved.get(s, s): parked for s, parked in self.parked.items()}
+
   def _finish(self, slot: int | None, truncated: bool, key: tuple[int, int] | None = None) -> None:
     key = self.owner[slot] if key is None else key
     completion = self.partial.pop(key)

@@ -4,10 +4,13 @@ them; they are pytrees, so the programs take and return them whole)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from flax import struct
 
-from rlx.models.transformer import Cache
+from rlx.models.transformer import Cache, cache_layout
 
 NO_STOP = -1
 
@@ -59,3 +62,23 @@ class StepResult:
   emitted: jax.Array  # bool: the slot produced a token at this step
   finished: jax.Array  # bool: that token ended its request
   stopped: jax.Array  # bool: ... on a stop token
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def swap_slots(state: DecodeState, a: jax.Array, b: jax.Array) -> DecodeState:
+  """``state`` with slots ``a[i]`` and ``b[i]`` exchanged: their caches, last tokens, keys and
+  sampling settings, everything a slot holds (in place: ``state`` is donated). Pairs whose
+  indices are ``>= S`` are padding and change nothing."""
+  src, dst = jnp.concatenate([a, b]), jnp.concatenate([b, a])
+
+  def move(x, axis=0):
+    rows = jnp.take(x, src, axis=axis, mode="clip")
+    return x.at[(slice(None),) * axis + (dst,)].set(rows, mode="drop")
+
+  cache = dict(state.cache)
+  slot_axis = 1 if cache_layout(cache) == "stacked" else 0
+  for name in ("k", "v"):
+    cache[name] = jax.tree.map(lambda x: move(x, slot_axis), cache[name])
+  rest = jax.tree.map(move, state.replace(cache={}))
+  return rest.replace(cache={name: cache[name] if name in ("k", "v") else move(x)
+                             for name, x in cache.items()})

@@ -77,6 +77,8 @@ class ServingClosed(RuntimeError):
 class Batcher(_Run):
   """Continuous batching of submitted requests (see the module docstring)."""
 
+  compacts = False  # its chunks also carry parked slots whose caches new requests may reuse
+
   def __init__(self, engine: Engine, params: Params, *, version: int = 0,
                decode: Callable[[Sequence[int]], str] | None = None, reuse: bool = True):
     # one sample per prompt; no request is known yet

@@ -147,3 +147,37 @@ def test_a_release_the_engine_cannot_prefill_again_is_refused(model):
   with pytest.raises(ValueError, match="max_prompt_len of 21"):
     generate_episodes(engine, [[5, 6]], FakeEnv().respond, params=model.params, max_new_tokens=4,
                       max_tokens=20, stop_token_ids=STOP, release=True)
+
+
+def test_decoding_slots_move_below_parked_ones_and_sample_the_same(model, monkeypatch):
+  """16 slots, 12 episodes parked on an environment at different times: each chunk first moves
+  the decoding slots into the holes below the narrowest width that holds them (parked slots go
+  up in exchange), so it computes fewer idle slots, and every episode samples exactly what it
+  samples where it stays in its slot."""
+  from rlx.rollout.driver import _Run
+
+  engine = Engine(model.transformer, max_slots=16, max_len=96, max_prompt_len=16, decode_steps=4)
+  prompts = [[5, 6, 7], [8, 9], [13], [20, 21], [22], [23, 24, 25]]
+  kwargs = dict(params=model.params, n=2, max_new_tokens=6, max_tokens=40, stop_token_ids=STOP,
+                seed=7)
+  widths, decode = [], Engine.generate
+
+  def spy(self, params, state, attend_len=None, refill_at=None, width=None):
+    widths.append(width)
+    return decode(self, params, state, attend_len, refill_at, width)
+
+  monkeypatch.setattr(Engine, "generate", spy)
+  runs = {}
+  for compacts in (True, False):
+    monkeypatch.setattr(_Run, "compacts", compacts)
+    widths.clear()
+    stats = {}
+    done = generate_episodes(engine, prompts, FakeEnv(delay=0.05).respond, stats=stats, **kwargs)
+    runs[compacts] = done, sum(widths), stats["busy_steps"] / stats["slot_steps"]
+  (moved, moved_width, moved_busy), (stayed, stayed_width, stayed_busy) = runs[True], runs[False]
+  for a, b in zip(moved, stayed):
+    assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+    assert a.response_tokens == b.response_tokens and a.sampled_mask == b.sampled_mask
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+  assert max(c.turns for c in moved) >= 2
+  assert moved_busy > stayed_busy, (moved_busy, stayed_busy)
