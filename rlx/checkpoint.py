@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from rlx import distributed
+from rlx import distributed, progress
 from rlx.config import CheckpointConfig
 from rlx.types import TrainState
 
@@ -245,10 +245,12 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
+    progress.waiting("the checkpoint write")  # a large state on slow storage is no hang
     try:
       self._manager.wait_until_finished()
     except Exception as error:  # noqa: BLE001
       raise self._write_failed(error) from error
+    progress.tick()
 
   def close(self) -> None:
     self.wait()

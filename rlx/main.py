@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 
-from rlx import cli
+from rlx import cli, progress
 from rlx.config import ConfigError, RunConfig
 from rlx.hostmem import HeapTrimmer, return_freed_memory
 
@@ -133,7 +133,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
     status = JobStatus(workdir, config.mesh.role, job)
   from rlx.trainer import EXIT_STOPPED
 
-  with status or contextlib.nullcontext():
+  with status or contextlib.nullcontext(), progress.Watchdog(config.trainer.hang_timeout_s):
     try:
       summary = trainer.train(config, workdir, say)
     except CheckpointError:

@@ -16,8 +16,13 @@ returns, a deadlocked collective).
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Self
 
 _lock = threading.Lock()
 _state = {"doing": "starting", "progress_at": time.time(), "waiting_on": None, "ticks": 0}
@@ -54,3 +59,60 @@ def snapshot() -> dict:
   if compiling is not None:
     record.update(progress_at=time.time(), doing=f"{record['doing']} (compiling {compiling})")
   return record
+
+
+EXIT_HUNG = 70
+"""The exit status of a run that ``Watchdog`` ended (EX_SOFTWARE): not a requeue's 75."""
+
+
+def hung_for(record: dict, now: float) -> float | None:
+  """Seconds ``record`` (a ``snapshot``) has got nothing done while not waiting on a peer;
+  None while it waits."""
+  return None if record["waiting_on"] is not None else now - record["progress_at"]
+
+
+def _end_hung(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+  faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+  sys.stderr.flush()
+  os._exit(EXIT_HUNG)  # the hung thread would never let an exception through
+
+
+class Watchdog:
+  """A thread that ends the process (``on_hang``: by default a line naming the stage, every
+  thread's stack, exit status ``EXIT_HUNG``) once it has got nothing done for ``timeout_s``
+  while not waiting on a peer. A context manager; ``timeout_s`` 0 watches nothing."""
+
+  def __init__(self, timeout_s: float, interval_s: float | None = None,
+               on_hang: Callable[[str], None] = _end_hung,
+               clock: Callable[[], float] = time.time):
+    self.timeout_s, self.on_hang, self.clock = timeout_s, on_hang, clock
+    self.interval_s = min(30.0, timeout_s / 10) if interval_s is None else interval_s
+    self._stop = threading.Event()
+    self._thread = None
+
+  def check(self) -> bool:
+    """Looks once; calls ``on_hang`` and returns True when the process hangs."""
+    record = snapshot()
+    stalled = hung_for(record, self.clock())
+    if stalled is None or stalled <= self.timeout_s:
+      return False
+    self.on_hang(f"rlx: error: this process has got nothing done for {stalled:.0f}s while "
+                 f"{record['doing']} (config.trainer.hang_timeout_s={self.timeout_s:g}): it "
+                 "hangs; ending the run. Every thread's stack follows; the newest checkpoint "
+                 "resumes it")
+    return True
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.interval_s):
+      if self.check():
+        return
+
+  def __enter__(self) -> Self:
+    if self.timeout_s > 0:
+      self._thread = threading.Thread(target=self._run, name="rlx-watchdog", daemon=True)
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stop.set()

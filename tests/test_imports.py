@@ -40,7 +40,7 @@ ALLOWED = {
     "envs": {"rewards", "data", "config"},
     # the OpenAI-compatible endpoint on the engine, episodes' trajectories, python -m rlx.serve
     "serve": {"rollout", "models", "envs", "config"},
-    "checkpoint": {"config", "types", "distributed"},
+    "checkpoint": {"config", "types", "distributed", "progress"},
     "metrics": {"config"},
     # JAX's persistent compilation cache and compile-time counters
     "compilation": set(),
@@ -51,7 +51,7 @@ ALLOWED = {
                 "rollout", "sync", "rewards", "data", "envs", "serve", "checkpoint", "metrics",
                 "distributed", "progress"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation",
-             "hostmem"},
+             "hostmem", "progress"},
     # compiling the learner step and decode for an accelerator that is not here
     # memory traffic read from compiled programs' optimized HLO: text and jax only
     "hlo_traffic": set(),

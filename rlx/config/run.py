@@ -361,11 +361,14 @@ class TrainerConfig:
   """Pack several sequences into each row of the learner's forward passes (the old and reference log-probs, the update), placed first-fit by length, each attending only to itself: the results are the unpacked ones, with less compute spent on padding. Pays where lengths vary (short answers beside long ones); a batch that packs into no fewer rows runs unpacked. train/pad_frac and train/packed_pad_frac say what it saved. The PPO critic runs unpacked."""
   compile_cache: str = "~/.cache/rlx/jax"
   """JAX's persistent compilation cache: a second run of the same programs loads them instead of compiling; '' turns it off."""
+  hang_timeout_s: float = 1800.0
+  """End the run, with every thread's stack and exit status 70, when this process has got nothing done for this long (no decode chunk, update, reward or compile) while not waiting on a peer job or a checkpoint write: a hung process then takes the run down loudly instead of holding its devices. 0 never."""
 
   def __post_init__(self):
     _positive(self, "trainer", "steps", "ppo_epochs", "mini_batches", "warmup_sft_learning_rate",
               "warmup_sft_batch", "max_skipped_steps")
-    for name in ("eval_every", "warmup_sft_steps", "eval_prompts", "eval_samples"):
+    for name in ("eval_every", "warmup_sft_steps", "eval_prompts", "eval_samples",
+                 "hang_timeout_s"):
       _check(getattr(self, name) >= 0, f"trainer.{name}", "must be >= 0")
     _check(0 <= self.warmup_sft_until <= 1, "trainer.warmup_sft_until",
            "must be a share of prompts in [0, 1] (0 runs every warm-up step)")

@@ -80,5 +80,5 @@ def swap_slots(state: DecodeState, a: jax.Array, b: jax.Array) -> DecodeState:
   for name in ("k", "v"):
     cache[name] = jax.tree.map(lambda x: move(x, slot_axis), cache[name])
   rest = jax.tree.map(move, state.replace(cache={}))
-  return rest.replace(cache={name: cache[name] if name in ("k", "v") else move(x)
+  return rest.replace(cache={name: x if name in ("k", "v") else move(x)
                              for name, x in cache.items()})
