@@ -87,7 +87,7 @@ class Watchdog:
                on_hang: Callable[[str], None] = _end_hung,
                clock: Callable[[], float] = time.time):
     self.timeout_s, self.on_hang, self.clock = timeout_s, on_hang, clock
-    self.interval_s = min(30.0, timeout_s / 10) if interval_s is None else interval_s
+    self.interval_s = min(30.0, max(0.1, timeout_s / 10)) if interval_s is None else interval_s
     self._stop = threading.Event()
     self._thread = None
 
