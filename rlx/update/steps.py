@@ -89,12 +89,12 @@ def apply_if_finite(optimizer: optax.GradientTransformation, state: TrainState, 
   at most the checked norm's square), so they are finite whenever the state was and the
   gradient norm is; a non-finite old moment makes the update non-finite. (Checking them read
   the moments through a predicate per element, which XLA:CPU materialises before reducing:
-  200 MiB more of the step's peak at SmolLM2-135M.) Also returns ``grad_norm``, ``update_ratio``, ``skipped`` (int 0/1) and
-  ``skipped_update`` (skipped although the loss and gradient were finite: the update itself
-  overflowed or exploded). An ``empty`` mini-batch
-  (no response token in the loss) is not a numerical failure: it leaves ``state`` unchanged
-  (Adam's momentum would move the weights even on a zero gradient) and counts as ``empty``,
-  not ``skipped``."""
+  0.2 GB more of the compiled step's temporaries at SmolLM2-135M.) Also returns
+  ``grad_norm``, ``update_ratio``, ``skipped`` (int 0/1) and ``skipped_update`` (skipped
+  although the loss and gradient were finite: the update itself overflowed or exploded). An
+  ``empty`` mini-batch (no response token in the loss) is not a numerical failure: it leaves
+  ``state`` unchanged (Adam's momentum would move the weights even on a zero gradient) and
+  counts as ``empty``, not ``skipped``."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   grad_norm = optax.tree.norm(grads)
   gradient_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
