@@ -117,13 +117,24 @@ def _quiet_unraisablehook(hook):
 class Checkpointer:
   """Keeps the newest ``max_to_keep`` checkpoints of a run under ``directory``."""
 
-  def __init__(self, directory: str | pathlib.Path, config: CheckpointConfig = CheckpointConfig()):
+  def __init__(self, directory: str | pathlib.Path, config: CheckpointConfig = CheckpointConfig(),
+               largest_bytes: int = 0):
+    """``largest_bytes``: the largest array a save will write (the bound on the writes held at
+    once, ``config.write_buffer_mb``, must hold it)."""
     logging.getLogger("absl").addFilter(_QUIET)  # once: a filter is added only if absent
     sys.unraisablehook = _quiet_unraisablehook(sys.unraisablehook)
     self.directory = pathlib.Path(directory).absolute()
     options = ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep,
                                            enable_async_checkpointing=config.async_save, create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # tensorstore holds each array's encoded chunks until they are written: without a bound,
+    # a whole state's worth at once
+    in_flight_gb = (max(config.write_buffer_mb << 20, largest_bytes) + (1 << 20)) / 1e9
+    states = {name: ocp.StandardCheckpointHandler(save_concurrent_gb=in_flight_gb)
+              for name in ("state", "critic")}
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers=dict(states, data=ocp.JsonCheckpointHandler(),
+                           meta=ocp.JsonCheckpointHandler()))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

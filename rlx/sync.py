@@ -59,6 +59,11 @@ class WeightSync(Protocol):
     """Removes published versions ``version`` and newer (a resumed run writes them again);
     returns how many."""
 
+  def release(self) -> None:
+    """Lets go of the generator's copy of the newest version until the next ``publish``: a
+    colocated learner's update needs the memory, and nothing samples before the next
+    version."""
+
   def close(self) -> None:
     """Waits for what is being published, then lets go of storage."""
 
@@ -77,6 +82,7 @@ class ReshardSync:
     self.prepare = prepare
     self._lock = threading.Lock()
     self._latest: tuple[Params, int] | None = None
+    self._released: int | None = None  # the version ``release`` let go of
     self.last_seconds = 0.0
     self.last_bytes = 0
 
@@ -91,13 +97,16 @@ class ReshardSync:
     resharded = jax.block_until_ready(self.prepare(
         jax.device_put(params, self.generation_shardings, may_alias=False)))
     with self._lock:
-      self._latest = (resharded, version)
+      self._latest, self._released = (resharded, version), None
     self.last_seconds = time.perf_counter() - started
     return self.last_seconds
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """The newest published (params, version) if its version is above ``newer_than``."""
     with self._lock:
+      if self._released is not None and self._released > newer_than:
+        raise RuntimeError(f"policy version {self._released} was released for the learner's "
+                           "update: publish the next version before sampling again")
       if self._latest is None or self._latest[1] <= newer_than:
         return None
       return self._latest
@@ -108,6 +117,11 @@ class ReshardSync:
         return 0
       self._latest = None
       return 1
+
+  def release(self) -> None:
+    with self._lock:
+      if self._latest is not None:
+        self._latest, self._released = None, self._latest[1]
 
   def close(self) -> None:
     pass
@@ -214,6 +228,9 @@ class OrbaxSync:
       _retried(self._manager.reload)
     return moved
 
+  def release(self) -> None:
+    pass  # a reader restores each version into its own copy: the sync keeps none
+
   def close(self) -> None:
     with self._lock:
       self._written()
@@ -300,6 +317,11 @@ class LoraSync:
     with self._lock:
       self._merged = None
     return self.inner.discard_from(version)
+
+  def release(self) -> None:
+    """Lets go of the merged copy; the adapters stay, and ``latest`` merges them again."""
+    with self._lock:
+      self._merged = None
 
   def versions(self) -> list[int]:
     return self.inner.versions()

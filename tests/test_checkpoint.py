@@ -205,3 +205,42 @@ def test_a_checkpoint_whose_data_position_is_refused_falls_back_like_a_damaged_o
     checkpointer.close()
   assert restored.step == 1 and restored.data_state == {"next_index": 8}
   assert any("step 2" in line and "KeyError" in line for line in said), said
+
+
+WRITE = """
+import sys, threading, time
+import jax, jax.numpy as jnp
+from rlx import hostmem
+from rlx.checkpoint import Checkpointer
+from rlx.config import CheckpointConfig
+from rlx.types import TrainState
+assert hostmem.return_freed_memory()
+# 240 MB of incompressible weights, the largest array 48 MB: more than the 16 MB bound
+params = {f"w{i}": jax.random.normal(jax.random.key(i), (6 if i else 12, 1 << 20)) for i in range(9)}
+state = TrainState(step=jnp.int32(0), params=params, opt_state=(), key=jax.random.key(0),
+                   policy_version=jnp.int32(0))
+jax.block_until_ready(state)
+largest = max(x.nbytes for x in params.values())
+checkpointer = Checkpointer(sys.argv[1], CheckpointConfig(write_buffer_mb=int(sys.argv[2])),
+                            largest_bytes=largest)
+peak, before = [0], hostmem.resident_bytes()
+def watch():
+  while True:
+    peak[0] = max(peak[0], hostmem.resident_bytes())
+    time.sleep(0.005)
+threading.Thread(target=watch, daemon=True).start()
+checkpointer.save(1, state)
+checkpointer.close()
+print((peak[0] - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_save_holds_its_write_buffer_not_a_copy_of_the_state(tmp_path):
+  """Tensorstore keeps each array's encoded chunks until they are on disk: with Orbax's own
+  bound (96 GB) a whole state's worth at once. ``checkpoint.write_buffer_mb`` bounds it (and
+  an array larger than the bound is still written)."""
+  rise = {mb: int(subprocess.run([sys.executable, "-c", WRITE, str(tmp_path / str(mb)), str(mb)],
+                                 capture_output=True, text=True, check=True).stdout.split()[-1])
+          for mb in (16, 100_000)}
+  assert rise[16] < 120 < 180 < rise[100_000], rise

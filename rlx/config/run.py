@@ -261,6 +261,10 @@ class CheckpointConfig:
   """Checkpoints kept on disk (at least 1: a run always saves its last step)."""
   async_save: bool = True
   """Write checkpoints in the background while training goes on."""
+  write_buffer_mb: int = 256
+  """Host memory a save's writes may hold at once (raised to the largest array where that is
+  larger). Orbax's own bound is 96 GB: a whole state's encoded copy in flight (SmolLM2-135M:
+  1.5 GB above the state, for the length of the write)."""
   export_hf_every: int = 0
   """Also write the policy as a Hugging Face directory (WORKDIR/hf/step_N) every N steps; 0 never."""
   export_merged: bool = False
@@ -275,6 +279,7 @@ class CheckpointConfig:
     _check(self.stop_grace_s >= 0, "checkpoint.stop_grace_s",
            "must be >= 0 (0 waits for the step however long it takes)")
     _check(self.export_hf_every >= 0, "checkpoint.export_hf_every", "must be >= 0 (0 never)")
+    _check(self.write_buffer_mb > 0, "checkpoint.write_buffer_mb", "must be positive")
     _check(self.max_to_keep >= 1, "checkpoint.max_to_keep",
            "must be >= 1: with 0 no checkpoint is kept and a rerun starts over")
 

@@ -119,10 +119,16 @@ class Learner:
     """The step of the newest save started by this learner (it may still be writing)."""
     self.restored_meta: dict = {}
     """The metadata of the checkpoint the learner resumed from (empty on a fresh run)."""
-    self.checkpointer = Checkpointer(directory, config.checkpoint)
+    largest = max(x.nbytes for x in jax.tree.leaves((self.state, self.critic))
+                  if hasattr(x, "nbytes"))
+    self.checkpointer = Checkpointer(directory, config.checkpoint, largest_bytes=largest)
     self.base_reference = base_reference
     """With LoRA: the base's ``{"path", "fingerprint"}``, saved with each checkpoint; a resume
     onto another base is refused."""
+    self.releases_generation_copy = config.mesh.mode == "colocated"
+    """Whether ``learn`` lets go of the generator's copy of the weights (``WeightSync.release``)
+    until the next ``publish``: colocated, nothing samples meanwhile, and the update takes its
+    memory (SmolLM2-135M on two CPU devices: 1.1 GB, one copy per device)."""
 
   @classmethod
   def for_run(cls, run: Run, say: Say = print) -> Learner:
@@ -229,12 +235,16 @@ class Learner:
 
   def learn(self, draw: Draw, *, clip_eps_high: float | None = None) -> dict:
     """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
-    ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's.
+    ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's. Colocated,
+    the generator's copy of the weights goes first (``releases_generation_copy``): the caller
+    publishes the new version before anything samples again.
 
     ``clip_eps_high``: the upper clip range (an entropy controller may raise it; None:
     ``algorithm.clip_eps_high``), a traced input of the step like each batch's sampling
     temperature, so neither recompiles."""
     config = self.config
+    if self.releases_generation_copy:
+      self.sync.release()
     if clip_eps_high is None:
       clip_eps_high = config.algorithm.eps_high
     # every process lays its rows out at the same (bucketed) lengths: the batch is one array

@@ -99,6 +99,8 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   same weights are not evaluated twice). The final evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
   ``WORKDIR/eval_final.json``, and the final policy to ``WORKDIR/hf/final`` (Hugging Face
   format, what ``python -m rlx.serve --model`` and ``transformers`` load)."""
+  if final is not None:  # nothing samples again: the save and the export take the memory of
+    run.sync.release()  # the generator's copy (on two CPU devices, colocated: one per device)
   seconds = run.seconds
   seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
                         - (seconds["evals"] - seconds.pop("evals before loop")))

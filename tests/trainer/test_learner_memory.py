@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
-from rlx.trainer import prepare
+from rlx.trainer import Draw, prepare
 from rlx.trainer.learner import Learner
 from tests.trainer import tiny
+from tests.trainer.test_experience import _completion
 
 
 @pytest.mark.parametrize("mode", ["colocated", "split"])
@@ -36,6 +38,44 @@ def test_the_only_copies_of_the_weights_are_the_state_s_and_the_generator_s(tmp_
     assert len(held) == 4  # params, the two moments, the generator's copy
     assert {id(a) for a in live} == held, [a.sharding for a in live if id(a) not in held]
     assert run.model.params is None  # what would read the run's copy reads the learner's
+  finally:
+    run.close()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "split"])
+def test_a_colocated_update_runs_without_the_generator_s_copy(tmp_path, mode):
+  """Colocated, nothing samples during the update: the generator's copy of the weights is let
+  go before it and made again by the next publish. Split, the generator decodes beside it."""
+  config = tiny.config("dapo_split", f"--config.mesh.mode={mode}",
+                       "--config.trainer.warmup_sft_steps=0", "--config.data.prompts_per_step=4")
+  rng = np.random.default_rng(0)
+  draw = Draw([_completion(rng.integers(1, 32, 4), rng.integers(1, 32, 6), version=0,
+                           prompt_index=i // 8, sample_index=i % 8) for i in range(32)],
+              rng.random(32).round().astype(np.float32), np.ones(32, bool), {}, 0.0, {})
+  run = prepare(config, tmp_path, say=lambda line: None)
+  try:
+    learner = Learner.for_run(run, say=lambda line: None)
+    learner.publish()
+    shape = learner.state.params["embed"].shape
+    gone = []
+    step = learner.step_fn
+
+    def counting(state, *args, **kwargs):  # how many of the weights' arrays went before it
+      gc.collect()
+      gone.append(held - sum(a.shape == shape for a in jax.live_arrays()))
+      return step(state, *args, **kwargs)
+
+    gc.collect()
+    held = sum(a.shape == shape for a in jax.live_arrays())  # with the generator's copy
+    learner.step_fn = counting
+    learner.learn(draw)
+    assert gone == [1 if mode == "colocated" else 0]  # the generator's copy went
+    if mode == "colocated":
+      with pytest.raises(RuntimeError, match="publish the next version"):
+        run.sync.latest()
+    learner.publish()
+    params, version = run.sync.latest()
+    assert version == learner.version == 1 and params["embed"].shape == shape
   finally:
     run.close()
 
