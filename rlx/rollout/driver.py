@@ -258,9 +258,11 @@ class _Run:
     self.stats = {} if stats is None else stats
     """The slots' use, added to as it runs (a caller's dict, which it reads meanwhile):
     ``slot_steps`` (decode steps x the slots they computed: the chunk's width), ``busy_steps`` (the steps of those that
-    produced a token: the occupancy is their ratio) and ``parked_s`` (seconds every slot
-    waited on an environment)."""
-    for key in ("slot_steps", "busy_steps", "parked_s"):
+    produced a token: the occupancy is their ratio), ``held_steps`` (the steps of those that
+    held a decoding sample when the chunk began: the rest were free or parked; between held
+    and busy are the steps after a sample's turn ended inside the chunk) and ``parked_s``
+    (seconds every slot waited on an environment)."""
+    for key in ("slot_steps", "busy_steps", "held_steps", "parked_s"):
       self.stats.setdefault(key, 0)
 
   def run(self) -> list[Completion]:
@@ -345,7 +347,9 @@ class _Run:
     firsts, chunk = jax.device_get((self.firsts, chunk))
     progress.tick()
     self.firsts = []
-    self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * width  # slots computed
+    steps = int(chunk.emitted.any(axis=1).sum())
+    self.stats["slot_steps"] += steps * width  # slots computed
+    self.stats["held_steps"] += steps * len(slots)
     self.stats["busy_steps"] += int(chunk.emitted.sum())
     for placed, first, version in firsts:
       for i, slot in enumerate(placed):

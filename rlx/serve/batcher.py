@@ -92,8 +92,8 @@ class Batcher(_Run):
     self.parked: dict[int, list[int]] = {}  # slot -> the ids its cache holds (oldest first)
     self.closed: BaseException | None = None
     self.lock = threading.Lock()
-    self.stats = {"requests": 0, "slot_steps": 0, "busy_steps": 0, "reused": 0,
-                  "reused_tokens": 0}
+    self.stats = {"requests": 0, "slot_steps": 0, "busy_steps": 0, "held_steps": 0, "parked_s": 0,
+                  "reused": 0, "reused_tokens": 0}  # the slots' use: ``_Run._decode`` counts it
 
   # --- any thread ------------------------------------------------------------------------------
 
@@ -178,10 +178,7 @@ class Batcher(_Run):
       if owned:
         waiting = bool(self.pending or self.prefixes or not self.inbox.empty())
         # the attention (and a per_layer cache's) length covers the parked slots' caches too
-        state, chunk = self._decode(state, sorted({*owned, *self.zombies, *self.parked}),
-                                    waiting)
-        self.stats["slot_steps"] += int(chunk.emitted.any(axis=1).sum()) * self.engine.max_slots
-        self.stats["busy_steps"] += int(chunk.emitted.sum())
+        state, _ = self._decode(state, sorted({*owned, *self.zombies, *self.parked}), waiting)
 
   def _admit(self) -> None:
     while True:

@@ -211,6 +211,7 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
   counts = dict(scored.counts)
   sums["slot_steps"] = endpoint.batcher.stats["slot_steps"] - before["slot_steps"]
   sums["busy_steps"] = endpoint.batcher.stats["busy_steps"] - before["busy_steps"]
+  sums["held_steps"] = endpoint.batcher.stats["held_steps"] - before["held_steps"]
   counts.update({f"agent:{key}": value for key, value in sums.items()})
   completions = [c for c, _, _ in completions]
   if jax.process_index() == 0 and temperature > 0 and completions:

@@ -35,7 +35,7 @@ from rlx.rewards import Scored
 from rlx.rollout import Completion
 
 AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "tool_wait_s", "step_timeouts",
-              "slot_steps", "busy_steps", "parked_s", *COUNTS)
+              "slot_steps", "busy_steps", "held_steps", "parked_s", *COUNTS)
 
 
 def tool_format(config: RunConfig, tokenizer) -> Format:
@@ -322,6 +322,7 @@ def agent_metrics(sums: dict[str, float],
       "agent/truncated_frac": sums.get("truncated", 0) / episodes,
       # of the decode slots' steps, those that produced a token (parked and idle slots don't)
       "rollout/slot_occupancy": sums.get("busy_steps", 0) / max(sums.get("slot_steps", 0), 1),
+      "rollout/slots_held_frac": sums.get("held_steps", 0) / max(sums.get("slot_steps", 0), 1),
   }
   if "requests" in sums:  # an agent program's episodes (config.env.agent): it runs its tools
     failures = (sums.get("program_errors", 0) + sums.get("program_timeouts", 0)

@@ -233,6 +233,11 @@ class Learner:
     """The newest published params, in the generation layout."""
     return self.sync.latest()[0]
 
+  def release_generation_copy(self) -> None:
+    """Lets go of the generator's copy of the weights until the next ``publish``
+    (``WeightSync.release``): nothing samples before it."""
+    self.sync.release()
+
   def learn(self, draw: Draw, *, clip_eps_high: float | None = None) -> dict:
     """The policy's updates on ``draw`` (``trainer.ppo_epochs`` passes of
     ``trainer.mini_batches`` optimizer steps, one jitted call), and the critic's. Colocated,
@@ -244,7 +249,7 @@ class Learner:
     temperature, so neither recompiles."""
     config = self.config
     if self.releases_generation_copy:
-      self.sync.release()
+      self.release_generation_copy()
     if clip_eps_high is None:
       clip_eps_high = config.algorithm.eps_high
     # every process lays its rows out at the same (bucketed) lengths: the batch is one array

@@ -100,7 +100,7 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
   ``WORKDIR/eval_final.json``, and the final policy to ``WORKDIR/hf/final`` (Hugging Face
   format, what ``python -m rlx.serve --model`` and ``transformers`` load)."""
   if final is not None:  # nothing samples again: the save and the export take the memory of
-    run.sync.release()  # the generator's copy (on two CPU devices, colocated: one per device)
+    learner.release_generation_copy()  # the generator's copy
   seconds = run.seconds
   seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
                         - (seconds["evals"] - seconds.pop("evals before loop")))

@@ -356,6 +356,7 @@ class Streamer:
         "rollout/version_span_mean": float(np.mean(spans)),
         "rollout/groups_in_flight": len(self.flight),
         "rollout/slot_occupancy": slots.get("busy_steps", 0) / max(slots.get("slot_steps", 0), 1),
+        "rollout/slots_held_frac": slots.get("held_steps", 0) / max(slots.get("slot_steps", 0), 1),
     })
     if self.episodes is not None:
       counts.update(agent_metrics({**tally.agent, **slots}, tally.latencies))

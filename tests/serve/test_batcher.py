@@ -55,6 +55,10 @@ def test_submitted_requests_match_generate(model):
     np.testing.assert_allclose(got.policy_logprobs, c.policy_logprobs, atol=1e-5)
     assert got.finish_reason == c.finish_reason and got.policy_version == 4
   assert batcher.stats["requests"] == 12
+  # every token a chunk emitted counted once (the first of each request is sampled at insert)
+  stats = batcher.stats
+  assert stats["busy_steps"] == sum(len(c.response_tokens) - 1 for c in reference)
+  assert stats["busy_steps"] <= stats["held_steps"] <= stats["slot_steps"]
 
 
 def test_stop_text_ends_a_request_and_the_slot_is_reused(model):

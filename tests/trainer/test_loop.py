@@ -64,6 +64,7 @@ class FakeLearner:
     self.version, self.entropy, self.stop_at, self.config = version, entropy, stop_at, config
     self.clip_eps_highs, self.saves = [], {}
     self.saved_step, self.restored_meta = None, {}
+    self.released = False  # the generator's copy, until the next publish
     self.checkpointer = types.SimpleNamespace(directory=directory, latest_step=self._latest,
                                               wait=lambda: None, failed_save=lambda: None)
 
@@ -81,7 +82,11 @@ class FakeLearner:
   sync_bytes = 1024
 
   def publish(self):
+    self.released = False
     return 0.001
+
+  def release_generation_copy(self):
+    self.released = True
 
   def checkpoint_due(self, step, stopping):
     every = self.config.checkpoint.every_steps
@@ -92,6 +97,7 @@ class FakeLearner:
     self.saves[step] = {"data_state": data_state, **meta}
 
   def generation_params(self):
+    assert not self.released, "sampling from a released copy"
     return None
 
   def close(self):
@@ -311,8 +317,11 @@ def test_the_final_evaluation_is_a_step_metric_run_once(tmp_path, monkeypatch, s
 
   monkeypatch.setattr("rlx.trainer.loop.evaluate", evaluate)
   monkeypatch.setattr("rlx.trainer.lifecycle.evaluate", evaluate)
-  summary, *_ = _loop(tmp_path, script, f"--config.trainer.steps={steps}",
-                      "--config.trainer.eval_every=2")
+  summary, learner, *_ = _loop(tmp_path, script, f"--config.trainer.steps={steps}",
+                               "--config.trainer.eval_every=2")
+  # once the final evaluation ran, the save and the export have the generator's memory (the
+  # fake refuses to sample from a released copy: the data running out evaluates after it)
+  assert learner.released == (steps == len(script))
   rows = [row for row in tiny.metrics(tmp_path) if "eval/accuracy" in row]
   assert [row["step"] for row in rows] == logged and len(calls) == len(logged)
   assert summary.eval_accuracy_after == rows[-1]["eval/accuracy"] == 0.1 * len(calls)
