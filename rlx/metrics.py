@@ -82,6 +82,21 @@ def progress_bar(console=None):
                   SecondsPerStep(), TimeRemainingColumn(), console=console, expand=True)
 
 
+def _summary_writer():
+  """tensorboardX's ``SummaryWriter``, imported without torch where torch is not loaded yet:
+  tensorboardX imports it, when installed, only to take its tensors (rlx writes floats), and
+  that import alone is 190 MB of the process's memory for the whole run."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # an import of it fails, and tensorboardX goes on without it
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsSink:
   """Writes each step's metrics to the console, a JSONL file and TensorBoard event files."""
 
@@ -100,8 +115,7 @@ class MetricsSink:
         self._truncate(resume_step or 0)
       self._jsonl = open(self.jsonl_path, "a")
     if config.tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tensorboard = SummaryWriter(str(workdir / "tb"), purge_step=(resume_step or 0) + 1)
+      self._tensorboard = _summary_writer()(str(workdir / "tb"), purge_step=(resume_step or 0) + 1)
     if config.wandb_project:
       self._wandb = _wandb_run(config.wandb_project, workdir, run_name, run_config)
     if config.progress_bar and sys.stdout.isatty():  # else a plain line per written step

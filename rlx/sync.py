@@ -75,7 +75,13 @@ def _as_is(params: Params) -> Params:
 class ReshardSync:
   """In-memory resharding to the generation layout. ``prepare``: what the generator keeps of
   each version instead of the resharded params (``Engine.decode_params``: per-layer weights),
-  so that only that form stays in memory."""
+  so that only that form stays in memory.
+
+  The first version is resharded, then prepared. From the second on (one process), the
+  learner's params are prepared where they are and moved one array at a time into the
+  shardings the first one took, each prepared array let go once moved: a version then costs
+  one array more than its copy while it crosses, not the copy twice (the resharded and the
+  prepared form, 0.54 GB each at SmolLM2-135M)."""
 
   def __init__(self, generation_shardings: Any, prepare: Callable[[Params], Params] = _as_is):
     self.generation_shardings = generation_shardings
@@ -83,6 +89,7 @@ class ReshardSync:
     self._lock = threading.Lock()
     self._latest: tuple[Params, int] | None = None
     self._released: int | None = None  # the version ``release`` let go of
+    self._placed = None  # the shardings of a prepared version (the first one's)
     self.last_seconds = 0.0
     self.last_bytes = 0
 
@@ -94,8 +101,12 @@ class ReshardSync:
     # copy must not share buffers with them even when the layouts agree (one device).
     if jax.process_count() > 1:  # the generator's mesh is this process's devices
       params = distributed.local_replica(params)
-    resharded = jax.block_until_ready(self.prepare(
-        jax.device_put(params, self.generation_shardings, may_alias=False)))
+    if self._placed is None or jax.process_count() > 1:
+      resharded = jax.block_until_ready(self.prepare(
+          jax.device_put(params, self.generation_shardings, may_alias=False)))
+      self._placed = jax.tree.map(lambda x: x.sharding, resharded)
+    else:
+      resharded = _moved(self.prepare(params), params, self._placed)
     with self._lock:
       self._latest, self._released = (resharded, version), None
     self.last_seconds = time.perf_counter() - started
@@ -125,6 +136,20 @@ class ReshardSync:
 
   def close(self) -> None:
     pass
+
+
+def _moved(prepared: Params, source: Params, shardings: Any) -> Params:
+  """``prepared`` (made from ``source``) placed in ``shardings`` one array at a time; each of
+  its arrays that is not one of ``source``'s is deleted once its copy is made."""
+  owned = {id(x) for x in jax.tree.leaves(source)}
+
+  def move(x, sharding):
+    moved = jax.block_until_ready(jax.device_put(x, sharding, may_alias=False))
+    if id(x) not in owned:
+      x.delete()
+    return moved
+
+  return jax.tree.map(move, prepared, shardings)
 
 
 class OrbaxSync:

@@ -161,3 +161,29 @@ def test_wandb_that_cannot_start_or_is_missing_never_stops_the_run(tmp_path, mon
     sink.write(1, {"reward/mean": 0.5})
   assert "pip install 'rlx[wandb]'" in capsys.readouterr().out
   assert (tmp_path / "b" / "metrics.jsonl").read_text().count("reward/mean") == 1
+
+
+TENSORBOARD_WITHOUT_TORCH = """
+import importlib.util, sys, tempfile
+from rlx.config import LoggingConfig
+from rlx.metrics import MetricsSink
+with MetricsSink(tempfile.mkdtemp(), LoggingConfig(progress_bar=False), total_steps=1) as sink:
+  sink.write(1, {"reward/mean": 0.5})
+print("found", importlib.util.find_spec("torch") is not None, "torch" in sys.modules)
+import tensorboardX  # noqa: F401 - imported already: a later torch import is the user's own
+print("found", "torch" in sys.modules)
+"""
+
+
+def test_tensorboard_events_do_not_load_torch(tmp_path):
+  """tensorboardX imports torch when it is installed (190 MB of memory for the whole run, for
+  tensors rlx never passes): the sink writes its events without it."""
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-c", TENSORBOARD_WITHOUT_TORCH], capture_output=True,
+                       text=True, check=True).stdout
+  installed, loaded, after = [word for line in out.splitlines() if line.startswith("found")
+                              for word in line.split()[1:]]
+  if installed != "True":
+    pytest.skip("torch is not installed: nothing to keep out")
+  assert loaded == after == "False"

@@ -196,3 +196,30 @@ def test_a_sync_keeps_each_version_in_the_form_the_generator_decodes_from(meshes
                                   jax.device_get(params["layers"]))
   finally:
     orbax.close()
+
+
+def test_later_versions_cross_one_array_at_a_time_into_the_first_one_s_form(meshes):
+  """From the second version on, the params are prepared on the learner's side and moved
+  array by array: the generator gets the same values, in the same shardings, as resharding
+  then preparing gives, and the learner's side keeps no prepared copy."""
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  made = []
+
+  def per_layer(params):  # a copy per layer, as the engine's decode_params makes
+    made.append(layers := [jax.tree.map(lambda w, i=i: w[i] + 0, params["layers"])
+                           for i in range(ARCH.num_layers)])
+    return dict(params, layers=layers)
+
+  reshard = sync.ReshardSync(generation, prepare=per_layer)
+  first, second = _learner_params(meshes, 1), _learner_params(meshes, 2)
+  reshard.publish(first, 1)
+  reshard.publish(second, 2)
+  got = reshard.latest()[0]
+  expected = per_layer(jax.device_put(second, generation))
+  chex.assert_trees_all_equal(jax.device_get(got), jax.device_get(expected))
+  assert (jax.tree.map(lambda x: x.sharding, got)
+          == jax.tree.map(lambda x: x.sharding, expected))
+  learner_devices = set(meshes.learning.devices.flat)
+  assert all(next(iter(x.sharding.device_set)) in learner_devices for x in jax.tree.leaves(made[1]))
+  assert all(x.is_deleted() for x in jax.tree.leaves(made[1]))  # let go once moved
+  assert not any(x.is_deleted() for x in jax.tree.leaves(second))  # the learner's own stay

@@ -28,7 +28,9 @@ def get_config() -> RunConfig:
   return RunConfig(
       name="smollm2_math",
       model=ModelConfig(path="models/SmolLM2-135M-Instruct", dtype="float32", remat="full"),
-      rollout=RolloutConfig(max_slots=64, max_prompt_len=96, max_new_tokens=32, group_size=8,
+      # 32 slots: a batch's 32 samples (64 decoded no faster on two cores, and their KV cache
+      # took 0.19 GB more)
+      rollout=RolloutConfig(max_slots=32, max_prompt_len=96, max_new_tokens=32, group_size=8,
                             temperature=0.7),
       algorithm=AlgorithmConfig(name="grpo", kl_coef=0.0),
       optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0, max_grad_norm=1.0),
