@@ -29,7 +29,8 @@ Multi-turn agents, with a calculator that sleeps 0-2 s per call (``benchmarks/sl
     python benchmarks/deployment.py --config configs/agent_calc.py --arms colocated split \
         --steps 60 --config.env.name=benchmarks/slow_calc.py:make_env
 
-For episodes it also reports the decode slots' occupancy, turns and tool calls per episode,
+For episodes it also reports the decode slots' occupancy (and the share of computed slots that
+held a decoding sample), turns and tool calls per episode,
 and the tool latency.
 
 Busy fractions: each side's share of the loop's wall time spent working (generating, or
@@ -143,7 +144,7 @@ def _run(arm: str, workdir: pathlib.Path, args, warm: list[str]) -> dict:
         statistics.median(r["time/generator_sync_s"] for r in steady), 5)
     report["dropped_batches"] = rows[-1]["rollout/dropped_batches"]
   if "rollout/slot_occupancy" in rows[-1]:  # episodes, or a stream: means over the steps
-    for key in ("rollout/slot_occupancy", "rollout/version_span_mean", "rollout/groups_in_flight", "agent/turns_mean", "agent/tool_calls_mean",
+    for key in ("rollout/slot_occupancy", "rollout/slots_held_frac", "rollout/version_span_mean", "rollout/groups_in_flight", "agent/turns_mean", "agent/tool_calls_mean",
                 "time/all_slots_parked_s", "agent/tool_latency_p50_s",
                 "agent/tool_latency_p90_s", "agent/tool_wait_mean_s", "rollout/dropped_groups"):
       values = [r[key] for r in steady if key in r]
