@@ -168,6 +168,8 @@ class RolloutConfig:
   """Keep the k most likely tokens; 0 disables it."""
   decode_steps: int = 16
   """Tokens every slot decodes per dispatch (one host round trip per chunk); 1 is the single-step path. 16 was fastest in benchmarks/rollout_throughput.py."""
+  min_decode_width: int = 0
+  """The narrowest decode chunk: a chunk decodes only the leading slots that hold the decoding samples, rounded up to a power of two from this one (each width is one more program to compile); 0: an eighth of max_slots. A small model whose chunk costs what its slots compute gains from a low one when few samples decode at a time (multi-turn episodes away on slow tools); one whose chunk is bound by reading the weights does not."""
   cache_layout: str = "auto"
   """The KV cache's layout: 'stacked' (one array over the layers, read in place on TPU), 'per_layer' (one buffer per layer: XLA:GPU and XLA:CPU copy a layer's slice of a stacked array before a matmul reads it), or 'auto' (stacked on TPU, per-layer elsewhere). Per-layer decodes with a per-layer copy of the weights, made once per chunk: on a GPU it moves far less per token but needs the weights' size again in memory while decoding (Qwen2.5-7B on H100: 12.6 GB of temporaries, against 0.3 GB stacked); 'stacked' where memory is short."""
 
@@ -179,6 +181,8 @@ class RolloutConfig:
            f"must be >= rollout.temperature={self.temperature}")
     _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
+    _check(0 <= self.min_decode_width <= self.max_slots, "rollout.min_decode_width",
+           f"must be 0 (an eighth of the slots) .. max_slots={self.max_slots}")
     for name in ("max_slots", "max_prompt_len", "max_new_tokens", "group_size", "decode_steps"):
       _check(getattr(self, name) > 0, f"rollout.{name}", "must be positive")
     _check(all(isinstance(s, str) and s for s in self.stop_strings), "rollout.stop_strings",

@@ -80,6 +80,7 @@ class Engine:
     layout: the KV-cache layout, 'stacked' or 'per_layer'; None: by the platform (stacked on
       TPU, per-layer elsewhere). Per-layer decodes with a per-layer copy of the weights, made
       once per chunk: on a GPU far less traffic per token, the weights' size again in memory.
+    min_decode_width: the narrowest chunk (``decode_widths``); 0: an eighth of the slots.
   """
 
   transformer: Transformer
@@ -91,12 +92,15 @@ class Engine:
   decode_steps: int = 16
   platform: str | None = None
   layout: CacheLayout | None = None
+  min_decode_width: int = 0
 
   def __post_init__(self):
     if self.layout not in (None, "stacked", "per_layer"):
       raise ValueError(f"layout={self.layout!r}: 'stacked', 'per_layer' or None (by platform)")
     if self.decode_steps < 1:
       raise ValueError(f"decode_steps={self.decode_steps} must be >= 1")
+    if not 0 <= self.min_decode_width <= self.max_slots:
+      raise ValueError(f"min_decode_width={self.min_decode_width} must be 0 .. max_slots")
     if self.max_prompt_len >= self.max_len:
       raise ValueError(f"max_prompt_len={self.max_prompt_len} leaves no room to generate in "
                        f"max_len={self.max_len}")
@@ -245,12 +249,12 @@ class Engine:
   @property
   def decode_widths(self) -> tuple[int, ...]:
     """How many leading slots a chunk may decode (``generate``'s ``width``): powers of two from
-    an eighth of the slots up, and all of them. Only all of them with fewer than 16 slots (each
-    width is one more program to compile) or when the slots are split over the mesh's ``data``
-    axis (a prefix would not split evenly)."""
+    ``min_decode_width`` (0: an eighth of the slots) up, and all of them. Only all of them with
+    fewer than 16 slots (each width is one more program to compile) or when the slots are split
+    over the mesh's ``data`` axis (a prefix would not split evenly)."""
     if self.max_slots < 16 or (self.mesh is not None and self.mesh.shape.get("data", 1) > 1):
       return (self.max_slots,)
-    return _buckets(self.max_slots, max(1, self.max_slots // 8))
+    return _buckets(self.max_slots, self.min_decode_width or max(1, self.max_slots // 8))
 
   def decode_width(self, slots: int) -> int:
     """The narrowest decode width that holds slots ``0 .. slots - 1``."""

@@ -165,7 +165,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                                           if config.env.agent or config.env.release_slots
                                           else r.max_prompt_len),
                           mesh=meshes.generation,
-                          decode_steps=r.decode_steps,
+                          decode_steps=r.decode_steps, min_decode_width=r.min_decode_width,
                           layout=None if r.cache_layout == "auto" else r.cache_layout)
   pool = RewardPool(from_config(config.reward, config.data.source), num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,

@@ -2,6 +2,8 @@
 behaviour log-probs, stop tokens and limits, ordering, determinism, no recompilation,
 weight swap, sharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -284,6 +286,7 @@ def test_decoding_only_the_leading_slots_gives_the_same_completions(model, platf
   engine = Engine(model.transformer, max_slots=16, max_len=48, max_prompt_len=16,
                   decode_steps=4, platform=platform)
   assert engine.decode_widths == (2, 4, 8, 16) and engine.decode_width(3) == 4
+  assert dataclasses.replace(engine, min_decode_width=1).decode_widths == (1, 2, 4, 8, 16)
   kwargs = dict(params=model.params, n=2, max_new_tokens=20, temperature=1.0,
                 stop_token_ids=[3], seed=5)
   widths, generate = [], Engine.generate
