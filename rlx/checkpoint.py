@@ -128,6 +128,7 @@ class Checkpointer:
                                            enable_async_checkpointing=config.async_save, create=True)
     # tensorstore holds each array's encoded chunks until they are written: without a bound,
     # a whole state's worth at once
+    # (a MiB over the largest array: the bound crosses a GB figure, and one array must fit)
     in_flight_gb = (max(config.write_buffer_mb << 20, largest_bytes) + (1 << 20)) / 1e9
     states = {name: ocp.StandardCheckpointHandler(save_concurrent_gb=in_flight_gb)
               for name in ("state", "critic")}

@@ -47,11 +47,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx import mesh as mesh_lib
-from rlx.models.transformer import (POSITION_AXIS, CacheLayout, Params, Transformer,
-                                    cache_layout, logical_axes, param_shapes, unstack_layers)
+from rlx.models.transformer import (CacheLayout, Params, Transformer, cache_layout,
+                                    logical_axes, param_shapes, unstack_layers)
 from rlx.rollout.sampling import sample
 from rlx.rollout.state import (  # noqa: F401 - part of the engine's interface
-    NO_STOP, DecodeState, Prefix, SamplingParams, StepResult)
+    NO_STOP, DecodeState, Prefix, SamplingParams, StepResult, cache_len, resize_cache)
 
 
 def _buckets(limit: int, smallest: int) -> tuple[int, ...]:
@@ -244,7 +244,7 @@ class Engine:
     slots may."""
     if not 0 < length <= self.max_len:
       raise ValueError(f"cache length {length} is outside 1..max_len={self.max_len}")
-    return state if cache_len(state) == length else _resize(state, length)
+    return state if cache_len(state) == length else resize_cache(state, length)
 
   @property
   def decode_widths(self) -> tuple[int, ...]:
@@ -290,31 +290,6 @@ class Engine:
 
 
 _unstack = jax.jit(unstack_layers)
-
-
-def cache_len(state: DecodeState) -> int:
-  """The KV cache length (positions per slot) of a decode state."""
-  return state.cache["valid"].shape[1]
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _resize(state: DecodeState, length: int) -> DecodeState:
-  cache = dict(state.cache)
-  old = cache_len(state)
-
-  def fit(x, axis):
-    if length <= old:
-      return jax.lax.slice_in_dim(x, 0, length, axis=axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, length - old)
-    return jnp.pad(x, pad)
-
-  layout = cache_layout(cache)
-  for name in ("k", "v"):
-    cache[name] = jax.tree.map(lambda x, axis=POSITION_AXIS[layout, name]: fit(x, axis),
-                               cache[name])
-  cache["valid"] = fit(cache["valid"], 1)
-  return state.replace(cache=cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

@@ -1,6 +1,7 @@
 """What the engine's programs pass between them: prefilled prompts, per-slot sampling settings,
 the decode state of the slots, and what a decode chunk produced (``rlx.rollout.engine`` uses
-them; they are pytrees, so the programs take and return them whole)."""
+them; they are pytrees, so the programs take and return them whole); and the programs that
+rearrange a decode state without the model: exchanging slots, resizing the KV cache."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from rlx.models.transformer import Cache, cache_layout
+from rlx.models.transformer import POSITION_AXIS, Cache, cache_layout
 
 NO_STOP = -1
 
@@ -82,3 +83,29 @@ def swap_slots(state: DecodeState, a: jax.Array, b: jax.Array) -> DecodeState:
   rest = jax.tree.map(move, state.replace(cache={}))
   return rest.replace(cache={name: x if name in ("k", "v") else move(x)
                              for name, x in cache.items()})
+
+
+def cache_len(state: DecodeState) -> int:
+  """The KV cache length (positions per slot) of a decode state."""
+  return state.cache["valid"].shape[1]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def resize_cache(state: DecodeState, length: int) -> DecodeState:
+  """``state`` with a KV cache of ``length`` positions: cut, or padded with empty ones."""
+  cache = dict(state.cache)
+  old = cache_len(state)
+
+  def fit(x, axis):
+    if length <= old:
+      return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, length - old)
+    return jnp.pad(x, pad)
+
+  layout = cache_layout(cache)
+  for name in ("k", "v"):
+    cache[name] = jax.tree.map(lambda x, axis=POSITION_AXIS[layout, name]: fit(x, axis),
+                               cache[name])
+  cache["valid"] = fit(cache["valid"], 1)
+  return state.replace(cache=cache)

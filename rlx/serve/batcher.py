@@ -82,7 +82,8 @@ class Batcher(_Run):
   def __init__(self, engine: Engine, params: Params, *, version: int = 0,
                decode: Callable[[Sequence[int]], str] | None = None, reuse: bool = True):
     # one sample per prompt; no request is known yet
-    super().__init__(engine, params, [], 1, 1, 1.0, 1.0, 0, (), 0, version, "continuous")
+    super().__init__(engine, params, [], 1, 1, 1.0, 1.0, 0, (), 0, version, "continuous",
+                     stats={"requests": 0, "reused": 0, "reused_tokens": 0})
     self.decode = decode
     self.inbox: queue.SimpleQueue[tuple[Request, concurrent.futures.Future]] = queue.SimpleQueue()
     self.requests: list[Request] = []
@@ -92,8 +93,6 @@ class Batcher(_Run):
     self.parked: dict[int, list[int]] = {}  # slot -> the ids its cache holds (oldest first)
     self.closed: BaseException | None = None
     self.lock = threading.Lock()
-    self.stats = {"requests": 0, "slot_steps": 0, "busy_steps": 0, "held_steps": 0, "parked_s": 0,
-                  "reused": 0, "reused_tokens": 0}  # the slots' use: ``_Run._decode`` counts it
 
   # --- any thread ------------------------------------------------------------------------------
 

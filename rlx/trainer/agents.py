@@ -310,6 +310,15 @@ def episode_sums(episodes: Sequence[Episode], completions: Sequence[Completion])
   return sums
 
 
+def slot_metrics(sums: dict[str, float]) -> dict[str, float]:
+  """The decode slots' use from ``_Run``'s counts: of the slot steps the chunks computed, those
+  that produced a token (occupancy) and those that held a decoding sample when their chunk
+  began (free and parked slots hold none)."""
+  computed = max(sums.get("slot_steps", 0), 1)
+  return {"rollout/slot_occupancy": sums.get("busy_steps", 0) / computed,
+          "rollout/slots_held_frac": sums.get("held_steps", 0) / computed}
+
+
 def agent_metrics(sums: dict[str, float],
                   latencies: Sequence[tuple[str, float]]) -> dict[str, float]:
   """``agent/*`` metrics of a step from its summed statistics and its tool calls' (tool name,
@@ -320,9 +329,7 @@ def agent_metrics(sums: dict[str, float],
       "agent/tool_calls_mean": sums.get("tool_calls", 0) / episodes,
       "agent/malformed_calls": sums.get("malformed_calls", 0),
       "agent/truncated_frac": sums.get("truncated", 0) / episodes,
-      # of the decode slots' steps, those that produced a token (parked and idle slots don't)
-      "rollout/slot_occupancy": sums.get("busy_steps", 0) / max(sums.get("slot_steps", 0), 1),
-      "rollout/slots_held_frac": sums.get("held_steps", 0) / max(sums.get("slot_steps", 0), 1),
+      **slot_metrics(sums),
   }
   if "requests" in sums:  # an agent program's episodes (config.env.agent): it runs its tools
     failures = (sums.get("program_errors", 0) + sums.get("program_timeouts", 0)

@@ -69,7 +69,8 @@ import numpy as np
 from rlx import algorithms, rollout
 from rlx.envs.calls import turn_stop_ids
 from rlx.rollout import Completion
-from rlx.trainer.agents import _Episodes, agent_metrics, episode_sums, tool_format, write_samples
+from rlx.trainer.agents import (_Episodes, agent_metrics, episode_sums, slot_metrics, tool_format,
+                                write_samples)
 from rlx.trainer.collect import Draw, _component_key, _Scorer, exhausted
 from rlx.trainer.produce import Produced
 from rlx.trainer.run import Run
@@ -355,8 +356,7 @@ class Streamer:
         "rollout/version_span_max": int(max(spans)),
         "rollout/version_span_mean": float(np.mean(spans)),
         "rollout/groups_in_flight": len(self.flight),
-        "rollout/slot_occupancy": slots.get("busy_steps", 0) / max(slots.get("slot_steps", 0), 1),
-        "rollout/slots_held_frac": slots.get("held_steps", 0) / max(slots.get("slot_steps", 0), 1),
+        **slot_metrics(slots),
     })
     if self.episodes is not None:
       counts.update(agent_metrics({**tally.agent, **slots}, tally.latencies))
