@@ -31,6 +31,7 @@ The loop ends when the gate says stop (returns None); what it raises (the data r
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -83,30 +84,87 @@ class Sink(Protocol):
 class Weights:
   """The newest published policy a producer holds: ``(params, version)`` when called,
   refreshed from ``latest(newer_than)`` (a ``WeightSync.latest``) at most every
-  ``poll_s`` seconds."""
+  ``poll_s`` seconds.
 
-  def __init__(self, latest: Callable[[int], tuple | None], poll_s: float = 0.0):
-    self._latest, self.poll_s = latest, poll_s
+  ``background``: a call never waits for storage. It starts a read in a thread of its own
+  and takes what that read found at a later call, so decoding goes on under the held
+  version while the next one loads (a generator job reading Orbax versions: seconds for a
+  real model). A forced refresh still reads in the caller. What the read raises, the next
+  call raises."""
+
+  def __init__(self, latest: Callable[[int], tuple | None], poll_s: float = 0.0,
+               background: bool = False):
+    self._latest, self.poll_s, self.background = latest, poll_s, background
     self.params, self.version = None, -1
     self.seconds = 0.0
-    """Seconds spent in ``latest`` so far."""
+    """Seconds the caller spent waiting for weights so far (reads in the background left
+    out)."""
     self.swaps = 0
     """Versions taken so far."""
     self._checked = float("-inf")
+    self._reading: threading.Thread | None = None
+    self._found: list = []  # what the background read returned, or the error it raised
 
   def refresh(self, force: bool = False) -> bool:
     """Takes the newest published version if newer than the one held; returns whether it did."""
     now = time.perf_counter()
+    took = self._take(wait=force) if self.background else False
+    if self.background and not force:
+      if self._reading is None and now - self._checked >= self.poll_s:
+        self._start()
+      self.seconds += time.perf_counter() - now
+      return took
     if not force and now - self._checked < self.poll_s:
       return False
     self._checked = now
     newer = self._latest(self.version)
     self.seconds += time.perf_counter() - now
-    if newer is None:
+    return self._swap(newer) or took
+
+  def ask(self) -> bool:
+    """Background: takes what a finished read found, and starts the next read now whatever
+    ``poll_s`` (the caller knows of a newer version); returns whether it took one."""
+    took = self._take(wait=False)
+    if self._reading is None:
+      self._start()
+    return took
+
+  def _start(self) -> None:
+    self._checked = time.perf_counter()
+    self._reading = threading.Thread(target=self._read, args=(self.version,),
+                                     name="rlx-weights", daemon=True)
+    self._reading.start()
+
+  def _read(self, version: int) -> None:
+    try:
+      self._found.append(self._latest(version))
+    except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+      self._found.append(error)
+
+  def _take(self, wait: bool) -> bool:
+    """Takes what a finished background read found (waiting for one under way if ``wait``)."""
+    if self._reading is None or (self._reading.is_alive() and not wait):
+      return False
+    self._reading.join()
+    self._reading = None
+    found = self._found.pop()
+    if isinstance(found, BaseException):
+      raise found
+    return self._swap(found)
+
+  def _swap(self, newer: tuple | None) -> bool:
+    if newer is None or newer[1] <= self.version:
       return False
     self.params, self.version = newer
     self.swaps += 1
     return True
+
+  def close(self) -> None:
+    """Waits for a read under way (before the sync it reads from closes)."""
+    if self._reading is not None:
+      self._reading.join()
+      self._reading = None
+      self._found.clear()
 
   def __call__(self) -> tuple:
     self.refresh()
