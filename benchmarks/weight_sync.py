@@ -71,7 +71,7 @@ def measure(arch: ArchConfig, versions: int) -> dict:
     publish, background, read = [], [], []
     for v in range(versions + 2):
       publish.append(_timed(lambda: writer.publish(copies[v % 2], v)))
-      background.append(_timed(writer._manager.wait_until_finished))
+      background.append(_timed(writer.flush))
       read.append(_timed(lambda: jax.block_until_ready(reader.latest(v - 1)[0])))
     writer.close()
     reader.close()

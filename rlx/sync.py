@@ -201,6 +201,11 @@ class OrbaxSync:
     if self.asynchronous:
       self._manager.wait_until_finished()
 
+  def flush(self) -> None:
+    """Waits until the version written in the background is on storage."""
+    with self._lock:
+      self._written()
+
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """Restores the newest version above ``newer_than`` into the generation shardings. A
     version that a resumed learner moves aside between the listing and the read is not read:

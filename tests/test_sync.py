@@ -85,12 +85,13 @@ def test_an_asynchronous_writer_keeps_what_it_was_given(meshes, tmp_path):
       writer.publish(params, version)
       for leaf in jax.tree.leaves(params):
         leaf.delete()
+    writer.flush()  # the newest version is on storage: another job's reader sees it
     reader = sync.OrbaxSync(tmp_path / "w", generation, like=like)
     try:
-      assert writer.versions() == [2, 3]  # the writer's own read waits for its write
       params, version = reader.latest(newer_than=0)
       assert version == 3
       chex.assert_trees_all_equal(jax.device_get(params), published[3])
+      assert writer.versions() == [2, 3]
     finally:
       reader.close()
   finally:
