@@ -106,7 +106,9 @@ class Weights:
     self._found: list = []  # what the background read returned, or the error it raised
 
   def refresh(self, force: bool = False) -> bool:
-    """Takes the newest published version if newer than the one held; returns whether it did."""
+    """Takes the newest published version if newer than the one held; returns whether it did.
+    Background, not forced: takes what a finished read found and starts the next read once
+    ``poll_s`` has passed."""
     now = time.perf_counter()
     took = self._take(wait=force) if self.background else False
     if self.background and not force:
