@@ -31,6 +31,11 @@ Splits not probed are interpolated (log-log in the device count) from those that
 advisor ranks deployments by predicted samples/s (ties go to less lag), prints the table,
 the recommended overrides and the reasons, and writes the same as JSON.
 
+**Episodes** (``env.name``): the probe also measures the share of an episode's life it holds
+a decode slot (``agent/in_slot_frac``); for a split with k >= 1 the advisor adds continuous
+admission and the ``mesh.groups_in_flight`` that keeps the slots decoding (``groups_needed``:
+by Little's law), with the k whose k + 1 batches the gate admits hold them (up to --max-k).
+
 **Memory** (``--target h100 v5e ...``): each probed deployment's learner step and decode chunk
 are compiled for the target by its real compiler, without the device (``rlx.aot``), and the
 per-device peak is reported; the recommendation is the fastest deployment that fits (90% of
@@ -69,6 +74,8 @@ class Probe:
   generate_concurrent_s: float | None = None
   learn_concurrent_s: float | None = None
   tokens_per_batch: float = 0.0
+  in_slot_frac: float | None = None
+  """Episodes (``env.name``): the share of an episode's life it held a decode slot."""
 
 
 @dataclasses.dataclass
@@ -180,6 +187,49 @@ def predict(probes: list[Probe], devices: int, batch: int, max_k: int = 2) -> li
                                             p.mode != "colocated", p.basis != "measured", p.k))
 
 
+def groups_needed(config: RunConfig, in_slot_frac: float) -> int:
+  """The groups a stream (``mesh.admission=continuous``) keeps admitted so that its episodes
+  fill the decode slots: an episode holds a slot ``in_slot_frac`` of its life (released ones
+  leave theirs while their environment works), so by Little's law the slots need
+  ``max_slots / in_slot_frac`` episodes under way."""
+  return math.ceil(config.rollout.max_slots
+                   / (max(in_slot_frac, 1e-3) * config.rollout.group_size))
+
+
+def groups_in_flight(config: RunConfig, in_slot_frac: float, k: int) -> int:
+  """``groups_needed``, at least one batch and at most what the gate admits: k + 1 batches."""
+  batch = config.data.prompts_per_step
+  return max(batch, min(groups_needed(config, in_slot_frac), (k + 1) * batch))
+
+
+def stream_advice(config: RunConfig, best: Prediction, probes: list[Probe],
+                  max_k: int = 2) -> dict | None:
+  """For a run of episodes recommended a split with k >= 1: continuous admission, its
+  ``mesh.groups_in_flight`` and, when the slots need more groups than k + 1 batches, the k
+  (up to ``max_k``) that admits them. None otherwise: no episodes, agent programs (not
+  streamed) or no measure."""
+  measured = [p.in_slot_frac for p in probes
+              if p.name != "colocated" and p.in_slot_frac is not None]
+  if best.mode != "split" or best.k < 1 or not config.env.name or not measured:
+    return None
+  share, batch = statistics.median(measured), config.data.prompts_per_step
+  needed = groups_needed(config, share)
+  k = min(max(best.k, math.ceil(needed / batch) - 1), max(max_k, best.k))
+  groups = groups_in_flight(config, share, k)
+  reason = (f"episodes held a decode slot {share:.0%} of their life (env.release_slots="
+            f"{config.env.release_slots}): {needed} groups ({needed * config.rollout.group_size}"
+            f" episodes) under way would keep the {config.rollout.max_slots} slots decoding")
+  if k > best.k:
+    reason += (f"; k={k} lets the gate admit {(k + 1) * batch} groups (k={best.k}: "
+               f"{(best.k + 1) * batch}), at a lag of up to {k}")
+  if groups < needed:
+    reason += f"; the gate admits {groups} (k + 1 = {k + 1} batches; raise --max-k for more)"
+  return {"groups_in_flight": groups, "in_slot_frac": share, "k": k,
+          "overrides": [f"--config.mesh.max_staleness={k}", "--config.mesh.admission=continuous",
+                        f"--config.mesh.groups_in_flight={groups}"],
+          "reason": reason}
+
+
 def reasons(best: Prediction, predictions: list[Prediction], probes: list[Probe]) -> list[str]:
   """One line per reason the advisor gives for ``best``."""
   lines = []
@@ -273,9 +323,11 @@ def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
     drawn = list(draws)
 
     tokens = statistics.mean(sum(len(c.response_tokens) for c in d.completions) for d in drawn)
+    shares = [d.counts["agent/in_slot_frac"] for d in drawn if "agent/in_slot_frac" in d.counts]
     result = Probe(name, len(run.meshes.generation.devices.flat),
                    len(run.meshes.learning.devices.flat), generate_s, learn_s, sync_s,
-                   tokens_per_batch=tokens)
+                   tokens_per_batch=tokens,
+                   in_slot_frac=statistics.median(shares) if shares else None)
     if config.mesh.mode == "split":
       result.generate_concurrent_s, result.learn_concurrent_s = _concurrent(
           sample, learn, max(generate_s, learn_s) * (steps + 1))  # beside it: not its batches
@@ -435,7 +487,13 @@ def main(argv: list[str] | None = None) -> int:
   if not best.fits:
     print("rlx: advise: no deployment fits the target's memory (! marks those that do not); "
           "use more devices, a smaller batch or bf16 params")
-  print(f"\nrecommended: {best.label}\n  " + " ".join(best.overrides()))
+  stream = stream_advice(config, best, probes, args.max_k)
+  overrides = best.overrides()
+  if stream:  # its k replaces the batch model's
+    overrides = [o for o in overrides if "max_staleness" not in o] + stream["overrides"]
+  if stream:
+    why.append(stream["reason"])
+  print(f"\nrecommended: {best.label}\n  " + " ".join(overrides))
   for line in why:
     print(f"  - {line}")
   result = {"config": args.config, "devices": devices, "backend": jax.default_backend(),
@@ -445,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             "predictions": [dict(dataclasses.asdict(p), label=p.label, overrides=p.overrides())
                             for p in predictions],
             "recommended": dict(dataclasses.asdict(best), label=best.label,
-                                overrides=best.overrides()),
+                                overrides=overrides, stream=stream),
             "reasons": why}
   out = pathlib.Path(args.out)
   out.write_text(json.dumps(result, indent=1))

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from rlx.advise import Probe, _interpolate, overlapped, predict, reasons, splits_to_probe
+from rlx import cli
+from rlx.advise import (Probe, _interpolate, groups_in_flight, overlapped, predict, reasons,
+                        splits_to_probe, stream_advice)
 from tests.trainer import tiny
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -78,6 +80,43 @@ def test_splits_not_probed_are_interpolated_as_a_power_law():
   assert basis == {1: "interpolated", 2: "measured", 3: "interpolated", 4: "measured",
                    5: "interpolated", 6: "measured", 7: "interpolated"}
   assert predictions[0].generation_devices == 4  # balanced sides: the best overlap
+
+
+def _agent_config(*overrides):
+  return cli.apply_overrides(cli.load_config_file(str(ROOT / "configs/agent_calc.py")), [
+      "--config.rollout.max_slots=64", "--config.rollout.group_size=8",
+      "--config.data.prompts_per_step=8", *overrides])
+
+
+def test_groups_in_flight_fill_the_slots_within_what_the_gate_admits():
+  config = _agent_config()
+  # in a slot a quarter of its life: 64 slots need 256 episodes, 32 groups of 8
+  assert groups_in_flight(config, 0.25, k=3) == 32
+  assert groups_in_flight(config, 0.25, k=2) == 24  # the gate admits 3 batches of 8 groups
+  assert groups_in_flight(config, 0.5, k=3) == 16
+  assert groups_in_flight(config, 1.0, k=3) == 8  # parked in their slots: one batch fills them
+  assert groups_in_flight(config, 0.0, k=1) == 16  # never in a slot: as many as admitted
+
+
+def test_the_advisor_adds_continuous_admission_for_episodes_only():
+  config = _agent_config("--config.env.release_slots=true")
+  split = Probe("split 1+1", 1, 1, generate_s=2.0, learn_s=1.0, sync_s=0.0,
+                generate_concurrent_s=2.0, learn_concurrent_s=1.0, in_slot_frac=0.25)
+  best = next(p for p in predict([split], devices=2, batch=64, max_k=3) if p.k == 1)
+  # the slots need 32 groups: k=3 lets the gate admit them
+  advice = stream_advice(config, best, [split], max_k=3)
+  assert advice["overrides"] == ["--config.mesh.max_staleness=3",
+                                 "--config.mesh.admission=continuous",
+                                 "--config.mesh.groups_in_flight=32"]
+  assert "25% of their life" in advice["reason"] and "256 episodes" in advice["reason"]
+  capped = stream_advice(config, best, [split], max_k=2)  # k=2 admits 24 of the 32
+  assert capped["k"] == 2 and capped["groups_in_flight"] == 24
+  assert "k=2 lets the gate admit 24" in capped["reason"] and "raise --max-k" in capped["reason"]
+  assert "raise --max-k" in stream_advice(config, best, [split], max_k=1)["reason"]
+  single_turn = cli.apply_overrides(config, ["--config.env.name="])
+  assert stream_advice(single_turn, best, [split]) is None
+  synchronous = next(p for p in predict([split], devices=2, batch=64) if p.k == 0)
+  assert stream_advice(config, synchronous, [split]) is None
 
 
 def test_the_advisor_probes_a_tiny_config_end_to_end(tmp_path):

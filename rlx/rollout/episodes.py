@@ -72,8 +72,10 @@ def generate_episodes(engine: Engine, prompts: Sequence[Sequence[int]], respond:
       caller's ``respond`` side counts it: the reply never arrives).
     stats: a dict to which the slots' use is added: ``slot_steps`` (decode steps x the
       slots they computed), ``busy_steps`` (of those, the ones that produced a token: the slot
-      occupancy is their ratio) and ``parked_s`` (seconds every slot waited for an environment
-      while no slot decoded).
+      occupancy is their ratio), ``parked_s`` (seconds every slot waited for an environment
+      while no slot decoded), ``life_s`` (the finished episodes' seconds from their first
+      token to their end) and ``away_s`` (of those, the seconds released episodes spent out
+      of the slots, waiting for their environment or for a free slot).
     release: an episode waiting for its environment leaves its slot (the module docstring).
     The rest as in ``rollout.generate``.
   """
@@ -103,6 +105,11 @@ class EpisodeRun(_Run):
     self.away: dict[tuple[int, int], _Parked] = {}  # released: episode -> its environment step
     self.returning: collections.deque = collections.deque()  # (episode, reply tokens)
     """Released episodes whose reply came, waiting for a free slot."""
+    self.born: dict[tuple[int, int], float] = {}  # episode -> when its first turn began
+    self.left: dict[tuple[int, int], float] = {}  # released episode -> when it left its slot
+    self.away_for: dict[tuple[int, int], float] = {}  # episode -> seconds out of the slots
+    for key in ("life_s", "away_s"):
+      self.stats.setdefault(key, 0.0)
 
   def _in_flight(self) -> bool:
     return super()._in_flight() or bool(self.away or self.returning)
@@ -153,6 +160,7 @@ class EpisodeRun(_Run):
                               sample_index=key[1], sampled_mask=[], turns=1)
       self.partial[key] = completion
       self.turn_start[key] = 0
+      self.born[key] = time.monotonic()
     completion.stamp(len(tokens), version)
     completion.response_tokens.extend(tokens.tolist())
     completion.logprobs.extend(logprobs.tolist())
@@ -163,6 +171,7 @@ class EpisodeRun(_Run):
       future = self.respond(key[0], key[1], turn, "stop" if stopped else "length")
       if self.release:  # the slot takes other work meanwhile
         self.away[key] = _Parked(future, time.monotonic())
+        self.left[key] = self.away[key].since
         self.owner[slot] = None
       else:
         self.parked[slot] = _Parked(future, time.monotonic())
@@ -175,6 +184,7 @@ class EpisodeRun(_Run):
     key = self.owner[slot] if key is None else key
     completion = self.partial.pop(key)
     completion.finish_reason = "length" if truncated else "stop"
+    self._lived(key)
     self._complete(key, slot, completion)
 
   def _resume(self, state):
@@ -212,6 +222,12 @@ class EpisodeRun(_Run):
       self.returning.append((key, list(reply.tokens)))
     return state
 
+  def _lived(self, key: tuple[int, int]) -> None:
+    """Adds a finished episode's life, and its time away from the slots, to the stats."""
+    now = time.monotonic()
+    self.stats["life_s"] += now - self.born.pop(key)
+    self.stats["away_s"] += self.away_for.pop(key, 0.0) + now - self.left.pop(key, now)
+
   def _reenter(self, state, free: list[int]):
     """Prefills released episodes whose reply came (their whole sequence so far) into free
     slots and samples their next turns' first tokens there."""
@@ -234,9 +250,11 @@ class EpisodeRun(_Run):
     keys = [jax.random.fold_in(requests[i], 1_000_000 + self.partial[key].turns)
             for i, (key, _) in enumerate(entries)]
     keys += [keys[0]] * (count - len(entries))
+    now = time.monotonic()
     for i, (key, _) in enumerate(entries):
       self.owner[int(slots[i])] = key
       self.index[slots[i]] = len(histories[i])
+      self.away_for[key] = self.away_for.get(key, 0.0) + now - self.left.pop(key)
     state = self.engine.insert(prefix, state, slots, np.arange(count, dtype=np.int32),
                                jax.numpy.stack(keys), self._turn_sampling(
                                    count, [key for key, _ in entries]))

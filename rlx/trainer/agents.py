@@ -35,7 +35,7 @@ from rlx.rewards import Scored
 from rlx.rollout import Completion
 
 AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "tool_wait_s", "step_timeouts",
-              "slot_steps", "busy_steps", "held_steps", "parked_s", *COUNTS)
+              "slot_steps", "busy_steps", "held_steps", "parked_s", "life_s", "away_s", *COUNTS)
 
 
 def tool_format(config: RunConfig, tokenizer) -> Format:
@@ -358,6 +358,10 @@ def agent_metrics(sums: dict[str, float],
         # a call's wait for a free tool worker, before it runs (the latencies leave it out)
         "agent/tool_wait_mean_s": sums.get("tool_wait_s", 0.0) / max(sums.get("tool_calls", 0), 1),
         "time/all_slots_parked_s": sums.get("parked_s", 0.0),
+        # the share of an episode's life in a decode slot (released episodes leave theirs
+        # while their environment works): mesh.groups_in_flight needs slots / this episodes
+        "agent/in_slot_frac": 1.0 - sums.get("away_s", 0.0) / max(sums.get("life_s", 0.0), 1e-9)
+                              if sums.get("life_s", 0.0) > 0 else 1.0,
     })
   tools = sorted({name for name, _ in latencies})
   for tool in [None, *tools] if len(tools) > 1 else [None] * bool(tools):

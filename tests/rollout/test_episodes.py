@@ -134,12 +134,20 @@ def test_released_episodes_leave_their_slots_to_others_while_their_environment_w
 
     engine = Engine(model.transformer, max_slots=2, max_len=96, max_prompt_len=48,
                     decode_steps=4)
+    stats = {}
     completions = generate_episodes(engine, [[5, 6], [7, 8], [9, 10]], respond,
                                     params=model.params, n=2, max_new_tokens=4, max_tokens=30,
-                                    stop_token_ids=STOP, seed=5, release=release)
+                                    stop_token_ids=STOP, seed=5, release=release, stats=stats)
     pool.shutdown()
     assert len(completions) == 6
     assert (max(waiting) >= most) if release else (max(waiting) <= most), (release, waiting)
+    # every environment step keeps its episode 0.3 s: out of the slots when released, in
+    # its slot when parked
+    assert stats["life_s"] >= 0.3 * len(futures)
+    if release:
+      assert 0.3 * len(futures) <= stats["away_s"] < stats["life_s"], stats
+    else:
+      assert stats["away_s"] == 0.0
 
 
 def test_a_release_the_engine_cannot_prefill_again_is_refused(model):

@@ -29,3 +29,11 @@ def test_the_failed_fraction_counts_every_episode_run():
   assert agent_metrics(sums, [])["agent/failed_frac"] == 4 / 16
   every_group_failed = {"episodes": 0, "requests": 0, "dropped_episodes": 8, "program_errors": 8}
   assert agent_metrics(every_group_failed, [])["agent/failed_frac"] == 0.5
+
+
+def test_the_share_of_an_episode_s_life_in_a_slot():
+  released = {"episodes": 4, "life_s": 10.0, "away_s": 7.5}
+  assert agent_metrics(released, [])["agent/in_slot_frac"] == pytest.approx(0.25)
+  parked = {"episodes": 4, "life_s": 10.0, "away_s": 0.0}
+  assert agent_metrics(parked, [])["agent/in_slot_frac"] == 1.0
+  assert agent_metrics({"episodes": 0}, [])["agent/in_slot_frac"] == 1.0  # none finished
