@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from rlx import cli
-from rlx.advise import (Probe, _interpolate, groups_in_flight, overlapped, predict, reasons,
-                        splits_to_probe, stream_advice)
+from rlx.advise import splits_to_probe
+from rlx.advise.model import (Probe, _interpolate, groups_in_flight, overlapped, predict, reasons,
+                              stream_advice)
 from tests.trainer import tiny
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -1,0 +1,7 @@
+"""``python -m rlx.advise``."""
+
+import sys
+
+from rlx.advise import main
+
+sys.exit(main())
