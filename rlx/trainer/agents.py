@@ -360,8 +360,8 @@ def agent_metrics(sums: dict[str, float],
         "time/all_slots_parked_s": sums.get("parked_s", 0.0),
         # the share of an episode's life in a decode slot (released episodes leave theirs
         # while their environment works): mesh.groups_in_flight needs slots / this episodes
-        "agent/in_slot_frac": 1.0 - sums.get("away_s", 0.0) / max(sums.get("life_s", 0.0), 1e-9)
-                              if sums.get("life_s", 0.0) > 0 else 1.0,
+        "agent/in_slot_frac": (1.0 - sums.get("away_s", 0.0) / sums["life_s"]
+                               if sums.get("life_s", 0.0) > 0 else 1.0),
     })
   tools = sorted({name for name, _ in latencies})
   for tool in [None, *tools] if len(tools) > 1 else [None] * bool(tools):

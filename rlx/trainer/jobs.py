@@ -279,8 +279,10 @@ class FileGate:
           # a stream's look between decode chunks: the read goes on in the background while
           # the chunks decode, and the gate opens once it has landed
           weights.ask()
-        elif not weights.refresh() or weights.version < seen["version"]:
-          weights.refresh(force=True)
+        else:  # what a background read brought, else a read here
+          weights.refresh()
+          if weights.params is None or weights.version < seen["version"]:
+            weights.refresh(force=True)
       elif (opened and weights.version > seen["version"]
             and max(self.run.sync.versions(), default=-1) < weights.version):
         # nothing newer because the learner resumed from an earlier checkpoint: take its

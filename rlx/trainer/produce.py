@@ -103,7 +103,7 @@ class Weights:
     """Versions taken so far."""
     self._checked = float("-inf")
     self._reading: threading.Thread | None = None
-    self._found: list = []  # what the background read returned, or the error it raised
+    self._found = None  # what the finished background read returned, or the error it raised
 
   def refresh(self, force: bool = False) -> bool:
     """Takes the newest published version if newer than the one held; returns whether it did.
@@ -139,17 +139,16 @@ class Weights:
 
   def _read(self, version: int) -> None:
     try:
-      self._found.append(self._latest(version))
+      self._found = self._latest(version)
     except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
-      self._found.append(error)
+      self._found = error
 
   def _take(self, wait: bool) -> bool:
     """Takes what a finished background read found (waiting for one under way if ``wait``)."""
     if self._reading is None or (self._reading.is_alive() and not wait):
       return False
     self._reading.join()
-    self._reading = None
-    found = self._found.pop()
+    self._reading, found, self._found = None, self._found, None
     if isinstance(found, BaseException):
       raise found
     return self._swap(found)
@@ -165,8 +164,7 @@ class Weights:
     """Waits for a read under way (before the sync it reads from closes)."""
     if self._reading is not None:
       self._reading.join()
-      self._reading = None
-      self._found.clear()
+      self._reading = self._found = None
 
   def __call__(self) -> tuple:
     self.refresh()

@@ -16,7 +16,7 @@ class Storage:
     self.newest = -1
     self.gate = threading.Event()
     self.gate.set()
-    self.reads = 0
+    self.reads = self.finished = 0
     self.error: Exception | None = None
 
   def latest(self, newer_than: int):
@@ -25,6 +25,7 @@ class Storage:
     if self.error is not None:
       raise self.error
     found = self.newest
+    self.finished += 1
     return None if found <= newer_than else (f"params-{found}", found)
 
 
@@ -91,7 +92,7 @@ def test_close_waits_for_the_read_under_way():
   weights()
   threading.Timer(0.2, storage.gate.set).start()
   weights.close()
-  assert weights._reading is None
+  assert storage.finished == 1 and weights._reading is None
 
 
 def test_without_background_a_call_reads_in_the_caller_at_most_every_poll():
