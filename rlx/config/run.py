@@ -364,6 +364,8 @@ class TrainerConfig:
   """Updates whose loss or gradient norm is not finite are skipped (params unchanged); this many in a row stop the run."""
   pack_sequences: bool = False
   """Pack several sequences into each row of the learner's forward passes (the old and reference log-probs, the update), placed first-fit by length, each attending only to itself: the results are the unpacked ones, with less compute spent on padding. Pays where lengths vary (short answers beside long ones); a batch that packs into no fewer rows runs unpacked. train/pad_frac and train/packed_pad_frac say what it saved. The PPO critic runs unpacked."""
+  share_prefix: bool = True
+  """Forward a group's shared prompt once per packed row in the learner (the old and reference log-probs, the update), each sample's answer attending to it and to itself: the results are the row-per-sample ones, the prompt's compute paid once per group instead of once per sample. Applies where consecutive rows of a batch begin with the same tokens (a GRPO group's samples, in the micro-batch that holds them); otherwise the batch runs as pack_sequences says. train/packed_pad_frac and train/shared_prefix_frac say what it saved. The PPO critic runs unpacked."""
   compile_cache: str = "~/.cache/rlx/jax"
   """JAX's persistent compilation cache: a second run of the same programs loads them instead of compiling; '' turns it off."""
   hang_timeout_s: float = 1800.0

@@ -324,7 +324,9 @@ class Transformer:
   def hidden_states(self, params: Params, tokens: jax.Array, mask: jax.Array | None = None,
                     cache: Cache | None = None, attend_len: int | None = None, *,
                     segment_ids: jax.Array | None = None,
-                    positions: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+                    positions: jax.Array | None = None,
+                    group_ids: jax.Array | None = None,
+                    shared: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
     """Final (normed) hidden states [B, T, D] and the updated cache.
 
     Args:
@@ -339,6 +341,10 @@ class Transformer:
         token attends only to earlier tokens of its own segment; negative ids are padding.
       positions: int [B, T], with ``segment_ids``: each token's position in its own sequence
         (the rotary positions restart at 0 with each segment).
+      group_ids, shared: int and bool [B, T], with ``segment_ids``: a prefix shared by several
+        segments (``rlx.update.packing``, a GRPO group's prompt placed once). A token also
+        attends to the earlier ``shared`` tokens of its own group: the segments of one group
+        continue one prefix, each after it as if it came right after it.
     """
     a = self.arch
     if tokens.ndim != 2:
@@ -346,6 +352,8 @@ class Transformer:
     if (segment_ids is None) != (positions is None) or (segment_ids is not None and
                                                          cache is not None):
       raise ValueError("segment_ids and positions go together, and only without a cache")
+    if (group_ids is None) != (shared is None) or (group_ids is not None and segment_ids is None):
+      raise ValueError("group_ids and shared go together, and only with segment_ids")
     B, T = tokens.shape
     if segment_ids is not None:
       mask = segment_ids >= 0
@@ -358,8 +366,11 @@ class Transformer:
           real[:, None, :] | (slots[:, None] == slots[None, :])[None])
       if segment_ids is None:
         positions = jnp.maximum(count, 0)
-      else:  # and never a key of another segment
-        attn_mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+      else:  # and never a key of another segment (but its group's shared prefix)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        if group_ids is not None:
+          same |= shared[:, None, :] & (group_ids[:, :, None] == group_ids[:, None, :])
+        attn_mask &= same
       use_causal_only = mask is None
     else:
       positions = jnp.maximum(cache["valid"].sum(-1, keepdims=True) + count, 0)

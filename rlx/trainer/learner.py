@@ -264,7 +264,9 @@ class Learner:
     lag = version - sampled.policy_version
     pad_frac = packing.pad_fraction(sampled.attention_mask.sum(1), sampled.attention_mask.size)
     sampled = distributed.global_tree(self.batch_sharding, sampled)
-    plans, packed = self._packing(sampled) if config.trainer.pack_sequences else ((None, None), {})
+    plans, packed = (self._packing(sampled)
+                     if config.trainer.pack_sequences or config.trainer.share_prefix
+                     else ((None, None), {}))
     batch = self.prepare_fn(self.policy_params(), self.ref_params,
                             None if self.critic is None else self.critic.params, sampled,
                             self.kl_coef, packing=plans[0])
@@ -314,30 +316,47 @@ class Learner:
   def _packing(self, sampled) -> tuple[tuple[update.Packing | None, update.Packing | None],
                                          dict[str, float]]:
     """The packing (``rlx.update.packing``) of prepare's chunks and of the update's schedule
-    for the global batch ``sampled``, made from the rows' lengths and the schedule's order,
-    the same on every process; and ``train/packed_pad_frac``, the padding of the rows the
-    update's forward passes run on (the unpacked layout's where packing saves no row)."""
+    for the global batch ``sampled``, made from the rows' lengths, their shared prefixes
+    (``trainer.share_prefix``) and the schedule's order, the same on every process; and
+    ``train/packed_pad_frac``, the padding of the rows the update's forward passes run on (the
+    unpacked layout's where packing saves nothing), and ``train/shared_prefix_frac``, the share
+    of the rows' real tokens that sharing prefixes left out of them."""
     trainer = self.config.trainer
     micro = self.config.optimizer.micro_batches
     replicated = NamedSharding(self.batch_sharding.mesh, PartitionSpec())
     if self._lengths_and_order is None:
-      def lengths_and_order(mask, key, step):
-        order = update.minibatch_order(mask.shape[0], jax.random.fold_in(key, step),
+      def lengths_and_order(sampled, key, step):
+        order = update.minibatch_order(sampled.attention_mask.shape[0],
+                                       jax.random.fold_in(key, step),
                                        epochs=trainer.ppo_epochs, mini_batches=trainer.mini_batches)
-        return mask.sum(1, dtype=jnp.int32), order
+        links = packing.shared_prefixes(sampled.tokens, sampled.attention_mask,
+                                        sampled.response_mask)
+        return sampled.attention_mask.sum(1, dtype=jnp.int32), order, links
       self._lengths_and_order = jax.jit(lengths_and_order, out_shardings=replicated)
-    lengths, order = distributed.to_host(self._lengths_and_order(
-        sampled.attention_mask, self.state.key, self.state.step))
+    lengths, order, links = distributed.to_host(self._lengths_and_order(
+        sampled, self.state.key, self.state.step))
+    if not trainer.share_prefix or not links.any():
+      links = None
     capacity = sampled.attention_mask.shape[1]
     ways = update.row_ways(self.batch_sharding) if update.batch_is_split(self.batch_sharding) else 1
-    chunks = packing.chunk_plan(lengths, trainer.mini_batches * micro, capacity, ways)
-    schedule = packing.schedule_plan(lengths, order, micro, capacity, ways)
-    slots = (order.size * capacity if schedule is None
-             else schedule.row.shape[0] * micro * schedule.rows * capacity)
-    padding = packing.pad_fraction(lengths[order], slots)
+    plan = lambda make, *args: (make(*args, ways, links=links)
+                                if links is not None or trainer.pack_sequences else None)
+    chunks = plan(packing.chunk_plan, lengths, trainer.mini_batches * micro, capacity)
+    schedule = plan(packing.schedule_plan, lengths, order, micro, capacity)
+    if schedule is None:
+      slots, placed = order.size * capacity, lengths[order].sum()
+    else:
+      slots = schedule.row.shape[0] * micro * schedule.rows * (schedule.width or capacity)
+      placed = lengths[order].sum()
+      if schedule.prefix is not None:
+        followers = schedule.lead != np.arange(schedule.lead.shape[-1])
+        placed -= np.where(followers, schedule.prefix, 0).sum()
+    metrics = {"train/packed_pad_frac": packing.pad_fraction(np.array([placed]), slots)}
+    if trainer.share_prefix:
+      metrics["train/shared_prefix_frac"] = 1.0 - float(placed) / max(lengths[order].sum(), 1)
     to_device = lambda plan: None if plan is None else jax.tree.map(
         lambda x: distributed.global_array(replicated, x), plan)
-    return (to_device(chunks), to_device(schedule)), {"train/packed_pad_frac": padding}
+    return (to_device(chunks), to_device(schedule)), metrics
 
   def _count_skipped(self, skipped: int, metrics: dict, draw: Draw) -> None:
     """Counts updates skipped for a non-finite loss, gradient or update; stops the run after

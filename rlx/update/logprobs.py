@@ -42,18 +42,44 @@ def sequence_logprobs(transformer: Transformer, params: Params, tokens: jax.Arra
   if packing is not None:
     if response_mask is None:  # a packed row's first token of each sequence is no target
       raise ValueError("packed log-probs need the response mask (the targets that count)")
-    dest = packing_lib.destinations(packing, attention_mask)
-    segment_ids, positions = packing_lib.segments(packing, attention_mask, dest)
-    put = lambda x: _constrain(packing_lib.pack(x, dest, packing.rows), rows)
-    if not isinstance(temperature, (int, float)):  # one per sequence: one per packed token
-      temperature = jnp.asarray(temperature)[jnp.maximum(segment_ids, 0)]
-    logprobs, entropy = _logprobs(
-        transformer, params, put(tokens), None, put(response_mask), temperature, impl=impl,
-        chunk=chunk, rows=rows, segment_ids=_constrain(segment_ids, rows),
-        positions=_constrain(positions, rows))
-    return packing_lib.unpack(logprobs, dest), packing_lib.unpack(entropy, dest)
+    return _packed_logprobs(transformer, params, tokens, attention_mask, response_mask,
+                            temperature, packing, impl=impl, chunk=chunk, rows=rows)
   return _logprobs(transformer, params, tokens, attention_mask, response_mask, temperature,
                    impl=impl, chunk=chunk, rows=rows)
+
+
+def _packed_logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
+                     attention_mask: jax.Array, response_mask: jax.Array,
+                     temperature: float | jax.Array, packing: Packing, *, impl: str, chunk: int,
+                     rows: NamedSharding | None) -> tuple[jax.Array, jax.Array]:
+  """``sequence_logprobs`` on packed rows: the transformer runs on them, each placed target
+  token's log-prob comes from the hidden state of the token before it in its own sequence
+  (``packing.sources``: a shared prefix's last for an answer's first token), and the results
+  go back to the rows' own layout."""
+  dest = packing_lib.destinations(packing, attention_mask)
+  place = packing_lib.placements(packing, attention_mask, dest)
+  segment_ids, positions = packing_lib.segments(packing, attention_mask, place)
+  group_ids, shared = packing_lib.groups(packing, attention_mask, place)
+  W = packing_lib.width(packing, attention_mask)
+  put = lambda x: _constrain(packing_lib.pack(x, place, packing.rows, width=W), rows)
+  constrain = lambda x: None if x is None else _constrain(x, rows)
+  hidden, _ = transformer.hidden_states(
+      params, put(tokens), segment_ids=constrain(segment_ids), positions=constrain(positions),
+      group_ids=constrain(group_ids), shared=constrain(shared))
+  R, _, D = hidden.shape
+  before = hidden.reshape(R * W, D)[packing_lib.sources(packing, attention_mask, dest, place)]
+  if not isinstance(temperature, (int, float)):  # one per sequence: the target's
+    temperature = jnp.asarray(temperature, hidden.dtype)[jnp.maximum(segment_ids, 0)]
+    before = before / temperature.reshape(-1, 1)
+    temperature = 1.0
+  if rows is not None and R % row_ways(rows):
+    rows = NamedSharding(rows.mesh, PartitionSpec())
+  logprobs, entropy = fused_logprobs(
+      before, transformer.unembedding(params), put(tokens).reshape(-1),
+      put(response_mask).reshape(-1), impl=impl, temperature=temperature, chunk=chunk,
+      rows=rows)
+  back = lambda x: packing_lib.unpack(x.reshape(R, W), dest)
+  return back(logprobs), back(entropy)
 
 
 def _constrain(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
