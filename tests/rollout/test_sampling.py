@@ -88,3 +88,41 @@ def test_fast_paths_equal_the_sorted_reference(vocab):
   for name, (top_k, top_p) in mixes.items():
     args = (logits, temperature, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
     np.testing.assert_array_equal(fast(*args), sorted_truncation(*args), err_msg=name)
+
+
+@pytest.mark.parametrize("vocab, block", [(5, 256), (1000, 16), (777, 64)])
+def test_categorical_draws_the_softmax_over_blocks(vocab, block):
+  """The inverse-CDF draw against the softmax it inverts (chi-square), on vocabularies of one
+  block, of many, and of a ragged last block; masked entries are never drawn; and against
+  ``jax.random.categorical`` (the Gumbel reference) on the same distribution."""
+  from rlx.rollout.sampling import categorical
+  rng = np.random.default_rng(vocab)
+  logits = rng.normal(scale=2.0, size=vocab).astype(np.float32)
+  logits[rng.random(vocab) < 0.3] = -np.inf  # truncated entries
+  logits[vocab - 1] = 3.0  # mass in the ragged last block
+  count = 60_000
+  keys = jax.random.split(jax.random.key(7), count)
+  rows = jnp.broadcast_to(jnp.asarray(logits), (count, vocab))
+  drawn = np.asarray(jax.jit(lambda k, x: categorical(k, x, block))(keys, rows))
+  gumbel = np.asarray(jax.jit(jax.vmap(jax.random.categorical))(keys, rows))
+  probs = np.asarray(jax.nn.softmax(jnp.asarray(logits)), np.float64)
+  support = probs > 0
+  for tokens in (drawn, gumbel):
+    observed = np.bincount(tokens, minlength=vocab)
+    assert observed[~support].sum() == 0
+    common = support & (probs * count >= 5)  # chi-square over the entries it can test
+    expected = probs[common] * count
+    expected *= observed[common].sum() / expected.sum()
+    _, p_value = stats.chisquare(observed[common], expected)
+    assert p_value > 1e-3
+
+
+def test_categorical_edges():
+  from rlx.rollout.sampling import categorical
+  keys = jax.random.split(jax.random.key(0), 512)
+  one = jnp.full((512, 300), -jnp.inf).at[:, 257].set(0.0)  # one allowed entry, second block
+  assert np.all(np.asarray(categorical(keys, one)) == 257)
+  # a uniform at the very end of the mass still lands on an allowed entry
+  edge = jnp.full((2, 40), -jnp.inf).at[:, 3].set(0.0).at[:, 20].set(1.0)
+  drawn = np.asarray(categorical(jax.random.split(jax.random.key(1), 2), edge, block=8))
+  assert set(drawn.tolist()) <= {3, 20}
