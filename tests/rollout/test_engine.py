@@ -252,7 +252,8 @@ def test_attending_to_the_filled_part_equals_the_whole_cache(model, platform):
     state, part = engine.generate(model.params, state, engine.attend_bucket(40))
     whole, full = engine.generate(model.params, whole, None)
     np.testing.assert_array_equal(part.tokens, full.tokens)
-    np.testing.assert_allclose(part.policy_logprobs, full.policy_logprobs, rtol=1e-5, atol=1e-6)
+    # float32 softmaxes over 64 and 200 slots sum in different orders: a few 1e-6 apart
+    np.testing.assert_allclose(part.policy_logprobs, full.policy_logprobs, rtol=1e-5, atol=2e-5)
   assert engine.attend_bucket(40) == 64 and engine.attend_bucket(64) == 128
   assert engine.attend_bucket(190) == 200
 
