@@ -16,7 +16,11 @@ A resumed learner first discards the versions it is about to write again
 in place of the restored one.
 
 Both return the generator's params in ``generation_shardings``, and share the
-``WeightSync`` protocol: callers never know which one they hold. With LoRA, ``LoraSync`` wraps
+``WeightSync`` protocol: callers never know which one they hold. Every version is checked
+where it lands: the learner's side takes a content digest of what it publishes
+(``rlx.digest``: exact, whatever the layout), the generator's side the digest of the weights it
+will sample with, before it samples; a difference, or a new version whose weights are bitwise
+the last one's, stops the run (``SyncMismatch``) naming the version and the array. With LoRA, ``LoraSync`` wraps
 either: only the adapters cross (a version is the adapters), and the generator's side merges
 them into its own copy of the frozen base.
 """
@@ -33,7 +37,7 @@ from typing import Any, Callable, Protocol
 import jax
 import orbax.checkpoint as ocp
 
-from rlx import distributed
+from rlx import digest, distributed
 from rlx.models import lora
 
 Params = Any
@@ -46,6 +50,8 @@ class WeightSync(Protocol):
   """The seconds the last ``publish`` or ``latest`` took."""
   last_bytes: int
   """The bytes the last ``publish`` shipped (the params, or with LoRA the adapters only)."""
+  verified: int
+  """How many versions this side has checked where they landed (``check_landed``)."""
 
   def publish(self, params: Params, version: int) -> float:
     """Makes ``params`` version ``version`` available to the generator; returns the seconds
@@ -72,6 +78,48 @@ def _as_is(params: Params) -> Params:
   return params
 
 
+class SyncMismatch(RuntimeError):
+  """A policy version's weights where they landed are not the ones the learner published."""
+
+
+def check_landed(version: int, expected: digest.Digest | None, landed: Params,
+                 where: str) -> bool:
+  """Raises ``SyncMismatch`` unless ``landed`` (the weights the generator will sample with,
+  stacked or per layer) has the ``expected`` digest; False (nothing checked) when there is
+  none to check against."""
+  if expected is None:  # a version written before digests were (an older run's)
+    return False
+  got = digest.tree_digest(landed)
+  wrong = digest.differences(expected, got)
+  if wrong:
+    name = wrong[0]
+    raise SyncMismatch(
+        f"policy version {version} did not land as the learner published it ({where}): "
+        f"{name} has digest {got.get(name)} where the learner's is {expected.get(name)} "
+        f"({len(wrong)} of {len(expected)} arrays differ); the generator would sample from "
+        "weights that are not that version")
+  return True
+
+
+class Published:
+  """The learner's side of the check: the digest of each version it publishes, and a refusal
+  of a new version whose weights are bitwise the last one's (a sync that sent nothing new)."""
+
+  def __init__(self):
+    self.last: tuple[int, digest.Digest] | None = None
+
+  def digest(self, params: Params, version: int) -> digest.Digest:
+    taken = digest.tree_digest(params)
+    if self.last is not None and self.last[0] < version and self.last[1] == taken:
+      raise SyncMismatch(
+          f"policy version {version} is bitwise version {self.last[0]}: the update changed no "
+          "parameter (every array's digest is the same), so the generator would sample the old "
+          "policy under a new version; check optimizer.learning_rate (below the parameters' "
+          "precision, e.g. bfloat16) and that the learner publishes its updated params")
+    self.last = (version, taken)
+    return taken
+
+
 class ReshardSync:
   """In-memory resharding to the generation layout. ``prepare``: what the generator keeps of
   each version instead of the resharded params (``Engine.decode_params``: per-layer weights),
@@ -90,13 +138,17 @@ class ReshardSync:
     self._latest: tuple[Params, int] | None = None
     self._released: int | None = None  # the version ``release`` let go of
     self._placed = None  # the shardings of a prepared version (the first one's)
+    self._published = Published()
     self.last_seconds = 0.0
     self.last_bytes = 0
+    self.verified = 0
 
   def publish(self, params: Params, version: int) -> float:
-    """Reshards ``params`` for the generator; returns the seconds it took."""
+    """Reshards ``params`` for the generator, checked where they land; returns the seconds it
+    took."""
     started = time.perf_counter()
     self.last_bytes = lora.nbytes(params)
+    expected = self._published.digest(params, version)
     # may_alias=False: the learner donates its params to the next step, so the generator's
     # copy must not share buffers with them even when the layouts agree (one device).
     if jax.process_count() > 1:  # the generator's mesh is this process's devices
@@ -107,6 +159,7 @@ class ReshardSync:
       self._placed = jax.tree.map(lambda x: x.sharding, resharded)
     else:
       resharded = _moved(self.prepare(params), params, self._placed)
+    self.verified += check_landed(version, expected, resharded, "resharded in memory")
     with self._lock:
       self._latest, self._released = (resharded, version), None
     self.last_seconds = time.perf_counter() - started
@@ -177,8 +230,19 @@ class OrbaxSync:
         max_to_keep=keep, enable_async_checkpointing=asynchronous, create=True)
     self._manager = self._open()
     self._lock = threading.Lock()  # the learner writes while the generator thread reads
+    self._published = Published()
     self.last_seconds = 0.0
     self.last_bytes = 0
+    self.verified = 0
+
+  def _digest_file(self, version: int) -> pathlib.Path:
+    return self.directory.with_name(self.directory.name + ".digests") / f"{version}.json"
+
+  def _expected(self, version: int) -> digest.Digest | None:
+    try:
+      return digest.from_json(json.loads(self._digest_file(version).read_text()))
+    except FileNotFoundError:
+      return None
 
   def _open(self):
     # listing the versions reads each one's metadata: another job may move one away meanwhile
@@ -189,6 +253,16 @@ class OrbaxSync:
     until it is copied to host memory, after the previous version's write has finished)."""
     started = time.perf_counter()
     self.last_bytes = lora.nbytes(params)
+    taken = self._published.digest(params, version)
+    if distributed.lead():  # before the version: a reader never sees one without its digest
+      path = self._digest_file(version)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      partial = path.with_suffix(".tmp")
+      partial.write_text(json.dumps(digest.to_json(taken)))
+      partial.replace(path)
+      for old in path.parent.glob("*.json"):  # the versions storage no longer keeps
+        if old.stem.isdigit() and int(old.stem) < version - 2 * self._options.max_to_keep:
+          old.unlink(missing_ok=True)
     with self._lock:
       self._manager.save(version, args=ocp.args.StandardSave(params))
       if not self.asynchronous:
@@ -222,6 +296,8 @@ class OrbaxSync:
         with self._lock:
           params = self.prepare(
               self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract)))
+          self.verified += check_landed(version, self._expected(version), params,
+                                        f"read from {self.directory / str(version)}")
       except Exception:  # noqa: BLE001 - Orbax's error for a vanished step is no FileNotFoundError
         if (self.directory / str(version)).exists() or attempt == 49:
           raise
@@ -298,10 +374,15 @@ class LoraSync:
   def publish(self, adapters: Params, version: int) -> float:
     if (self.reference_file is not None and self.reference is not None and distributed.lead()
         and not self.reference_file.is_file()):
-      self.reference_file.write_text(json.dumps(self.reference, indent=1))
+      self.reference_file.write_text(json.dumps(dict(self.reference, scale=self.scale),
+                                                indent=1))
     self.last_seconds = self.inner.publish(adapters, version)
     self.last_bytes = self.inner.last_bytes
     return self.last_seconds
+
+  @property
+  def verified(self) -> int:
+    return self.inner.verified
 
   def base(self) -> Params:
     if callable(self._base):
@@ -321,6 +402,11 @@ class LoraSync:
           f"{theirs.get('fingerprint')}), this generator holds {self.reference.get('path')} "
           f"(fingerprint {self.reference.get('fingerprint')}): give both jobs the same "
           "model.path and warm-up settings")
+    if theirs.get("scale", self.scale) != self.scale:
+      raise SyncMismatch(
+          f"the learner's adapters are scaled by {theirs['scale']} (lora alpha / rank), this "
+          f"generator would merge them scaled by {self.scale}: give both jobs the same "
+          "model.lora.rank and model.lora.alpha")
     self._checked = True
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:

@@ -229,6 +229,11 @@ class Learner:
     """The bytes the last ``publish`` shipped (with LoRA, the adapters only)."""
     return self.sync.last_bytes
 
+  @property
+  def sync_verified(self) -> int:
+    """How many versions the sync has checked where they landed (``rlx.sync.check_landed``)."""
+    return self.sync.verified
+
   def generation_params(self):
     """The newest published params, in the generation layout."""
     return self.sync.latest()[0]

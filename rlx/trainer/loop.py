@@ -204,7 +204,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
               "data/skipped_rows": run.source.skipped + run.stream.skipped,
               "time/step_s": elapsed, "time/wait_for_data_s": received - since,
               "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
-              "time/sync_s": sync_seconds, "sync/bytes": learner.sync_bytes, **throughput(draw, elapsed), **device_memory(),
+              "time/sync_s": sync_seconds, "sync/bytes": learner.sync_bytes,
+              "sync/verified": learner.sync_verified, **throughput(draw, elapsed), **device_memory(),
               **batch.metrics, **source.metrics(finished - received)})
           learned_tokens += metrics["throughput/tokens_per_s"] * elapsed  # every process's
           learning_seconds += finished - received

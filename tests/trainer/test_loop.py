@@ -80,6 +80,7 @@ class FakeLearner:
             "policy/is_clip_frac": 0.0}
 
   sync_bytes = 1024
+  sync_verified = 3
 
   def publish(self):
     self.released = False

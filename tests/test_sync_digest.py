@@ -1,0 +1,157 @@
+"""Every policy version is checked where it lands: the digest (exact whatever the layout,
+sharding or form) and the faults a sync must not let through, each stopping with one line
+naming the version and the array: an array left at its old value, two arrays swapped, a
+version's files from another version, a generator that keeps its first weights, a version
+bitwise the last one, a LoRA generator merging at another scale."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx import digest
+from rlx import mesh as mesh_lib
+from rlx import sync
+from rlx.config import ArchConfig, MeshConfig
+from rlx.models import init_model, param_shardings
+from rlx.models.transformer import init_params, unstack_layers
+
+ARCH = ArchConfig(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+RULES = MeshConfig().logical_axis_rules
+
+
+@pytest.fixture(scope="module")
+def meshes():
+  return mesh_lib.make_meshes(MeshConfig(mode="split", generation_devices=2, generation_tensor=2))
+
+
+def _params(meshes, seed):
+  return init_model(ARCH, jax.random.key(seed), mesh=meshes.learning).params
+
+
+def test_the_digest_is_exact_whatever_the_layout_and_sees_every_change(meshes):
+  params = _params(meshes, 0)
+  taken = digest.tree_digest(params)
+  host = jax.device_get(params)
+  assert digest.tree_digest(host) == taken  # sharded over the learning mesh or on one device
+  assert digest.tree_digest(unstack_layers(params)) == taken  # the generator's per-layer form
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), host)
+  assert digest.tree_digest(unstack_layers(bf16)) == digest.tree_digest(bf16) != taken
+  # one element one ulp off; two elements of an array swapped; two arrays swapped
+  q = np.array(host["layers"]["q"])
+  q.reshape(-1)[7] = np.nextafter(q.reshape(-1)[7], np.float32(1))
+  assert digest.differences(taken, digest.tree_digest(
+      dict(host, layers=dict(host["layers"], q=q)))) == ["layers/q"]
+  q = np.array(host["layers"]["q"])
+  flat = q.reshape(-1)
+  flat[[3, 11]] = flat[[11, 3]]
+  assert digest.differences(taken, digest.tree_digest(
+      dict(host, layers=dict(host["layers"], q=q)))) == ["layers/q"]
+  swapped = dict(host, layers=dict(host["layers"], gate=host["layers"]["up"],
+                                   up=host["layers"]["gate"]))
+  assert digest.differences(taken, digest.tree_digest(swapped)) == ["layers/gate", "layers/up"]
+
+
+def test_reshard_checks_each_version_where_it_lands(meshes, monkeypatch):
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  reshard = sync.ReshardSync(generation, prepare=unstack_layers)
+  reshard.publish(_params(meshes, 1), 1)
+  reshard.publish(_params(meshes, 2), 2)
+  assert reshard.verified == 2
+  # an array left at its old value: the move skips "layers/down" of every later layer
+  real_moved = sync._moved
+  kept = reshard.latest()[0]["layers"][1]["down"]
+
+  def stale_moved(prepared, source, shardings):
+    moved = real_moved(prepared, source, shardings)
+    moved["layers"][1]["down"] = kept
+    return moved
+
+  monkeypatch.setattr(sync, "_moved", stale_moved)
+  with pytest.raises(sync.SyncMismatch, match=r"policy version 3 .*layers/down .*1 of 11 arrays"):
+    reshard.publish(_params(meshes, 3), 3)
+
+
+def test_two_swapped_arrays_and_a_generator_that_keeps_its_first_weights(meshes):
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+
+  def swap(params):
+    layers = dict(params["layers"], gate=params["layers"]["up"], up=params["layers"]["gate"])
+    return dict(params, layers=layers)
+
+  with pytest.raises(sync.SyncMismatch, match="layers/gate"):
+    sync.ReshardSync(generation, prepare=swap).publish(_params(meshes, 1), 1)
+  first = {}
+
+  def keeps_first(params):
+    first.setdefault("params", params)
+    return first["params"]
+
+  stuck = sync.ReshardSync(generation, prepare=keeps_first)
+  stuck.publish(_params(meshes, 1), 1)
+  with pytest.raises(sync.SyncMismatch, match="policy version 2"):
+    stuck.publish(_params(meshes, 2), 2)
+
+
+def test_a_version_bitwise_the_last_one_is_refused(meshes):
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  reshard = sync.ReshardSync(generation)
+  params = _params(meshes, 1)
+  reshard.publish(params, 1)
+  reshard.publish(params, 1)  # the same version again (a step that changed nothing) is fine
+  with pytest.raises(sync.SyncMismatch, match="version 2 is bitwise version 1"):
+    reshard.publish(jax.tree.map(jnp.copy, params), 2)
+
+
+def test_orbax_refuses_a_version_whose_files_are_another_version_s(meshes, tmp_path):
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  writer = sync.OrbaxSync(tmp_path / "weights", generation, like=like, keep=3)
+  reader = sync.OrbaxSync(tmp_path / "weights", generation, like=like, keep=3,
+                          prepare=unstack_layers)
+  try:
+    for version in (1, 2):
+      writer.publish(_params(meshes, version), version)
+    assert reader.latest()[1] == 2 and reader.verified == 1
+    # version 3's directory holds version 1's files
+    writer.publish(_params(meshes, 3), 3)
+    shutil.rmtree(tmp_path / "weights" / "3")
+    shutil.copytree(tmp_path / "weights" / "1", tmp_path / "weights" / "3")
+    with pytest.raises(sync.SyncMismatch, match=r"policy version 3 did not land .*read from"):
+      reader.latest(newer_than=2)
+    # a version written without a digest (an older run's) is read unchecked
+    (tmp_path / "weights.digests" / "3.json").unlink()
+    assert reader.latest(newer_than=2)[1] == 3 and reader.verified == 1
+  finally:
+    writer.close()
+    reader.close()
+
+
+def test_a_lora_generator_refuses_another_merge_scale(meshes, tmp_path):
+  from rlx.config import LoraConfig
+  from rlx.models import lora
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  config = LoraConfig(rank=4)
+  adapters = lora.init_adapters(ARCH, config, jax.random.key(1))
+  like = jax.eval_shape(lambda: adapters)
+  replicated = jax.sharding.NamedSharding(meshes.generation, jax.sharding.PartitionSpec())
+  shardings = jax.tree.map(lambda _: replicated, like)
+  base = jax.device_put(init_params(ARCH, jax.random.key(0)), generation)
+  reference = {"path": "base", "fingerprint": "abc"}
+  make = lambda scale: sync.LoraSync(
+      sync.OrbaxSync(tmp_path / "adapters", shardings, like=like), base, scale,
+      reference=reference, reference_file=tmp_path / "reference.json")
+  learner, generator = make(config.scale), make(config.scale / 2)
+  try:
+    learner.publish(adapters, 1)
+    assert json.loads((tmp_path / "reference.json").read_text())["scale"] == config.scale
+    with pytest.raises(sync.SyncMismatch, match="scaled by"):
+      generator.latest()
+    assert make(config.scale).latest()[1] == 1
+  finally:
+    learner.close()
+    generator.close()
