@@ -54,6 +54,21 @@ def test_the_digest_is_exact_whatever_the_layout_and_sees_every_change(meshes):
   swapped = dict(host, layers=dict(host["layers"], gate=host["layers"]["up"],
                                    up=host["layers"]["gate"]))
   assert digest.differences(taken, digest.tree_digest(swapped)) == ["layers/gate", "layers/up"]
+  # two elements of one row swapped (the columns' weights see it)
+  q = np.array(host["layers"]["q"])
+  q[0, 0, 0, [1, 2]] = q[0, 0, 0, [2, 1]]
+  assert digest.differences(taken, digest.tree_digest(
+      dict(host, layers=dict(host["layers"], q=q)))) == ["layers/q"]
+
+
+def test_the_jitted_digest_equals_the_numpy_one(meshes):
+  """The accelerators' program against the CPU's numpy over shards, on sharded, per-layer,
+  bfloat16 and scalar arrays."""
+  params = _params(meshes, 3)
+  for tree in (params, unstack_layers(params), jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                            params),
+               {"scalar": jnp.float32(1.5), "vector": jnp.arange(5.0)}):
+    assert digest.jitted_tree_digest(tree) == digest.tree_digest(tree)
 
 
 def test_reshard_checks_each_version_where_it_lands(meshes, monkeypatch):
