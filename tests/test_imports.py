@@ -31,8 +31,10 @@ ALLOWED = {
     "algorithms": {"types", "config", "kernels"},
     "update": {"models", "algorithms", "kernels", "types", "config", "mesh", "unroll"},
     "rollout": {"models", "mesh", "types", "config", "kernels", "progress"},
+    # exact content digests of params, summed over processes
+    "digest": {"distributed"},
     # with LoRA, the generator's side merges the shipped adapters into its base (models.lora)
-    "sync": {"mesh", "types", "config", "distributed", "models"},
+    "sync": {"mesh", "types", "config", "distributed", "models", "digest"},
     "rewards": {"config", "hostmem"},
     "data": {"config", "types"},
     # environments and tools of multi-turn episodes: plain Python (tools run in reward-like
