@@ -52,6 +52,11 @@ def _unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
   return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+REQUIRED_FIELDS = ("llama.attention.head_count", "llama.embedding_length",
+                   "llama.feed_forward_length", "llama.block_count", "tokenizer.ggml.tokens")
+"""The metadata ``hf_config`` cannot do without."""
+
+
 def hf_config(reader) -> dict[str, Any]:
   """The ``config.json`` of a Llama GGUF file."""
   arch = _field(reader, "general.architecture")
@@ -59,6 +64,10 @@ def hf_config(reader) -> dict[str, Any]:
     raise CheckpointError(f"GGUF architecture {arch!r} is not supported (rlx reads 'llama' GGUF "
                           "files; for Qwen use the Hugging Face release)")
   get = lambda key, default=None: _field(reader, f"llama.{key}", default)  # noqa: E731
+  for key in REQUIRED_FIELDS:
+    if _field(reader, key) is None:
+      raise CheckpointError(f"the GGUF file's metadata has no {key!r}, which a Llama model "
+                            "needs: the file is incomplete or not a llama.cpp conversion")
   heads = int(get("attention.head_count"))
   hidden = int(get("embedding_length"))
   tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -183,8 +192,15 @@ def convert(gguf_file: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.P
   gguf_file, directory = pathlib.Path(gguf_file), pathlib.Path(out)
   if not gguf_file.is_file():
     raise CheckpointError(f"{gguf_file} does not exist")
-  reader = GGUFReader(str(gguf_file))
-  config = hf_config(reader)
+  try:
+    reader = GGUFReader(str(gguf_file))
+  except Exception as error:  # noqa: BLE001 - the reader's errors for a bad file vary by field
+    raise CheckpointError(f"{gguf_file} is not a readable GGUF file ({type(error).__name__}: "
+                          f"{error})") from None
+  try:
+    config = hf_config(reader)
+  except CheckpointError as error:
+    raise CheckpointError(f"{gguf_file}: {error}") from None
   directory.mkdir(parents=True, exist_ok=True)
   tensors = hf_tensors(reader, config)
   save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
