@@ -53,9 +53,10 @@ class WeightSync(Protocol):
   verified: int
   """How many versions this side has checked where they landed (``check_landed``)."""
 
-  def publish(self, params: Params, version: int) -> float:
+  def publish(self, params: Params, version: int, changed: bool | None = None) -> float:
     """Makes ``params`` version ``version`` available to the generator; returns the seconds
-    the learner spent on it."""
+    the learner spent on it. ``changed``: whether the update that made this version moved the
+    parameters (None: not known); a changed version bitwise the last one is refused."""
 
   def latest(self, newer_than: int = -1) -> tuple[Params, int] | None:
     """The newest published (params in the generation layout, version), if its version is
@@ -103,19 +104,23 @@ def check_landed(version: int, expected: digest.Digest | None, landed: Params,
 
 class Published:
   """The learner's side of the check: the digest of each version it publishes, and a refusal
-  of a new version whose weights are bitwise the last one's (a sync that sent nothing new)."""
+  of a new version whose weights are bitwise the last one's although the update that made it
+  moved them (a sync that sends nothing new). An update may leave every parameter as it was
+  (a batch whose advantages are all 0): that version is published as it is."""
 
   def __init__(self):
     self.last: tuple[int, digest.Digest] | None = None
 
-  def digest(self, params: Params, version: int) -> digest.Digest:
+  def digest(self, params: Params, version: int, changed: bool | None = None) -> digest.Digest:
     taken = digest.tree_digest(params)
-    if self.last is not None and self.last[0] < version and self.last[1] == taken:
+    if (changed and self.last is not None and self.last[0] < version
+        and self.last[1] == taken):
       raise SyncMismatch(
-          f"policy version {version} is bitwise version {self.last[0]}: the update changed no "
-          "parameter (every array's digest is the same), so the generator would sample the old "
-          "policy under a new version; check optimizer.learning_rate (below the parameters' "
-          "precision, e.g. bfloat16) and that the learner publishes its updated params")
+          f"policy version {version} is bitwise version {self.last[0]} although its update "
+          "moved the parameters (every array's digest is the same): the generator would "
+          "sample the old policy under a new version; the update is lost between the "
+          "optimizer and the sync (or is below the parameters' precision, e.g. bfloat16 at "
+          "a tiny optimizer.learning_rate)")
     self.last = (version, taken)
     return taken
 
@@ -143,12 +148,12 @@ class ReshardSync:
     self.last_bytes = 0
     self.verified = 0
 
-  def publish(self, params: Params, version: int) -> float:
+  def publish(self, params: Params, version: int, changed: bool | None = None) -> float:
     """Reshards ``params`` for the generator, checked where they land; returns the seconds it
     took."""
     started = time.perf_counter()
     self.last_bytes = lora.nbytes(params)
-    expected = self._published.digest(params, version)
+    expected = self._published.digest(params, version, changed)
     # may_alias=False: the learner donates its params to the next step, so the generator's
     # copy must not share buffers with them even when the layouts agree (one device).
     if jax.process_count() > 1:  # the generator's mesh is this process's devices
@@ -248,12 +253,12 @@ class OrbaxSync:
     # listing the versions reads each one's metadata: another job may move one away meanwhile
     return _retried(lambda: ocp.CheckpointManager(self.directory, options=self._options))
 
-  def publish(self, params: Params, version: int) -> float:
+  def publish(self, params: Params, version: int, changed: bool | None = None) -> float:
     """Writes version ``version``; returns the seconds until it is on storage (asynchronous:
     until it is copied to host memory, after the previous version's write has finished)."""
     started = time.perf_counter()
     self.last_bytes = lora.nbytes(params)
-    taken = self._published.digest(params, version)
+    taken = self._published.digest(params, version, changed)
     if distributed.lead():  # before the version: a reader never sees one without its digest
       path = self._digest_file(version)
       path.parent.mkdir(parents=True, exist_ok=True)
@@ -371,12 +376,12 @@ class LoraSync:
     self.last_seconds = 0.0
     self.last_bytes = 0
 
-  def publish(self, adapters: Params, version: int) -> float:
+  def publish(self, adapters: Params, version: int, changed: bool | None = None) -> float:
     if (self.reference_file is not None and self.reference is not None and distributed.lead()
         and not self.reference_file.is_file()):
       self.reference_file.write_text(json.dumps(dict(self.reference, scale=self.scale),
                                                 indent=1))
-    self.last_seconds = self.inner.publish(adapters, version)
+    self.last_seconds = self.inner.publish(adapters, version, changed)
     self.last_bytes = self.inner.last_bytes
     return self.last_seconds
 

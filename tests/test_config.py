@@ -280,6 +280,11 @@ INVALID = [
     ("algorithm.value_clip=0", "algorithm.value_clip"),
     ("mesh.max_staleness=-1", "mesh.max_staleness"),
     ("rollout.cache_layout=per-layer", "rollout.cache_layout"),
+    # values that can never act or are sure to misbehave
+    ("algorithm.entropy_target=50", "algorithm.entropy_target"),
+    ("checkpoint.write_buffer_mb=1000000000000", "checkpoint.write_buffer_mb"),
+    ("trainer.hang_timeout_s=0.01", "trainer.hang_timeout_s"),
+    ("env.release_slots=true", "env.release_slots"),
 ]
 
 VALID = [
@@ -293,7 +298,8 @@ VALID = [
     "rollout.temperature=0", "data.num_epochs=1", "data.eval_fraction=0.5",
     "data.prompts_per_step=1", "algorithm.kl_coef=0.01", "algorithm.tis_cap=1",
     "algorithm.kl_target=0.1", "algorithm.value_clip=None", "mesh.max_staleness=0",
-    "rollout.cache_layout=stacked",
+    "rollout.cache_layout=stacked", "algorithm.entropy_target=0.5", "trainer.hang_timeout_s=0",
+    "trainer.hang_timeout_s=60", "checkpoint.write_buffer_mb=64",
 ]
 
 

@@ -117,9 +117,11 @@ def test_a_version_bitwise_the_last_one_is_refused(meshes):
   reshard = sync.ReshardSync(generation)
   params = _params(meshes, 1)
   reshard.publish(params, 1)
-  reshard.publish(params, 1)  # the same version again (a step that changed nothing) is fine
-  with pytest.raises(sync.SyncMismatch, match="version 2 is bitwise version 1"):
-    reshard.publish(jax.tree.map(jnp.copy, params), 2)
+  reshard.publish(params, 1, changed=True)  # the same version again is no new version
+  # an update that moved nothing (all advantages 0) makes a version bitwise the last one
+  reshard.publish(jax.tree.map(jnp.copy, params), 2, changed=False)
+  with pytest.raises(sync.SyncMismatch, match="version 3 is bitwise version 2 although"):
+    reshard.publish(jax.tree.map(jnp.copy, params), 3, changed=True)
 
 
 def test_orbax_refuses_a_version_whose_files_are_another_version_s(meshes, tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from rlx.config._checks import ConfigError, _check
 from rlx.config.algorithm import GROUP_RELATIVE, PRESETS, AlgorithmConfig, OptimizerConfig
@@ -81,10 +82,50 @@ def _finite_floats(section, prefix: str = "") -> None:
                         + (" (None disables it)" if field.default is None else ""))
 
 
+MAX_ENTROPY_NATS = math.log(2**20)
+"""Above any reachable entropy: the uniform distribution over a million-token vocabulary."""
+MIN_HANG_TIMEOUT_S = 30.0
+"""The shortest watchdog timeout that can tell a hang from a long compile or checkpoint write."""
+
+
+def _physical_memory_mb() -> float:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+  except (ValueError, OSError, AttributeError):
+    return math.inf
+
+
+def _never_acts(config: RunConfig) -> list[tuple[bool, str, str]]:
+  """``(acceptable, field, the range that can act)`` of the values that can never act or are
+  sure to misbehave, one row each. (``trainer.warmup_sft_until`` without warm-up steps is let
+  be: the base config sets it, and every run that turns the warm-up off would be refused.)"""
+  algorithm, trainer, env = config.algorithm, config.trainer, config.env
+  vocab = config.model.arch.vocab_size if not config.model.path else 2**20
+  reachable = math.log(vocab)
+  memory = _physical_memory_mb()
+  return [
+      (algorithm.entropy_target is None or algorithm.entropy_target < reachable,
+       "algorithm.entropy_target",
+       f"must be below {reachable:.2f} nats, the entropy of a uniform policy over "
+       f"{'the model' if config.model.path else 'the built-in model'}'s {vocab} tokens: no "
+       "policy reaches more, so the bonus would only grow"),
+      (config.checkpoint.write_buffer_mb <= memory, "checkpoint.write_buffer_mb",
+       f"must fit in this machine's memory ({memory:.0f} MB)"),
+      (trainer.hang_timeout_s == 0 or trainer.hang_timeout_s >= MIN_HANG_TIMEOUT_S,
+       "trainer.hang_timeout_s", f"must be 0 (never) or at least {MIN_HANG_TIMEOUT_S:g} s: a "
+       "shorter one ends healthy runs during a compile or a checkpoint write"),
+      (not env.release_slots or bool(env.name or env.agent), "env.release_slots",
+       "must be false without an environment (env.name or env.agent): it lets episodes that "
+       "wait on their environment leave their slot, and this run has none"),
+  ]
+
+
 def check(config: RunConfig) -> RunConfig:
   """Checks what involves several fields (each field is checked when its section is built);
   returns the config. The command line calls it after the last override."""
   _finite_floats(config)
+  for acceptable, key, message in _never_acts(config):
+    _check(acceptable, key, message)
   rollout, algorithm = config.rollout, config.algorithm
   estimator = algorithm.advantage_estimator
   _check(estimator not in GROUP_RELATIVE or rollout.group_size >= 2, "rollout.group_size",

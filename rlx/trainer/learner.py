@@ -113,6 +113,7 @@ class Learner:
     bonus applies only then)."""
     self._lengths_and_order = None  # jitted on the first packed step
     self.skipped_steps = 0
+    self.moved = None  # whether the last update moved the params (None: none ran yet)
     """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
     self.skipped_in_a_row = 0
     self.saved_step = None
@@ -221,8 +222,9 @@ class Learner:
     return stopping or bool(every and step % every == 0)
 
   def publish(self) -> float:
-    """Hands the current params to the generator; returns the sync's seconds."""
-    return self.sync.publish(self.state.params, self.version)
+    """Hands the current params to the generator; returns the sync's seconds. The sync refuses
+    a new version bitwise the last one when the update that made it moved the params."""
+    return self.sync.publish(self.state.params, self.version, changed=self.moved)
 
   @property
   def sync_bytes(self) -> int:
@@ -285,6 +287,8 @@ class Learner:
         packing=plans[1])
     metrics.update(step_metrics)
     metrics = distributed.to_host(metrics)  # replicated: the same values on every process
+    self.moved = bool(metrics.get("optim/update_ratio", 0.0) > 0
+                      and metrics.get("train/skipped", 0) < metrics.get("train/updates", 1))
     self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)
     # the engine against the learner on the rows the current params sampled (none: no figure)
     mismatch, tokens = metrics.pop("rollout/mismatch_kl_sum"), metrics.pop("rollout/mismatch_tokens")
