@@ -15,7 +15,7 @@ import json
 import pathlib
 import time
 
-from rlx import cli, distributed
+from rlx import cli, distributed, progress
 from rlx.checkpoint import CheckpointError
 from rlx.config import RunConfig
 from rlx.trainer.common import Say
@@ -33,8 +33,11 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
   """
   started = time.perf_counter()
+  progress.doing("building the run (model, data, rewards)")
   run = prepare(config, workdir, say)
+  progress.doing("building the learner")
   learner = Learner.for_run(run, say)
+  progress.doing("restoring the newest checkpoint")
   # a checkpoint whose data position the stream refuses is damaged like an unreadable one
   try:
     restored = learner.restore(usable=lambda restored: run.stream.set_state(restored.data_state))
@@ -53,7 +56,9 @@ def begin(config: RunConfig, workdir: str | pathlib.Path,
   if discarded:
     say(f"rlx: moved {discarded} policy version(s) from {learner.version} on aside: a stopped "
         "run wrote them after the checkpoint this run resumes from")
+  progress.doing("publishing the first policy version")
   learner.publish()
+  progress.doing("the held-out evaluation before RL")
   initial = evaluate(run, learner.generation_params()) if start is None else {}
   accuracy_before = initial.get("eval/accuracy")
   if initial and distributed.lead():  # the baseline a report draws at step 0

@@ -151,3 +151,32 @@ def test_the_warm_up_of_an_agent_run_sees_the_episodes_prompts():
   for row in batch:
     text = tokenizer.decode(row["prompt_tokens"])
     assert text.startswith("Think step by step.") and row["prompt"] in text
+
+
+def test_the_watchdog_names_each_stage_of_the_start(tmp_path, monkeypatch):
+  """A hang while the run starts is reported in its stage: the evaluation before RL is not
+  'starting'."""
+  from rlx import progress
+  from rlx.trainer import lifecycle
+
+  seen = {}
+
+  def evaluation(run, params):
+    seen["evaluation"] = progress.snapshot()["doing"]
+    return {}
+
+  real_publish = lifecycle.Learner.publish
+
+  def publish(learner):
+    seen["publish"] = progress.snapshot()["doing"]
+    return real_publish(learner)
+
+  monkeypatch.setattr(lifecycle, "evaluate", evaluation)
+  monkeypatch.setattr(lifecycle.Learner, "publish", publish)
+  config = tiny.config("grpo_colocated", "--config.trainer.warmup_sft_steps=0")
+  run, learner, _, _ = lifecycle.begin(config, tmp_path, say=lambda line: None)
+  try:
+    assert seen["evaluation"].startswith("the held-out evaluation before RL"), seen
+    assert seen["publish"].startswith("publishing the first policy version"), seen
+  finally:
+    run.close()
