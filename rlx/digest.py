@@ -24,10 +24,10 @@ generator's per-layer weights) have the same digest: slice ``l`` counts its rows
 rows per slice`` on. ``tree_digest`` gives one digest per parameter path, in the stacked naming,
 for either form.
 
-Two implementations, equal (tests): on the CPU, numpy over each array's own shards where they
-lie (no copy; XLA:CPU runs a float-to-bits conversion ten times slower than the sums), and
-elsewhere one jitted program per tree (``jitted_tree_digest``), so that an accelerator's
-weights never cross to the host.
+Two implementations, equal (tests): numpy where every array is on one CPU device or in host
+memory (read in place, no copy; XLA:CPU runs a float-to-bits conversion ten times slower than
+the sums), and otherwise one jitted program per tree (``jitted_tree_digest``), so that an
+accelerator's or a sharded tree's arrays never cross to the host.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx import distributed
 
 COLUMN_WEIGHT, ROW_WEIGHT = 2654435761, 2246822519
 """Odd multiplicative-hash constants (Knuth's; xxHash's second prime): no index is lost."""
@@ -67,14 +66,12 @@ def _np_digest(data: np.ndarray, rows: np.ndarray, columns: np.ndarray) -> np.nd
 
 
 def array_digest(x, row_offset: int = 0) -> np.ndarray:
-  """uint64 [3]: this process's part of ``x``'s digest (its shards, each once), its rows
-  counted from ``row_offset`` on (see the module docstring)."""
+  """uint64 [3]: the digest of ``x`` (host memory or one device), its rows counted from
+  ``row_offset`` on (see the module docstring)."""
   shape = tuple(x.shape) or (1,)
   lead = shape[:-1]
   total = np.zeros(3, np.uint64)
-  shards = ([(np.asarray(x), (slice(None),) * len(x.shape))] if not isinstance(x, jax.Array)
-            else [(np.asarray(s.data), s.index) for s in x.addressable_shards
-                  if s.replica_id == 0])
+  shards = [(np.asarray(x), (slice(None),) * len(x.shape))]  # one device, or host memory
   for data, index in shards:
     data = data.reshape(-1) if not data.shape else data
     index = index or (slice(None),)
@@ -130,19 +127,23 @@ def _combined(parts: list[tuple[str, np.ndarray]]) -> Digest:
   totals: dict[str, np.ndarray] = {}
   for name, part in parts:
     totals[name] = (totals.get(name, np.zeros(3, np.uint64)) + part) % MOD
-  names = sorted(totals)
-  flat = np.stack([totals[n] for n in names]).astype(np.float64).reshape(-1) if names else []
-  flat = np.asarray(distributed.sum_over_processes(flat), np.float64) % MOD  # exact: < 2**53
-  return {n: tuple(int(v) for v in flat[3 * i:3 * i + 3]) for i, n in enumerate(names)}
+  return {n: tuple(int(v) for v in totals[n]) for n in sorted(totals)}
 
 
 def _on_cpu(x) -> bool:
-  return not isinstance(x, jax.Array) or all(d.platform == "cpu" for d in x.devices())
+  """Whether numpy reads ``x`` where it lies: host memory, or one CPU device (zero-copy). The
+  shards of an array over several devices would each get a cached single-device array of their
+  own (``addressable_shards``), live as long as the array: those take the jitted program."""
+  if not isinstance(x, jax.Array):
+    return True
+  devices = x.devices()
+  return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 def tree_digest(params: Any) -> Digest:
-  """The digest of every array of ``params`` (stacked or per-layer), the same on every process
-  (each computes its own shards' part; the parts are summed over processes)."""
+  """The digest of every array of ``params`` (stacked or per-layer): numpy where every array is
+  in host memory or on one CPU device (each process then digests its own copy), else the
+  jitted program (global arrays: the same on every process)."""
   pieces = _pieces(params)
   if all(_on_cpu(x) for _, x, _ in pieces):
     return _combined([(name, array_digest(x, offset)) for name, x, offset in pieces])
