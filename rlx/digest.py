@@ -32,6 +32,7 @@ accelerator's or a sharded tree's arrays never cross to the host.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -54,37 +55,18 @@ def _np_bits(data: np.ndarray) -> np.ndarray:
   return view if size == 4 else view.astype(np.uint32)
 
 
-def _np_digest(data: np.ndarray, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
-  """uint64 [3] partial digest of the block ``data`` [rows, columns] at those global indices."""
-  bits = _np_bits(data).reshape(len(rows), len(columns))
-  w = columns.astype(np.uint32) * np.uint32(COLUMN_WEIGHT) + np.uint32(1)
-  v = rows.astype(np.uint32) * np.uint32(ROW_WEIGHT) + np.uint32(1)
+def array_digest(x, row_offset: int = 0) -> np.ndarray:
+  """uint64 [3]: the digest of ``x`` (host memory or one device, read in place), its rows
+  counted from ``row_offset`` on (see the module docstring)."""
+  shape = tuple(x.shape) or (1,)
+  bits = _np_bits(np.asarray(x)).reshape(-1, shape[-1])
+  w = np.arange(shape[-1], dtype=np.uint32) * np.uint32(COLUMN_WEIGHT) + np.uint32(1)
+  v = ((np.arange(bits.shape[0], dtype=np.uint32) + np.uint32(row_offset % MOD))
+       * np.uint32(ROW_WEIGHT) + np.uint32(1))
   return np.array([int(bits.sum(dtype=np.uint32)),
                    int((bits.sum(axis=0, dtype=np.uint32) * w).sum(dtype=np.uint32)),
                    int((bits.sum(axis=1, dtype=np.uint32) * v).sum(dtype=np.uint32))],
                   np.uint64)
-
-
-def array_digest(x, row_offset: int = 0) -> np.ndarray:
-  """uint64 [3]: the digest of ``x`` (host memory or one device), its rows counted from
-  ``row_offset`` on (see the module docstring)."""
-  shape = tuple(x.shape) or (1,)
-  lead = shape[:-1]
-  total = np.zeros(3, np.uint64)
-  shards = [(np.asarray(x), (slice(None),) * len(x.shape))]  # one device, or host memory
-  for data, index in shards:
-    data = data.reshape(-1) if not data.shape else data
-    index = index or (slice(None),)
-    starts = [(s.start or 0) for s in index]
-    local = data.shape
-    if lead:
-      grid = np.indices(local[:-1]).reshape(len(lead), -1) + np.array(starts[:-1])[:, None]
-      rows = np.ravel_multi_index(grid, lead).astype(np.int64)
-    else:
-      rows = np.zeros(1, np.int64)
-    columns = np.arange(local[-1], dtype=np.int64) + starts[-1]
-    total = (total + _np_digest(data, (rows + row_offset) % MOD, columns % MOD)) % MOD
-  return total
 
 
 def _jnp_digest(x: jax.Array, row_offset: int = 0) -> jax.Array:
@@ -150,18 +132,18 @@ def tree_digest(params: Any) -> Digest:
   return jitted_tree_digest(params)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _jitted_digests(arrays: list, offsets: tuple[int, ...]) -> list[jax.Array]:
+  return [_jnp_digest(x, offset) for x, offset in zip(arrays, offsets)]
+
+
 def jitted_tree_digest(params: Any) -> Digest:
-  """``tree_digest`` by one jitted program over the arrays where they lie (accelerators)."""
+  """``tree_digest`` by one jitted program over the arrays where they lie (compiled once per
+  tree structure and layout)."""
   pieces = _pieces(params)
-  arrays = [x for _, x, _ in pieces]
-  offsets = tuple(offset for _, _, offset in pieces)
-  program = jax.jit(lambda xs: [_jnp_digest(x, o) for x, o in zip(xs, offsets)])
-  values = jax.device_get(program(arrays))
-  parts = [(name, np.asarray(v, np.uint64)) for (name, _, _), v in zip(pieces, values)]
-  totals: dict[str, np.ndarray] = {}
-  for name, part in parts:
-    totals[name] = (totals.get(name, np.zeros(3, np.uint64)) + part) % MOD
-  return {n: tuple(int(v) for v in totals[n]) for n in sorted(totals)}
+  values = jax.device_get(_jitted_digests([x for _, x, _ in pieces],
+                                          tuple(offset for _, _, offset in pieces)))
+  return _combined([(name, np.asarray(v, np.uint64)) for (name, _, _), v in zip(pieces, values)])
 
 
 def differences(expected: Digest, got: Digest) -> list[str]:

@@ -13,24 +13,11 @@ import numpy as np
 import pytest
 
 from rlx import digest
-from rlx import mesh as mesh_lib
 from rlx import sync
-from rlx.config import ArchConfig, MeshConfig
-from rlx.models import init_model, param_shardings
+from rlx.models import param_shardings
 from rlx.models.transformer import init_params, unstack_layers
-
-ARCH = ArchConfig(num_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
-RULES = MeshConfig().logical_axis_rules
-
-
-@pytest.fixture(scope="module")
-def meshes():
-  return mesh_lib.make_meshes(MeshConfig(mode="split", generation_devices=2, generation_tensor=2))
-
-
-def _params(meshes, seed):
-  return init_model(ARCH, jax.random.key(seed), mesh=meshes.learning).params
+from tests.test_sync import ARCH, RULES, meshes  # noqa: F401 - meshes: the shared fixture
+from tests.test_sync import _learner_params as _params
 
 
 def test_the_digest_is_exact_whatever_the_layout_and_sees_every_change(meshes):

@@ -82,8 +82,8 @@ def _finite_floats(section, prefix: str = "") -> None:
                         + (" (None disables it)" if field.default is None else ""))
 
 
-MAX_ENTROPY_NATS = math.log(2**20)
-"""Above any reachable entropy: the uniform distribution over a million-token vocabulary."""
+UNKNOWN_VOCAB = 2**20
+"""A model read from disk has a vocabulary the config does not know: at most this many tokens."""
 MIN_HANG_TIMEOUT_S = 30.0
 """The shortest watchdog timeout that can tell a hang from a long compile or checkpoint write."""
 
@@ -100,7 +100,7 @@ def _never_acts(config: RunConfig) -> list[tuple[bool, str, str]]:
   sure to misbehave, one row each. (``trainer.warmup_sft_until`` without warm-up steps is let
   be: the base config sets it, and every run that turns the warm-up off would be refused.)"""
   algorithm, trainer, env = config.algorithm, config.trainer, config.env
-  vocab = config.model.arch.vocab_size if not config.model.path else 2**20
+  vocab = config.model.arch.vocab_size if not config.model.path else UNKNOWN_VOCAB
   reachable = math.log(vocab)
   memory = _physical_memory_mb()
   return [

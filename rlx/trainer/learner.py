@@ -113,8 +113,8 @@ class Learner:
     bonus applies only then)."""
     self._lengths_and_order = None  # jitted on the first packed step
     self.skipped_steps = 0
-    self.moved = None  # whether the last update moved the params (None: none ran yet)
     """Updates skipped so far (non-finite loss or gradient norm): ``train/skipped_steps``."""
+    self.moved = None  # whether the last update moved the params (None: none ran yet)
     self.skipped_in_a_row = 0
     self.saved_step = None
     """The step of the newest save started by this learner (it may still be writing)."""
@@ -352,17 +352,16 @@ class Learner:
                                 if links is not None or trainer.pack_sequences else None)
     chunks = plan(packing.chunk_plan, lengths, trainer.mini_batches * micro, capacity)
     schedule = plan(packing.schedule_plan, lengths, order, micro, capacity)
-    if schedule is None:
-      slots, placed = order.size * capacity, lengths[order].sum()
-    else:
+    real = placed = int(lengths[order].sum())  # the tokens each update pass runs on
+    slots = order.size * capacity
+    if schedule is not None:
       slots = schedule.row.shape[0] * micro * schedule.rows * (schedule.width or capacity)
-      placed = lengths[order].sum()
-      if schedule.prefix is not None:
+      if schedule.prefix is not None:  # a follower skips its group's prefix
         followers = schedule.lead != np.arange(schedule.lead.shape[-1])
-        placed -= np.where(followers, schedule.prefix, 0).sum()
-    metrics = {"train/packed_pad_frac": packing.pad_fraction(np.array([placed]), slots)}
+        placed -= int(np.where(followers, schedule.prefix, 0).sum())
+    metrics = {"train/packed_pad_frac": 1.0 - placed / max(slots, 1)}
     if trainer.share_prefix:
-      metrics["train/shared_prefix_frac"] = 1.0 - float(placed) / max(lengths[order].sum(), 1)
+      metrics["train/shared_prefix_frac"] = 1.0 - placed / max(real, 1)
     to_device = lambda plan: None if plan is None else jax.tree.map(
         lambda x: distributed.global_array(replicated, x), plan)
     return (to_device(chunks), to_device(schedule)), metrics

@@ -63,8 +63,9 @@ def _packed_logprobs(transformer: Transformer, params: Params, tokens: jax.Array
   W = packing_lib.width(packing, attention_mask)
   put = lambda x: _constrain(packing_lib.pack(x, place, packing.rows, width=W), rows)
   constrain = lambda x: None if x is None else _constrain(x, rows)
+  packed_tokens = put(tokens)
   hidden, _ = transformer.hidden_states(
-      params, put(tokens), segment_ids=constrain(segment_ids), positions=constrain(positions),
+      params, packed_tokens, segment_ids=constrain(segment_ids), positions=constrain(positions),
       group_ids=constrain(group_ids), shared=constrain(shared))
   R, _, D = hidden.shape
   before = hidden.reshape(R * W, D)[packing_lib.sources(packing, attention_mask, dest, place)]
@@ -75,7 +76,7 @@ def _packed_logprobs(transformer: Transformer, params: Params, tokens: jax.Array
   if rows is not None and R % row_ways(rows):
     rows = NamedSharding(rows.mesh, PartitionSpec())
   logprobs, entropy = fused_logprobs(
-      before, transformer.unembedding(params), put(tokens).reshape(-1),
+      before, transformer.unembedding(params), packed_tokens.reshape(-1),
       put(response_mask).reshape(-1), impl=impl, temperature=temperature, chunk=chunk,
       rows=rows)
   back = lambda x: packing_lib.unpack(x.reshape(R, W), dest)
@@ -92,16 +93,12 @@ def _constrain(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
 def _logprobs(transformer: Transformer, params: Params, tokens: jax.Array,
               attention_mask: jax.Array | None, response_mask: jax.Array | None,
               temperature: float | jax.Array, *, impl: str, chunk: int,
-              rows: NamedSharding | None, segment_ids: jax.Array | None = None,
-              positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """``sequence_logprobs`` of plain rows; ``temperature`` an array of [B] or (packed) [B, T]."""
-  hidden, _ = transformer.hidden_states(params, tokens, attention_mask,
-                                        segment_ids=segment_ids, positions=positions)
+              rows: NamedSharding | None) -> tuple[jax.Array, jax.Array]:
+  """``sequence_logprobs`` of plain rows; ``temperature`` a float or an array of [B]."""
+  hidden, _ = transformer.hidden_states(params, tokens, attention_mask)
   B, T, D = hidden.shape
   if not isinstance(temperature, (int, float)):
-    temperature = jnp.asarray(temperature, hidden.dtype)
-    hidden = hidden / (temperature[:, None, None] if temperature.ndim == 1
-                       else temperature[..., None])
+    hidden = hidden / jnp.asarray(temperature, hidden.dtype)[:, None, None]
     temperature = 1.0
   if rows is not None and B % row_ways(rows):  # not split after all: every device has every row
     rows = NamedSharding(rows.mesh, PartitionSpec())
