@@ -48,10 +48,13 @@ def write_config(config: RunConfig, workdir: pathlib.Path) -> tuple[pathlib.Path
   return path, previous
 
 
-COLLECTIVE_PATIENCE_S = 600
+COLLECTIVE_PATIENCE_S = 180
 """How long an XLA:CPU collective waits for its other devices before XLA ends the process (XLA's
 own default, 40 s, aborted runs on a loaded 2-core machine, where one device's share of a program
-can reach the all-reduce that much later than the other's); a collective that waits 60 s says so."""
+can reach the all-reduce that much later than the other's); a collective that waits 60 s says so.
+Three minutes, not more: a collective that waits that long is a hang, not a slow device (rlx's
+programs keep no collective in a loop beside an independent one, ``rlx.hlo_order``), and the
+run should end with its last checkpoint kept rather than sit for ten minutes."""
 
 
 def patient_collectives(environ=os.environ) -> None:

@@ -146,8 +146,14 @@ def xla_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
   return logprobs[:T], entropy[:T]
 
 
+def _masked_xla(hidden, unembed, targets, mask, *, temperature: float, chunk: int):
+  return tuple(jnp.where(mask, x, 0.0)
+               for x in xla_logprobs(hidden, unembed, targets, temperature, chunk))
+
+
 def _over_rows(kernel, rows: NamedSharding, hidden, unembed, targets, mask):
-  """``kernel`` under ``shard_map``: tokens split as ``rows`` says, the unembedding whole."""
+  """``kernel`` under ``shard_map``: tokens split as ``rows`` says, the unembedding whole
+  (gathered once, outside any loop): no collective runs inside the kernel's loops."""
   axis = rows.spec[0] if rows.spec else None  # None: every device takes every token
   split = PartitionSpec(axis)
   if mask is None:
@@ -227,10 +233,10 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
     chunk: tokens per chunk of the 'xla' implementation.
     interpret: run the Pallas kernels in the interpreter (tests on CPU).
     rows: how the tokens are split over a mesh (a ``NamedSharding`` of dimension 0, e.g.
-      the learner's batch rows over ``(data, fsdp)``, or replicated). The Pallas kernels
-      cannot be partitioned by XLA, so with ``rows`` on several devices they run under
-      ``shard_map``: each device on its own tokens (all of them when replicated), with the
-      whole unembedding (gathered once).
+      the learner's batch rows over ``(data, fsdp)``, or replicated). With ``rows`` on
+      several devices, 'pallas' and 'xla' run under ``shard_map``: each device on its own
+      tokens (all of them when replicated), with the whole unembedding (gathered once).
+      XLA cannot partition a Pallas kernel; the 'xla' loops then hold no collective.
     **block_sizes: ``block_t`` / ``block_v`` of the Pallas kernels.
   """
   if hidden.ndim != 2 or unembed.ndim != 2 or targets.ndim != 1:
@@ -244,6 +250,12 @@ def fused_logprobs(hidden: jax.Array, unembed: jax.Array, targets: jax.Array,
   if impl == "reference":
     out = reference_logprobs(hidden, unembed, targets, temperature)
   elif impl == "xla":
+    if rows is not None and rows.mesh.size > 1:
+      # Per device too: left to XLA's partitioner, a model-sharded unembedding puts an
+      # all-reduce of logits inside the chunk loop, beside the backward's independent one;
+      # XLA:CPU's two device threads can then meet them in opposite orders and deadlock.
+      return _over_rows(functools.partial(_masked_xla, temperature=temperature, chunk=chunk),
+                        rows, hidden, unembed, targets, mask)
     out = xla_logprobs(hidden, unembed, targets, temperature, chunk)
   elif impl == "pallas":
     variant = "tpu" if backend == "tpu" else "gpu"

@@ -39,7 +39,7 @@ from rlx.models import lora
 from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.trainer import control
 from rlx.trainer.common import NonFiniteError, Say
-from rlx.update import all_finite
+from rlx.update import all_finite, batch_sharding
 from rlx.trainer.warmup import sft_batches, warm_up
 
 
@@ -441,7 +441,9 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   model, losses = warm_up(model, rows, tokenizer, steps=trainer.warmup_sft_steps,
                           learning_rate=trainer.warmup_sft_learning_rate,
                           renderer=renderer, say=say,
-                          until=trainer.warmup_sft_until, probe=probe)
+                          until=trainer.warmup_sft_until, probe=probe,
+                          row_sharding=batch_sharding(meshes.learning, config.mesh.logical_axis_rules,
+                                              trainer.warmup_sft_batch))
   if not (all(map(math.isfinite, losses)) and _finite(model.params)):
     bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     raise NonFiniteError(

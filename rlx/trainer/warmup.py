@@ -85,10 +85,33 @@ def exact_share(transformer, params, tokens: jax.Array, attention_mask: jax.Arra
   return jnp.mean(jax.lax.map(exact, (hidden, tokens, response_mask.astype(bool))))
 
 
+def sft_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformation:
+  return optax.adamw(optax.warmup_cosine_decay_schedule(
+      0.0, learning_rate, max(steps // 10, 1), max(steps, 2)), weight_decay=0.0)
+
+
+def sft_step(transformer, optimizer: optax.GradientTransformation, rows=None):
+  """The warm-up's jitted step: (params, opt_state, tokens, attention_mask, response_mask) ->
+  (params, opt_state, loss), the loss token-mean cross-entropy on the responses."""
+
+  @jax.jit
+  def step(params, opt_state, tokens, attention_mask, response_mask):
+    def loss_fn(params):
+      logprobs, _ = sequence_logprobs(transformer, params, tokens, attention_mask, response_mask,
+                                      rows=rows)
+      return -jnp.sum(logprobs) / jnp.maximum(response_mask.sum(), 1)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
 def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, steps: int,
             learning_rate: float, renderer=None, say=None,
             every_s: float = 15.0, until: float = 0.0, probe: dict | None = None,
-            check_every: int = 2) -> tuple[Model, list[float]]:
+            check_every: int = 2, row_sharding=None) -> tuple[Model, list[float]]:
   """Up to ``steps`` AdamW steps of token-mean cross-entropy on the responses; returns the
   model and the loss of every step. ``say``: told where it is at most every ``every_s`` seconds.
   ``renderer``: a multi-turn run's (rows' ``sft_turns`` / ``sft_segments``), see ``sft_batches``.
@@ -96,21 +119,12 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
   ``until`` > 0 with ``probe`` (``sft_batches`` arrays of a fixed sample of rows): stops once
   that share of the probe's rows is answered exactly (``exact_share``), checked every
   ``check_every`` steps; where a fixed number of steps leaves a fresh model anywhere on the
-  steep part of its learning curve, this starts RL from the same skill whatever the seed."""
-  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, learning_rate, max(steps // 10, 1), max(steps, 2)), weight_decay=0.0)
+  steep part of its learning curve, this starts RL from the same skill whatever the seed.
+  ``row_sharding``: how a batch's rows lie on the model's mesh (``rlx.update.batch_sharding``), so the
+  log-prob kernel runs per device on its rows (``rlx.kernels.fused_logprobs``)."""
+  optimizer = sft_optimizer(learning_rate, steps)
   transformer = model.transformer
-
-  @jax.jit
-  def step(params, opt_state, tokens, attention_mask, response_mask):
-    def loss_fn(params):
-      logprobs, _ = sequence_logprobs(transformer, params, tokens, attention_mask, response_mask)
-      return -jnp.sum(logprobs) / jnp.maximum(response_mask.sum(), 1)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+  step = sft_step(transformer, optimizer, row_sharding)
   params = model.params
   opt_state = optimizer.init(params)
   losses = []

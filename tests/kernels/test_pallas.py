@@ -109,11 +109,14 @@ def test_fused_logprobs_runs_pallas_in_interpret_mode():
   _assert_relative_error(ent, ref_ent, 1e-5)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
 @pytest.mark.parametrize("replicated", [False, True])
-def test_pallas_under_shard_map_over_rows_equals_reference(replicated):
-  """On a mesh, the kernels run per device on its own rows (XLA cannot partition them; a
-  batch that does not split over the devices is replicated, and each device takes every row):
-  values and gradients equal the reference, and the result keeps the rows' sharding."""
+def test_kernels_under_shard_map_over_rows_equal_reference(replicated, impl):
+  """On a mesh, the kernels run per device on its own rows (XLA cannot partition the Pallas
+  ones; the XLA one's loops then hold no collective; a batch that does not split over the
+  devices is replicated, and each device takes every row), the unembedding sharded over the
+  model width as FSDP keeps it: values and gradients equal the reference, and the result
+  keeps the rows' sharding."""
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from rlx import mesh as mesh_lib
@@ -125,9 +128,10 @@ def test_pallas_under_shard_map_over_rows_equals_reference(replicated):
   hidden, unembed, targets, g_lp, g_h = _inputs(3, T, D, V, scale=2.0)
   mask = jnp.arange(T) % 16 < 11  # every device's block partly masked
   hidden, targets, mask = (jax.device_put(x, rows) for x in (hidden, targets, mask))
-  sharded = _run(jax.jit(lambda h, u: fused_logprobs(h, u, targets, mask, impl="pallas",
-                                                     interpret=True, rows=rows, block_t=16,
-                                                     block_v=32)), hidden, unembed, g_lp, g_h)
+  unembed = jax.device_put(unembed, NamedSharding(mesh, P("fsdp", None)))
+  extra = dict(interpret=True, block_t=16, block_v=32) if impl == "pallas" else dict(chunk=16)
+  sharded = _run(jax.jit(lambda h, u: fused_logprobs(h, u, targets, mask, impl=impl, rows=rows,
+                                                     **extra)), hidden, unembed, g_lp, g_h)
   reference = _run(lambda h, u: fused_logprobs(h, u, targets, mask, impl="reference"),
                    hidden, unembed, g_lp, g_h)
   assert sharded[0].sharding.is_equivalent_to(rows, 1)
