@@ -57,6 +57,8 @@ ALLOWED = {
     # compiling the learner step and decode for an accelerator that is not here
     # memory traffic read from compiled programs' optimized HLO: text and jax only
     "hlo_traffic": set(),
+    # collectives a compiled program's devices may meet in either order: HLO text only
+    "hlo_order": set(),
     "aot": {"update", "config", "kernels", "mesh", "models", "rollout", "types", "hlo_traffic"},
     # the deployment advisor: probes runs as main builds them, and models deployments
     "advise": {"trainer", "config", "cli", "main", "aot"},
