@@ -38,8 +38,8 @@ def main() -> None:
 
   from rlx import cli  # noqa: PLC0415
   from rlx.envs import ToolRunner  # noqa: PLC0415
-  from rlx.trainer.collect import generate_and_score  # noqa: PLC0415
-  from rlx.trainer.run import prepare  # noqa: PLC0415
+  from rlx.trainer.produce.collect import generate_and_score  # noqa: PLC0415
+  from rlx.trainer.setup.run import prepare  # noqa: PLC0415
 
   config = cli.load_config_file(str(ROOT / "configs" / "agent_calc_openai.py"))
   # sampling only: one device does it, in both arms

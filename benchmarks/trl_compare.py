@@ -19,7 +19,7 @@ one step of policy lag); TRL runs on-policy in torch with ``--threads`` threads.
 
 Prints one JSON object: for each seed and trainer, the median step time, the training wall
 clock and the held-out greedy accuracy of the final policy; the base model's accuracy; and
-per trainer the medians over seeds. The shared evaluation is rlx's (``rlx.trainer.evaluate``:
+per trainer the medians over seeds. The shared evaluation is rlx's (``rlx.trainer.produce.evaluate``:
 greedy, ``--eval-prompts`` problems of the task's held-out split, never trained on) applied to
 each final policy in Hugging Face format.
 """
@@ -131,7 +131,7 @@ def held_out_accuracy(args, policy: str, workdir: pathlib.Path) -> float:
   """The shared evaluation: rlx's greedy held-out accuracy of the policy in ``policy``."""
   from rlx.configs import smollm2_math
   from rlx.trainer import prepare
-  from rlx.trainer.evaluate import evaluate
+  from rlx.trainer.produce.evaluate import evaluate
   config = smollm2_math.get_config()
   config = dataclasses.replace(
       config, model=dataclasses.replace(config.model, path=policy),

@@ -130,7 +130,7 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
   started = time.perf_counter()
   status = None
   if config.mesh.role != "both" and lead:  # its peers watch this job's status file
-    from rlx.trainer.jobstatus import JobStatus
+    from rlx.trainer.deploy.jobstatus import JobStatus
 
     job = config.mesh.generator_id if config.mesh.role == "generator" else 0
     status = JobStatus(workdir, config.mesh.role, job)

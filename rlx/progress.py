@@ -1,6 +1,6 @@
 """What this process is doing, and when it last got something done: the record a job's status
 file carries, so that a peer can tell a working job from a hung one whose heartbeat thread still
-beats (``rlx.trainer.jobstatus``).
+beats (``rlx.trainer.deploy.jobstatus``).
 
     progress.doing("sampling rollout 12")   # a new stage of work: counts as progress
     progress.tick()                         # a unit of work done (a decode chunk, an update)

@@ -22,7 +22,7 @@ from rlx.config import MeshConfig  # noqa: E402
 from rlx.data import TaskSource, PromptStream  # noqa: E402
 from rlx.mesh import make_meshes  # noqa: E402
 from rlx.models import build_model, builtin_tokenizer  # noqa: E402
-from rlx.trainer.warmup import warm_up  # noqa: E402
+from rlx.trainer.setup.warmup import warm_up  # noqa: E402
 
 config = cli.load_config_file("configs/dapo_split.py")
 meshes = make_meshes(MeshConfig(mode="colocated", fsdp=-1))

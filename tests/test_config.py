@@ -391,7 +391,7 @@ def test_inf_and_nan_are_refused_naming_the_field(override):
 def test_a_refused_resume_names_the_config_fields_that_changed(tmp_path):
   import types
 
-  from rlx.trainer.lifecycle import _what_changed
+  from rlx.trainer.learn.lifecycle import _what_changed
 
   before = cli.load_config_file("configs/grpo_colocated.py")
   after = cli.apply_overrides(before, ["--config.model.arch.hidden_size=48",

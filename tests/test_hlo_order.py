@@ -6,14 +6,13 @@ pass's independent one."""
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlx import aot, cli, hlo_order, update
 from rlx.mesh import make_meshes
 from rlx.models import build_model
-from rlx.trainer.warmup import sft_optimizer, sft_step
+from rlx.trainer.setup.warmup import sft_optimizer, sft_step
 from tests.trainer import tiny
 
 LOOP_BESIDE_ALL_REDUCE = """\

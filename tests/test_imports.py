@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 ALLOWED = {
@@ -132,3 +134,45 @@ def test_every_part_is_described_on_the_architecture_page():
   page = (ROOT / "docs" / "architecture.md").read_text()
   missing = [part for part in ALLOWED if f"rlx/{part}" not in page]
   assert not missing, f"docs/architecture.md does not describe {missing}"
+
+
+# The trainer's wings (docs/architecture.md): the floor (rlx/trainer/*.py) is below every wing;
+# setup builds a run's parts; produce (prompts and weights in, scored draws out) and learn
+# (draws in, policy versions out) never import each other; deploy alone wires both together.
+WINGS = {"setup": set(), "produce": {"setup"}, "learn": {"setup"},
+         "deploy": {"setup", "produce", "learn"}}
+
+
+def _wing(file: pathlib.Path) -> str | None:
+  """The wing ``file`` belongs to, "floor" for the trainer's own modules, None outside."""
+  parts = file.relative_to(ROOT / "rlx").parts
+  if parts[0] != "trainer":
+    return None
+  return parts[1] if len(parts) > 2 else "floor"
+
+
+def test_the_trainer_wings_import_only_what_design_allows():
+  broken = []
+  for file in (ROOT / "rlx" / "trainer").rglob("*.py"):
+    wing = _wing(file)
+    if file.name == "__init__.py" and wing == "floor":
+      continue  # rlx.trainer re-exports every wing's public names
+    for name in _imports(file):
+      parts = name.split(".")
+      if parts[:2] != ["rlx", "trainer"] or len(parts) < 3 or parts[2] not in WINGS:
+        continue
+      if parts[2] == wing:
+        continue
+      if wing == "floor" or parts[2] not in WINGS[wing]:
+        allowed = "no wing" if wing == "floor" else sorted(WINGS[wing]) or "no other wing"
+        broken.append(f"{file.relative_to(ROOT)} ({wing}) imports {name}; it may import {allowed}")
+  assert not broken, "\n".join(broken)
+
+
+def test_the_wing_checker_catches_a_learner_importing_a_producer(tmp_path, monkeypatch):
+  bad = tmp_path / "rlx" / "trainer" / "learn" / "bad.py"
+  bad.parent.mkdir(parents=True)
+  bad.write_text("from rlx.trainer.produce.evaluate import evaluate\n")
+  monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+  with pytest.raises(AssertionError, match="learn/bad.py .learn. imports rlx.trainer.produce"):
+    test_the_trainer_wings_import_only_what_design_allows()

@@ -14,7 +14,7 @@ from rlx import update
 from rlx.config import ArchConfig, RunConfig
 from rlx.kernels import pallas_logprobs
 from rlx.models import init_model
-from rlx.trainer.experience import Sampled, make_prepare
+from rlx.trainer.learn.experience import Sampled, make_prepare
 from rlx.types import RolloutBatch
 from rlx.update import packing
 

@@ -15,7 +15,7 @@ from rlx import update
 from rlx.config import ArchConfig, LoraConfig, RunConfig
 from rlx.kernels import pallas_logprobs
 from rlx.models import init_model, lora
-from rlx.trainer.experience import Sampled, make_prepare
+from rlx.trainer.learn.experience import Sampled, make_prepare
 from rlx.types import RolloutBatch
 from rlx.update import packing
 

@@ -80,9 +80,9 @@ def _median_seconds(fn, repeats: int) -> float:
 def probe(config: RunConfig, name: str, workdir: pathlib.Path, steps: int,
           say=print) -> Probe:
   """Builds the run ``config`` describes and times its generation and learning."""
-  from rlx.trainer.collect import collect
-  from rlx.trainer.run import prepare
-  from rlx.trainer.learner import Learner
+  from rlx.trainer.produce.collect import collect
+  from rlx.trainer.setup.run import prepare
+  from rlx.trainer.learn.learner import Learner
 
   run = prepare(config, workdir, _quiet)
   try:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.default_backend()} devices; plan for all of them, or hide some "
           "(CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS)", file=sys.stderr)
     return 2
-  from rlx.trainer.run import warms_up
+  from rlx.trainer.setup.run import warms_up
 
   root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="rlx-advise-"))
   started = time.perf_counter()

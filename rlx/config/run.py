@@ -32,7 +32,7 @@ class MeshConfig:
   inflight_updates: bool = True
   """Split mode: a newly published policy version reaches sequences still decoding, swapped in between decode chunks without draining (partial rollouts); each token keeps the version that sampled it and its behaviour log-prob, and a batch's staleness is its oldest token's. A generator job of several processes takes new weights between batches only. false: weights change only between draws."""
   admission: Literal["batch", "continuous"] = "batch"
-  """Split mode: 'batch' samples a batch at a time (it is done when its slowest sample is); 'continuous' runs generation as one stream, admitting new prompts into the slots that finished or parked samples leave and handing groups over as they complete (rlx.trainer.stream); needs inflight_updates, one process, and no env.agent."""
+  """Split mode: 'batch' samples a batch at a time (it is done when its slowest sample is); 'continuous' runs generation as one stream, admitting new prompts into the slots that finished or parked samples leave and handing groups over as they complete (rlx.trainer.produce.stream); needs inflight_updates, one process, and no env.agent."""
   groups_in_flight: int = 0
   """Split mode with admission='continuous': the most groups admitted and not yet handed over; 0: one batch (data.prompts_per_step) and twice the groups the slots hold."""
   lag_threshold: int | None = None
@@ -85,7 +85,7 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BufferConfig:
-  """A replay buffer of scored groups in front of the learner, in any deployment of a one-process learner (rlx.trainer.buffer)."""
+  """A replay buffer of scored groups in front of the learner, in any deployment of a one-process learner (rlx.trainer.learn.buffer)."""
 
   enabled: bool = False
   """Train from a buffer of groups: the learner takes a batch whenever prompts_per_step usable groups are buffered, without waiting for the generator's next batch; groups the controller no longer calls fresh (past mesh.max_staleness, mesh.lag_threshold or data.max_age_s) are evicted."""

@@ -1,25 +1,33 @@
-"""The one learner loop (``loop.py``) and its batch sources per deployment (colocated, split in
-one process, the learner job), the generator job, and what they share: building a run, drawing
-and scoring rollouts, turning them into the learner's batch, and the learner.
+"""The trainer: three wings over a shared floor.
+
+- the floor (``rlx/trainer/*.py``): the controllers (``control.py``), the errors and shared
+  helpers (``common.py``), a draw and its bytes and layout (``draw.py``), starting episodes
+  (``episodes.py``);
+- ``setup/``: building a run's parts, the warm-up;
+- ``produce/``: prompts and weights in, scored draws out (the producer loop, ``produce/loop.py``);
+- ``learn/``: draws in, policy versions out (the learner loop, ``learn/loop.py``);
+- ``deploy/``: colocated, split in one process, the learner and generator jobs: the only wing
+  that imports both sides.
 
     summary = rlx.trainer.train(config, workdir)   # the loop config.mesh.mode asks for
 """
 
 from rlx.checkpoint import EXIT_STOPPED, CheckpointError
 from rlx.config import ConfigError, check
-from rlx.trainer.colocated import train_colocated
-from rlx.trainer.collect import Draw, collect
+from rlx.trainer.deploy.colocated import train_colocated
+from rlx.trainer.produce.collect import collect
+from rlx.trainer.draw import Draw
 from rlx.trainer.common import (DynamicSamplingError, NonFiniteError, RewardFailedError,
                                 TrainingError)
-from rlx.trainer.evaluate import evaluate
-from rlx.trainer.run import Run, prepare
-from rlx.trainer.learner import Learner
-from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
-from rlx.trainer.experience import (Sampled, layout, make_prepare, sample_arrays,
-                                    sequence_advantages, shaped_rewards)
-from rlx.trainer.jobs import train_generator, train_learner
-from rlx.trainer.split import Generator, train_split
-from rlx.trainer.warmup import warm_up
+from rlx.trainer.produce.evaluate import evaluate
+from rlx.trainer.setup.run import Run, prepare
+from rlx.trainer.learn.learner import Learner
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.learn.experience import Sampled, make_prepare, sample_arrays, sequence_advantages, shaped_rewards
+from rlx.trainer.draw import layout
+from rlx.trainer.deploy.jobs import train_generator, train_learner
+from rlx.trainer.deploy.split import Generator, train_split
+from rlx.trainer.setup.warmup import warm_up
 
 
 def train(config, workdir, say=print):

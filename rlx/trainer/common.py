@@ -1,19 +1,23 @@
 """What every part of the trainer shares: the errors that stop a run, how it speaks, and the
 step metrics every deployment reports alike.
 
-Building a run lives in ``rlx.trainer.run``, drawing and scoring rollouts in
-``rlx.trainer.collect``, held-out evaluation in ``rlx.trainer.evaluate``.
+Building a run lives in ``rlx.trainer.setup.run``, drawing and scoring rollouts in
+``rlx.trainer.produce.collect``, held-out evaluation in ``rlx.trainer.produce.evaluate``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from rlx import distributed
 
 Say = Callable[[str], None]
+Evaluate = Callable[[Any, Any], dict]
+"""``evaluate(run, params) -> {"eval/...": figure}``: the held-out evaluation, which the
+producing side owns (``rlx.trainer.produce.evaluate``) and the learn side is handed."""
 
 
 class TrainingError(RuntimeError):

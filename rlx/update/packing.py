@@ -1,7 +1,7 @@
 """Sequence packing: the learner's forward passes run on rows that hold several sequences.
 
 A batch's rows are laid out one sequence per row, ``[pad | prompt | response | pad]`` (see
-``rlx.trainer.experience``), so a batch of short answers beside one long one spends most of
+``rlx.trainer.learn.experience``), so a batch of short answers beside one long one spends most of
 its compute on padding. Packing places the sequences of each micro-batch end to end in fewer
 rows of the same length ``T``, first-fit over the lengths sorted longest first::
 

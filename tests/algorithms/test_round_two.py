@@ -9,7 +9,7 @@ import pytest
 
 from rlx import algorithms, update
 from rlx.config import AlgorithmConfig, RunConfig
-from rlx.trainer.evaluate import pass_at_k, pass_ks
+from rlx.trainer.produce.evaluate import pass_at_k, pass_ks
 from rlx.types import RolloutBatch
 
 from tests.algorithms.test_losses import _batch, _j

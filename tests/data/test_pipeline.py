@@ -50,7 +50,7 @@ def test_a_field_the_first_row_lacks_points_at_the_config_not_at_skipping(tmp_pa
 
 
 def test_a_missing_file_names_the_config_field_that_gave_it(tmp_path):
-  from rlx.trainer.run import _named
+  from rlx.trainer.setup.run import _named
 
   for field in ("data.source", "data.eval_source"):
     with pytest.raises(DataError, match=f"config.{field}=.*missing.jsonl.*does not exist"):

@@ -15,8 +15,8 @@ from rlx.config import ConfigError  # noqa: E402
 from rlx.envs import load_agent  # noqa: E402
 from rlx.envs.verifiers import TaskRows  # noqa: E402
 from rlx.rewards import Scored  # noqa: E402
-from rlx.trainer.agent_programs import run_agent_programs  # noqa: E402
-from rlx.trainer.run import prepare  # noqa: E402
+from rlx.trainer.produce.agent_programs import run_agent_programs  # noqa: E402
+from rlx.trainer.setup.run import prepare  # noqa: E402
 from tests.trainer import tiny  # noqa: E402
 
 # verifiers imports a taskset by a top-level module name: the fixture's folder goes on the path

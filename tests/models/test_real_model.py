@@ -25,7 +25,7 @@ from rlx import fetch
 from rlx.envs import Episode, Observation, Renderer, ToolRunner
 from rlx.models import from_pretrained, load_tokenizer
 from rlx.rollout import Engine, generate, generate_episodes
-from rlx.trainer.experience import layout
+from rlx.trainer.draw import layout
 from rlx.update import sequence_logprobs
 
 # one worker runs them all, and the model is loaded (and, the first time, fetched) once per

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from rlx.rewards import Scored
-from rlx.trainer.agent_programs import run_agent_programs
-from rlx.trainer.experience import layout
+from rlx.trainer.produce.agent_programs import run_agent_programs
+from rlx.trainer.draw import layout
 from rlx.update import sequence_logprobs
 from tests.trainer import tiny
 

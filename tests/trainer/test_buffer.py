@@ -7,8 +7,8 @@ import pytest
 
 from rlx.rollout import Completion
 from rlx.trainer import train_split
-from rlx.trainer.buffer import ReplayBuffer
-from rlx.trainer.collect import Draw
+from rlx.trainer.learn.buffer import ReplayBuffer
+from rlx.trainer.draw import Draw
 from tests.trainer import tiny
 
 GROUP = 2

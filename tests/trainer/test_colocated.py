@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlx.config import ArchConfig, RunConfig
-from rlx.trainer.colocated import train_colocated
+from rlx.trainer.deploy.colocated import train_colocated
 
 TINY = ArchConfig(num_layers=1, vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=2,
                   num_kv_heads=1, head_dim=16)

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from rlx.trainer.agents import _DaemonPool
+from rlx.trainer.episodes import _DaemonPool
 
 
 def test_a_quick_step_does_not_queue_behind_slow_ones_and_threads_start_as_needed():

@@ -12,7 +12,7 @@ from rlx.config import ArchConfig
 from rlx.envs import Episode, Observation, Renderer, ToolRunner
 from rlx.models import builtin_tokenizer, init_model
 from rlx.rollout import Engine, generate_episodes
-from rlx.trainer.experience import layout
+from rlx.trainer.draw import layout
 from rlx.update import sequence_logprobs
 
 

@@ -172,7 +172,7 @@ def test_finite_data_ends_cleanly_with_a_final_checkpoint(tmp_path):
 
 def _poison_rewards(monkeypatch) -> None:
   """Every sampled reward NaN: every update is skipped as non-finite."""
-  from rlx.trainer import learner
+  from rlx.trainer.learn import learner
 
   real = learner.sample_arrays
 

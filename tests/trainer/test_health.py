@@ -4,7 +4,7 @@ a row, again only after it cleared, never when turned off."""
 import dataclasses
 
 from rlx.config import RunConfig
-from rlx.trainer.health import Health
+from rlx.trainer.learn.health import Health
 
 HEALTHY = {"advantage/zero_groups_frac": 0.4, "reward/mean": 0.3, "policy/entropy": 0.8,
            "response/truncated_frac": 0.1}
@@ -43,7 +43,7 @@ def test_every_symptom_is_recognised_and_a_healthy_run_says_nothing():
 
 
 def test_a_sample_reads_on_the_console():
-  from rlx.trainer.health import describe_sample
+  from rlx.trainer.learn.health import describe_sample
 
   row = {"step": 7, "prompt": "x" * 1000 + "Sort 3 1 2", "response": "<answer>1 2 3</answer>",
          "reward": 1.0, "correct": True, "finish_reason": "stop"}

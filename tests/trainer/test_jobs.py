@@ -16,8 +16,9 @@ import pytest
 
 from rlx.models import lora
 from rlx.rollout import Completion
-from rlx.trainer.collect import Draw
-from rlx.trainer.exchange import RolloutFiles, decode, encode
+from rlx.trainer.draw import Draw
+from rlx.trainer.deploy.exchange import RolloutFiles
+from rlx.trainer.draw import decode, encode
 from tests.trainer import tiny
 
 # several processes with their own ports and cores: one such test at a time (pytest -n)
@@ -303,7 +304,7 @@ def _status(state="running", host="here", pid=1, beat=100.0, error=None):
 
 
 def test_a_peer_counts_as_gone_when_failed_killed_silent_or_never_started():
-  from rlx.trainer.jobstatus import DEAD_GRACE_S, silent_or_failed
+  from rlx.trainer.deploy.jobstatus import DEAD_GRACE_S, silent_or_failed
 
   def verdict(status, now=100.0, since=0.0, alive=True):
     return silent_or_failed("the generator job", status, now=now, since=since, timeout_s=60,
@@ -332,7 +333,7 @@ def test_a_peer_counts_as_gone_when_failed_killed_silent_or_never_started():
 
 
 def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
-  from rlx.trainer.jobstatus import JobStatus, read_status
+  from rlx.trainer.deploy.jobstatus import JobStatus, read_status
 
   with JobStatus(tmp_path, "generator", 1):
     assert read_status(tmp_path, "generator", 1)["state"] == "running"
@@ -350,7 +351,7 @@ def test_a_job_status_file_says_running_then_how_the_job_ended(tmp_path):
 
 def test_a_job_status_file_carries_the_job_s_progress(tmp_path, monkeypatch):
   from rlx import compilation, progress
-  from rlx.trainer import jobstatus
+  from rlx.trainer.deploy import jobstatus
 
   monkeypatch.setattr(jobstatus, "HEARTBEAT_S", 0.05)
   with jobstatus.JobStatus(tmp_path, "generator"):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rlx.trainer import Draw, prepare
-from rlx.trainer.learner import Learner
+from rlx.trainer.learn.learner import Learner
 from tests.trainer import tiny
 from tests.trainer.test_experience import _completion
 

@@ -13,8 +13,8 @@ import pytest
 
 from rlx.rollout import Completion
 from rlx.trainer import control
-from rlx.trainer.collect import Draw
-from rlx.trainer.loop import Batch, learn_loop
+from rlx.trainer.draw import Draw
+from rlx.trainer.learn.loop import Batch, learn_loop
 from tests.trainer import tiny
 
 QUIET = {"say": lambda message: None}
@@ -116,13 +116,18 @@ def _run(config, workdir):
                "evals before loop": 0.0})
 
 
-def _loop(tmp_path, script, *overrides, learner=None, source=None, start=None, controller=None):
+def _no_eval(run, params):
+  return {}
+
+
+def _loop(tmp_path, script, *overrides, learner=None, source=None, start=None, controller=None,
+          evaluate=_no_eval):
   config = tiny.config("dapo_split", "--config.checkpoint.every_steps=0", *overrides)
   learner = learner or FakeLearner(tmp_path / "checkpoints", config)
   source = source or FakeSource(script)
   controller = controller or control.Controller.from_config(config)
   summary = learn_loop(_run(config, tmp_path), learner, source, controller, start=start,
-                       accuracy_before=None, **QUIET)
+                       accuracy_before=None, evaluate=evaluate, **QUIET)
   return summary, learner, source, controller
 
 
@@ -222,7 +227,7 @@ def test_the_profile_window_traces_the_steps_asked_for(tmp_path):
   learner = FakeLearner(tmp_path / "checkpoints", config)
   learn_loop(_run(config, tmp_path), learner, FakeSource([(0, 0)] * 3),
              control.Controller.from_config(config), start=None, accuracy_before=None,
-             say=said.append)
+             say=said.append, evaluate=_no_eval)
   traces = list((tmp_path / "profile" / "process_0").rglob("*.xplane.pb"))
   assert len(traces) == 1
   assert any("profile of steps 1..1" in line for line in said)
@@ -232,7 +237,7 @@ def test_the_profile_window_traces_the_steps_asked_for(tmp_path):
 
 def test_the_inline_source_samples_with_the_published_weights_at_the_retuned_temperature(
     tmp_path, monkeypatch):
-  from rlx.trainer import colocated
+  from rlx.trainer.deploy import colocated
 
   calls = []
 
@@ -316,10 +321,8 @@ def test_the_final_evaluation_is_a_step_metric_run_once(tmp_path, monkeypatch, s
     calls.append(len(calls))
     return {"eval/accuracy": 0.1 * len(calls)}
 
-  monkeypatch.setattr("rlx.trainer.loop.evaluate", evaluate)
-  monkeypatch.setattr("rlx.trainer.lifecycle.evaluate", evaluate)
   summary, learner, *_ = _loop(tmp_path, script, f"--config.trainer.steps={steps}",
-                               "--config.trainer.eval_every=2")
+                               "--config.trainer.eval_every=2", evaluate=evaluate)
   # once the final evaluation ran, the save and the export have the generator's memory (the
   # fake refuses to sample from a released copy: the data running out evaluates after it)
   assert learner.released == (steps == len(script))

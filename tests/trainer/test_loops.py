@@ -140,7 +140,7 @@ def test_the_warm_up_of_an_agent_run_sees_the_episodes_prompts():
   # was warmed up on prompts the episodes never show
   from rlx.data import PromptStream, TaskSource
   from rlx.models import builtin_tokenizer
-  from rlx.trainer.run import _episode_prompted, prompt_encoder
+  from rlx.trainer.setup.run import _episode_prompted, prompt_encoder
 
   config = tiny.config("agent_calc", "--config.env.name=tests/trainer/flaky_env.py:make_verbose_env",
                        "--config.env.max_tokens=8", "--config.rollout.max_prompt_len=512")
@@ -157,7 +157,7 @@ def test_the_watchdog_names_each_stage_of_the_start(tmp_path, monkeypatch):
   """A hang while the run starts is reported in its stage: the evaluation before RL is not
   'starting'."""
   from rlx import progress
-  from rlx.trainer import lifecycle
+  from rlx.trainer.learn import lifecycle
 
   seen = {}
 
@@ -171,10 +171,10 @@ def test_the_watchdog_names_each_stage_of_the_start(tmp_path, monkeypatch):
     seen["publish"] = progress.snapshot()["doing"]
     return real_publish(learner)
 
-  monkeypatch.setattr(lifecycle, "evaluate", evaluation)
   monkeypatch.setattr(lifecycle.Learner, "publish", publish)
   config = tiny.config("grpo_colocated", "--config.trainer.warmup_sft_steps=0")
-  run, learner, _, _ = lifecycle.begin(config, tmp_path, say=lambda line: None)
+  run, learner, _, _ = lifecycle.begin(config, tmp_path, say=lambda line: None,
+                                       evaluate=evaluation)
   try:
     assert seen["evaluation"].startswith("the held-out evaluation before RL"), seen
     assert seen["publish"].startswith("publishing the first policy version"), seen

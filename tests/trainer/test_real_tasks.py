@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rlx.trainer import prepare
-from rlx.trainer.run import warms_up
+from rlx.trainer.setup.run import warms_up
 from tests.trainer import tiny
 
 QWEN2 = "tests/fixtures/hf/qwen2"
@@ -108,7 +108,7 @@ def test_the_code_config_trains_on_the_sandboxed_code_reward(tmp_path):
 
 
 def test_scoring_overlaps_generation_and_gives_what_scoring_afterwards_gives(tmp_path):
-  from rlx.trainer.collect import generate_and_score
+  from rlx.trainer.produce.collect import generate_and_score
 
   run = prepare(tiny.config("grpo_colocated", "--config.reward.name=tests.trainer.toy_rewards:odd_length",
                             "--config.rollout.max_new_tokens=12", "--config.rollout.max_slots=4"),

@@ -12,9 +12,9 @@ import pytest
 from rlx.config import ConfigError
 from rlx.rollout import Completion
 from rlx.trainer import train_split
-from rlx.trainer.collect import Draw
+from rlx.trainer.draw import Draw
 from rlx.trainer import control
-from rlx.trainer.split import Generator, ThreadGate
+from rlx.trainer.deploy.split import Generator, ThreadGate
 from tests.trainer import tiny
 
 QUIET = {"say": lambda message: None}

@@ -1,4 +1,4 @@
-"""Continuous admission (``rlx.trainer.stream``): the real generator thread streaming a tiny
+"""Continuous admission (``rlx.trainer.produce.stream``): the real generator thread streaming a tiny
 engine, against a fake learner in the test's thread. Every group is handed over whole and
 once; with k = 0 every token is the version the learner trains at (the gate holds new
 prompts back), with k = 2 the stream works ahead and new versions reach sequences in flight;
@@ -19,7 +19,7 @@ from rlx.rewards import Scored
 from rlx.rollout import Engine
 from rlx.trainer import control
 from rlx.trainer.common import DynamicSamplingError
-from rlx.trainer.split import Generator
+from rlx.trainer.deploy.split import Generator
 from tests.trainer import tiny
 
 PER_BATCH, GROUP = 2, 2

@@ -10,8 +10,8 @@ from rlx import rollout
 from rlx.config import ArchConfig
 from rlx.models import builtin_tokenizer, init_model
 from rlx.rollout import Completion, Engine
-from rlx.trainer.experience import layout
-from rlx.trainer.warmup import exact_share, sft_batches, warm_up
+from rlx.trainer.draw import layout
+from rlx.trainer.setup.warmup import exact_share, sft_batches, warm_up
 
 ARCH = ArchConfig(vocab_size=64, num_layers=2, hidden_size=32, intermediate_size=64, num_heads=2,
                   num_kv_heads=1, head_dim=16)

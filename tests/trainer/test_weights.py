@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rlx.trainer.produce import Weights
+from rlx.trainer.produce.loop import Weights
 
 
 class Storage:

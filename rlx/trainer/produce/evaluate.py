@@ -11,15 +11,8 @@ import jax
 import numpy as np
 
 from rlx import distributed
-from rlx.config import RunConfig
-from rlx.trainer.collect import generate_and_score
-from rlx.trainer.run import Run
-
-
-def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
-  """Whether the loop evaluates after ``step`` (never once the run is stopping)."""
-  every = config.trainer.eval_every
-  return bool(every and step % every == 0 and not stopping)
+from rlx.trainer.produce.collect import generate_and_score
+from rlx.trainer.setup.run import Run
 
 
 def pass_at_k(n: int, correct: np.ndarray, k: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from rlx import cli, distributed, progress
 from rlx.data import DataError
 from rlx.models import Model, Tokenizer
 from rlx.rollout import Completion
-from rlx.trainer.experience import layout
+from rlx.trainer.draw import layout
 from rlx.update import sequence_logprobs
 
 

@@ -1,6 +1,6 @@
 """The learner, shared by every loop: the policy's train state (and the critic's, for PPO),
 the reference policy, the jitted programs (prepare, update, critic) with their shardings, and
-the checkpoints (a run's start and end around it: ``rlx.trainer.lifecycle``).
+the checkpoints (a run's start and end around it: ``rlx.trainer.learn.lifecycle``).
 
     metrics = learner.learn(draw, clip_eps_high=...)   # one rollout batch's updates
 
@@ -25,10 +25,10 @@ from rlx.config import RunConfig
 from rlx.models import Model, lora
 from rlx.sync import WeightSync
 from rlx.update import packing
-from rlx.trainer.collect import Draw
+from rlx.trainer.draw import Draw
 from rlx.trainer.common import NonFiniteError, Say
-from rlx.trainer.run import Run, base_reference, save_adapter, save_hf
-from rlx.trainer.experience import make_prepare, sample_arrays
+from rlx.trainer.setup.run import Run, base_reference, save_adapter, save_hf
+from rlx.trainer.learn.experience import make_prepare, sample_arrays
 
 
 class Learner:

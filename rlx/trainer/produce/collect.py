@@ -6,7 +6,6 @@ processes, each completion scored as soon as it finishes.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -19,9 +18,10 @@ import numpy as np
 from rlx import algorithms, distributed, progress, rollout
 from rlx.rewards import Scored
 from rlx.rollout import Completion
-from rlx.trainer.agents import agent_metrics, run_episodes
+from rlx.trainer.produce.agents import agent_metrics, run_episodes
 from rlx.trainer.common import DynamicSamplingError, RewardFailedError
-from rlx.trainer.run import Run
+from rlx.trainer.draw import Draw
+from rlx.trainer.setup.run import Run
 
 
 def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
@@ -34,7 +34,7 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
   ``inflight``: newer weights, asked for between decode chunks (``rollout.generate``'s
   ``weights``); agent programs sample each request with the weights it started with."""
   if run.config.env.agent:
-    from rlx.trainer.agent_programs import run_agent_programs  # noqa: PLC0415 - needs rlx[serve]
+    from rlx.trainer.produce.agent_programs import run_agent_programs  # noqa: PLC0415 - needs rlx[serve]
 
     return run_agent_programs(run, params, rows, n=n, temperature=temperature, seed=seed,
                               version=version, first_prompt_index=first_prompt_index)
@@ -178,25 +178,6 @@ def exhausted(run: Run, draws: int, kept: int, counts: dict, sampled: int,
       f"{draws} draws: rewards are all equal in almost every group; make the task easier, "
       "raise config.rollout.group_size or config.algorithm.dynamic_sampling_max_draws, or set "
       "config.algorithm.dynamic_sampling=false")
-
-
-@dataclasses.dataclass
-class Draw:
-  """A full batch of scored groups (this process's share of it), and what it cost."""
-
-  completions: list[Completion]
-  rewards: np.ndarray
-  """float32 [N]: the reward of each kept completion."""
-  correct: np.ndarray
-  """bool [N]: the verifier's verdict on each kept completion."""
-  counts: dict
-  """Metrics of the draw: reward mean and accuracy, errors, dropped groups, components..."""
-  generate_seconds: float
-  data_state: dict
-  temperature: float | None = None
-  """The sampling temperature (an entropy controller may have raised it); None: rollout.temperature."""
-  born: float = 0.0
-  """Wall-clock time (``time.time()``) sampling started: the data's age is measured from it."""
 
 
 def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,

@@ -7,7 +7,7 @@ Each step: params are resharded in device memory from the learning layout (FSDP)
 generation layout; a batch of groups is sampled and scored (with DAPO's dynamic sampling,
 groups whose rewards are all equal are dropped and more prompts drawn until the batch is
 full); the decode state is gone when generation returns, so learning has the memory back;
-then one update. The loop itself is ``rlx.trainer.loop``; this module owns the source that
+then one update. The loop itself is ``rlx.trainer.learn.loop``; this module owns the source that
 samples inline.
 
 Across processes (``mesh.multihost``): every process samples and scores its share of the
@@ -19,12 +19,13 @@ from __future__ import annotations
 import pathlib
 
 from rlx.trainer import control
-from rlx.trainer.buffer import buffered
-from rlx.trainer.collect import collect
+from rlx.trainer.learn.buffer import buffered
+from rlx.trainer.produce.collect import collect
 from rlx.trainer.common import Say
-from rlx.trainer.run import Run
-from rlx.trainer.lifecycle import begin
-from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.setup.run import Run
+from rlx.trainer.learn.lifecycle import begin
+from rlx.trainer.produce.evaluate import evaluate
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
 
 
 class InlineSource(BatchSource):
@@ -49,10 +50,10 @@ class InlineSource(BatchSource):
 
 def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> Summary:
   """Runs (or resumes) a colocated run; returns its summary."""
-  run, learner, start, accuracy_before = begin(config, workdir, say)
+  run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
   controller = control.Controller.from_config(config)  # the entropy floor (data is never stale)
   controller.restore(learner.restored_meta.get("control"))
   source = buffered(InlineSource(run, start or 0, controller.temperature), config, controller,
                     learner.restored_meta, run.stream.get_state())
-  return learn_loop(run, learner, source, controller, start=start,
+  return learn_loop(run, learner, source, controller, start=start, evaluate=evaluate,
                     accuracy_before=accuracy_before, say=say)

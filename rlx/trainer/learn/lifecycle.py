@@ -1,6 +1,6 @@
 """A run's start and end around its learner, shared by every loop.
 
-    run, learner, start, accuracy_before = begin(config, workdir, say)
+    run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
     ...                                                # the loop: learner.learn(draw) per step
     ended = finish(run, learner, start=start, step=step, stop=stop, ...)
 
@@ -18,17 +18,16 @@ import time
 from rlx import cli, distributed, progress
 from rlx.checkpoint import CheckpointError
 from rlx.config import RunConfig
-from rlx.trainer.common import Say
-from rlx.trainer.evaluate import evaluate
-from rlx.trainer.learner import Learner
-from rlx.trainer.run import Run, prepare
+from rlx.trainer.common import Evaluate, Say
+from rlx.trainer.learn.learner import Learner
+from rlx.trainer.setup.run import Run, prepare
 
 
-def begin(config: RunConfig, workdir: str | pathlib.Path,
-          say: Say) -> tuple[Run, Learner, int | None, float | None]:
+def begin(config: RunConfig, workdir: str | pathlib.Path, say: Say,
+          evaluate: Evaluate) -> tuple[Run, Learner, int | None, float | None]:
   """Builds a run and its learner, resumes from the newest checkpoint if there is one (the
   data stream continues from the checkpoint's position), publishes the first weights and (on
-  a fresh run) measures the held-out accuracy before RL.
+  a fresh run) measures the held-out accuracy before RL with ``evaluate``.
 
   Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
   """
@@ -96,7 +95,7 @@ def _what_changed(run: Run) -> str:
 
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
-           say: Say, save_meta: dict | None = None, final: dict | None = None) -> dict:
+           say: Say, evaluate: Evaluate, save_meta: dict | None = None, final: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
   after RL, "final": the final evaluation's figures}`` (skipped after a stop signal, so that

@@ -29,75 +29,10 @@ import os
 import pathlib
 import time
 
-import numpy as np
-from flax import serialization
-
-from rlx.rollout import Completion
-from rlx.trainer.collect import Draw
+from rlx.trainer.draw import Draw, decode, encode
 
 SUFFIX = ".rollout"
 DONE = "DONE"
-
-
-def _flat(rows: list[list], dtype) -> tuple[np.ndarray, np.ndarray]:
-  offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
-  values = np.concatenate([np.asarray(r, dtype) for r in rows]) if rows else np.zeros(0, dtype)
-  return values.astype(dtype), offsets
-
-
-def _rows(values: np.ndarray, offsets: np.ndarray) -> list[list]:
-  return [values[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
-
-
-def encode(draw: Draw, extra: dict | None = None) -> bytes:
-  """The bytes of one rollout file."""
-  c = draw.completions
-  arrays = {}
-  for name, dtype in (("prompt_tokens", np.int32), ("response_tokens", np.int32),
-                      ("logprobs", np.float32), ("policy_logprobs", np.float32)):
-    arrays[name], arrays[name + "_offsets"] = _flat([getattr(x, name) for x in c], dtype)
-  if any(x.sampled_mask is not None for x in c):  # multi-turn episodes
-    arrays["sampled_mask"], _ = _flat([x.sampled_mask if x.sampled_mask is not None else
-                                       [True] * len(x.response_tokens) for x in c], bool)
-  if any(x.token_versions is not None for x in c):  # an in-flight update reached some
-    arrays["token_versions"], _ = _flat([x.versions() for x in c], np.int32)
-  arrays.update(
-      policy_version=np.array([x.policy_version for x in c], np.int32),
-      prompt_index=np.array([x.prompt_index for x in c], np.int32),
-      sample_index=np.array([x.sample_index for x in c], np.int32),
-      turns=np.array([x.turns for x in c], np.int32),
-      rewards=np.asarray(draw.rewards, np.float32), correct=np.asarray(draw.correct, bool))
-  meta = {"finish_reason": [x.finish_reason for x in c], "counts": draw.counts,
-          "generate_seconds": draw.generate_seconds, "data_state": draw.data_state,
-          "temperature": draw.temperature, "born": draw.born, **(extra or {})}
-  return serialization.msgpack_serialize({"arrays": arrays, "meta": json.dumps(meta)})
-
-
-def decode(data: bytes) -> tuple[Draw, dict]:
-  """(the draw, the extra fields) of one rollout file's bytes."""
-  content = serialization.msgpack_restore(data)
-  a, meta = content["arrays"], json.loads(content["meta"])
-  rows = {name: _rows(a[name], a[name + "_offsets"])
-          for name in ("prompt_tokens", "response_tokens", "logprobs", "policy_logprobs")}
-  masks = (_rows(np.asarray(a["sampled_mask"], bool), a["response_tokens_offsets"])
-           if "sampled_mask" in a else None)
-  versions = (_rows(np.asarray(a["token_versions"], np.int32), a["response_tokens_offsets"])
-              if "token_versions" in a else None)
-  completions = [
-      Completion(prompt_tokens=rows["prompt_tokens"][i], response_tokens=rows["response_tokens"][i],
-                 logprobs=rows["logprobs"][i], policy_logprobs=rows["policy_logprobs"][i],
-                 finish_reason=meta["finish_reason"][i], policy_version=int(a["policy_version"][i]),
-                 prompt_index=int(a["prompt_index"][i]), sample_index=int(a["sample_index"][i]),
-                 sampled_mask=masks[i] if masks else None,
-                 turns=int(a["turns"][i]) if "turns" in a else 1,
-                 token_versions=(versions[i] if versions and len(set(versions[i])) > 1
-                                 else None))
-      for i in range(len(meta["finish_reason"]))]
-  draw = Draw(completions, np.asarray(a["rewards"], np.float32), np.asarray(a["correct"], bool),
-              meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"),
-              meta.pop("temperature", None), meta.pop("born", 0.0))
-  meta.pop("finish_reason")
-  return draw, meta
 
 
 class RolloutFiles:

@@ -8,7 +8,7 @@ process (or ``jax.distributed`` cluster), sharing only the workdir.
 
 (``launch/local.sh --learner 1 --generator 1 ...`` starts both.) Weights go as Orbax
 policy versions in ``W/policy_versions`` (the newest k + 3 kept); rollouts as files in
-``W/rollouts`` (``rlx.trainer.exchange``). Staleness is bounded by ``mesh.max_staleness``
+``W/rollouts`` (``rlx.trainer.deploy.exchange``). Staleness is bounded by ``mesh.max_staleness``
 = k exactly as in one process: the generator starts batch i once the learner has
 finished (trained or dropped) batch i - k - 1, sampling with the newest version
 published; the learner drops a batch holding a rollout more than k versions old. So at
@@ -26,12 +26,12 @@ from its own share of the prompts (every n-th row of the source), and the learne
 them in order. The staleness gate is the same, so at most k + 1 batches are in flight
 over all of them: more generator jobs than k + 1 wait on the gate.
 
-The learner job runs the one learner loop (``rlx.trainer.loop``) over a ``FileSource``;
+The learner job runs the one learner loop (``rlx.trainer.learn.loop``) over a ``FileSource``;
 its controller (``rlx.trainer.control``) runs as in one process: it expires batches past
 the lag or age limit, and hands its effective k and sampling temperature to the generator
 job through ``rollouts/control.json``.
 
-Jobs fail loudly: each writes ``WORKDIR/jobs/<role>-<id>.json`` (``rlx.trainer.jobstatus``:
+Jobs fail loudly: each writes ``WORKDIR/jobs/<role>-<id>.json`` (``rlx.trainer.deploy.jobstatus``:
 running with a heartbeat, then finished, stopped or failed with its error). The learner
 stops with an error naming the generator job it waits on once that job failed, died, or
 was silent past ``mesh.job_timeout_s``; a generator does the same for its learner.
@@ -54,17 +54,19 @@ from rlx import cli, distributed, progress
 from rlx.checkpoint import StopSignal
 from rlx.config import RunConfig
 from rlx.data import prompts_drawn
-from rlx.trainer import control, jobstatus
-from rlx.trainer.buffer import buffered
-from rlx.trainer.collect import Draw
-from rlx.trainer.experience import make_mismatch
+from rlx.trainer import control
+from rlx.trainer.deploy import jobstatus
+from rlx.trainer.learn.buffer import buffered
+from rlx.trainer.draw import Draw
+from rlx.trainer.learn.experience import make_mismatch
 from rlx.trainer.common import Say, TrainingError
-from rlx.trainer.run import Run, prepare
-from rlx.trainer.exchange import RolloutFiles
-from rlx.trainer.lifecycle import begin
-from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
-from rlx.trainer.produce import Opened, Produced, Weights, produce
-from rlx.trainer.stream import stream_produce
+from rlx.trainer.setup.run import Run, prepare
+from rlx.trainer.deploy.exchange import RolloutFiles
+from rlx.trainer.learn.lifecycle import begin
+from rlx.trainer.produce.evaluate import evaluate
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.produce.loop import Opened, Produced, Weights, produce
+from rlx.trainer.produce.stream import stream_produce
 
 POLL_S = 0.1
 INFLIGHT_POLL_S = 0.5
@@ -175,13 +177,13 @@ class FileSource(BatchSource):
 
 def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Summary:
   """The learner job: trains on rollout files as they come, publishes every version."""
-  run, learner, start, accuracy_before = begin(config, workdir, say)
+  run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
   controller = control.Controller.from_config(config)
   controller.restore(learner.restored_meta.get("control"))
   files = FileSource(run, learner.restored_meta, learner.version, say)
   files.retune(controller)  # the generator jobs follow the restored knobs
   source = buffered(files, config, controller, learner.restored_meta, run.stream.get_state())
-  summary = learn_loop(run, learner, source, controller, start=start,
+  summary = learn_loop(run, learner, source, controller, start=start, evaluate=evaluate,
                        accuracy_before=accuracy_before, say=say)
   if not summary.stopped and distributed.lead():
     files.files.mark_done()  # the generator job exits; a stopped learner's generator waits

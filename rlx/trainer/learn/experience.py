@@ -43,45 +43,8 @@ from rlx import algorithms, update
 from rlx.config import RunConfig
 from rlx.models.transformer import Params, Transformer
 from rlx.rollout import Completion
+from rlx.trainer.draw import layout
 from rlx.types import RolloutBatch
-
-def _bucket(length: int, smallest: int = 8) -> int:
-  size = smallest
-  while size < length:
-    size *= 2
-  return size
-
-
-def layout(completions: Sequence[Completion], pad_id: int, bucket: bool = True,
-           lengths: tuple[int, int] = (0, 0)) -> dict[str, np.ndarray]:
-  """Token ids, attention and response masks, and behaviour log-probs [B, T] (NumPy).
-
-  With ``bucket``, the prompt and response parts are padded to powers of two, so
-  that the jitted learner step sees few distinct shapes (it compiles once per shape).
-  ``lengths`` are the least (prompt, response) lengths to lay out (the longest of every
-  process, so that their rows make one array).
-  """
-  prompt_len = max(lengths[0], *(len(c.prompt_tokens) for c in completions))
-  response_len = max(lengths[1], *(len(c.response_tokens) for c in completions))
-  if bucket:
-    prompt_len, response_len = _bucket(prompt_len), _bucket(response_len)
-  B, T = len(completions), prompt_len + response_len
-  tokens = np.full((B, T), pad_id, np.int32)
-  attention = np.zeros((B, T), bool)
-  response = np.zeros((B, T), bool)
-  behaviour = np.zeros((B, T), np.float32)
-  for b, c in enumerate(completions):
-    start = prompt_len - len(c.prompt_tokens)
-    end = prompt_len + len(c.response_tokens)
-    tokens[b, start:prompt_len] = c.prompt_tokens
-    tokens[b, prompt_len:end] = c.response_tokens
-    attention[b, start:end] = True
-    # an episode's environment tokens are context, never actions: outside the mask
-    response[b, prompt_len:end] = True if c.sampled_mask is None else c.sampled_mask
-    behaviour[b, prompt_len:end] = c.logprobs
-  return {"tokens": tokens, "attention_mask": attention, "response_mask": response,
-          "behaviour_logprobs": behaviour}
-
 
 def shaped_rewards(completions: Sequence[Completion], rewards: np.ndarray,
                    config: RunConfig) -> np.ndarray:

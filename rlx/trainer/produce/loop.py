@@ -2,7 +2,7 @@
 
     produce(run, gate, weights, sink, first=index)
 
-It mirrors the learner loop (``rlx.trainer.loop``); deployments differ only in their gate and
+It mirrors the learner loop (``rlx.trainer.learn.loop``); deployments differ only in their gate and
 their sink:
 
 - ``split.ThreadGate`` / ``split.QueueSink`` (split in one process): the learner's progress
@@ -37,8 +37,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from rlx import progress
-from rlx.trainer.collect import Draw, collect
-from rlx.trainer.run import Run
+from rlx.trainer.produce.collect import collect
+from rlx.trainer.draw import Draw
+from rlx.trainer.setup.run import Run
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     stream_produce(run, gate, weights, sink, first=index)      # mesh.admission='continuous'
 
-``produce`` (``rlx.trainer.produce``) works batch by batch: a batch is done when its slowest
+``produce`` (``rlx.trainer.produce.loop``) works batch by batch: a batch is done when its slowest
 sample is, and the slots that free meanwhile idle until the next one starts. Here the engine
 runs one stream (``rollout.generate(..., supply=)``): between decode chunks it asks for more
 prompts, and a new group takes the slots that finished or parked samples leave. Groups are
@@ -69,11 +69,12 @@ import numpy as np
 from rlx import algorithms, rollout
 from rlx.envs.calls import turn_stop_ids
 from rlx.rollout import Completion
-from rlx.trainer.agents import (_Episodes, agent_metrics, episode_sums, slot_metrics, tool_format,
-                                write_samples)
-from rlx.trainer.collect import Draw, _component_key, _Scorer, exhausted
-from rlx.trainer.produce import Produced
-from rlx.trainer.run import Run
+from rlx.trainer.episodes import Episodes, tool_format
+from rlx.trainer.produce.agents import agent_metrics, episode_sums, slot_metrics, write_samples
+from rlx.trainer.produce.collect import _component_key, _Scorer, exhausted
+from rlx.trainer.draw import Draw
+from rlx.trainer.produce.loop import Produced
+from rlx.trainer.setup.run import Run
 
 POLL_S = 0.02
 """How often an idle stream looks at its gate and its scorer."""
@@ -163,7 +164,7 @@ class Streamer:
                     weights=self.weights, supply=self._supply, on_finished=self._finished,
                     stats=self.slots)
       # every episode admitted may be waiting for its environment, and a group's resets
-      self.episodes = (_Episodes(self.run, [], self.size, (self.bound + 1) * self.size)
+      self.episodes = (Episodes(self.run, [], self.size, (self.bound + 1) * self.size)
                        if config.env.name else None)
       self.scorer = _Scorer(self.run, self.group_rows, *self._judges())
       try:

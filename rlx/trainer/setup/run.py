@@ -39,8 +39,9 @@ from rlx.models import lora
 from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.trainer import control
 from rlx.trainer.common import NonFiniteError, Say
+from rlx.trainer.episodes import Episodes, tool_format
 from rlx.update import all_finite, batch_sharding
-from rlx.trainer.warmup import sft_batches, warm_up
+from rlx.trainer.setup.warmup import sft_batches, warm_up
 
 
 @dataclasses.dataclass
@@ -310,11 +311,10 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
 def _episode_prompted(config: RunConfig, tokenizer: Tokenizer, batches):
   """Warm-up batches whose prompts are what the episodes will see: each row's environment's
   first messages with the tools' schemas (a row whose reset fails is left out)."""
-  from rlx.trainer.agents import _Episodes  # noqa: PLC0415 - agents imports this module
-
+  
   stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
                                    env_error=None)
-  episodes = _Episodes(stand_in, [], 1)
+  episodes = Episodes(stand_in, [], 1)
   try:
     for batch in batches:
       first = len(episodes.prompts)
@@ -331,13 +331,12 @@ def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows
   """Starts the environments of the first ``rows`` rows once, as the episodes will (their
   first messages with the tools' schemas), and refuses a prompt past rollout.max_prompt_len
   now rather than at the first draw."""
-  from rlx.trainer.agents import _Episodes  # noqa: PLC0415 - agents imports this module
-
+  
   probe = PromptStream(source, batch_size=min(rows, len(source)), seed=config.data.shuffle_seed,
                        encode=prompt_encoder(config, tokenizer), on_bad_row="skip")
   stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
                                    env_error=None)
-  _Episodes(stand_in, next(probe), 1).close()
+  Episodes(stand_in, next(probe), 1).close()
 
 
 def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):
@@ -429,7 +428,6 @@ def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, me
   rows = _episode_prompted(config, tokenizer, stream) if config.env.name else stream
   renderer = None
   if config.env.enabled:  # the targets' tool calls and results as the episodes write them
-    from rlx.trainer.agents import tool_format  # noqa: PLC0415 - agents imports this module
     renderer = Renderer(tokenizer, tool_format(config, tokenizer))
   probe = None
   if trainer.warmup_sft_until:  # a fixed sample of the prompts, in another order

@@ -28,7 +28,7 @@ for the generator's next batch:
 The buffer's groups are saved in the learner's checkpoint (``state``/``restore``), so a
 resumed run loses none of them.
 
-``BufferedSource`` puts the buffer in front of any batch source of ``rlx.trainer.loop``
+``BufferedSource`` puts the buffer in front of any batch source of ``rlx.trainer.learn.loop``
 (inline, thread or files): the learner trains whenever the buffer can make a batch, and
 waits for the source only when it cannot.
 """
@@ -45,9 +45,9 @@ import numpy as np
 from rlx.config import RunConfig
 from rlx.rollout import Completion
 from rlx.trainer import control
-from rlx.trainer.collect import Draw
-from rlx.trainer.exchange import decode, encode
-from rlx.trainer.loop import Batch, BatchSource
+from rlx.trainer.draw import Draw
+from rlx.trainer.draw import decode, encode
+from rlx.trainer.learn.loop import Batch, BatchSource
 
 
 @dataclasses.dataclass

@@ -35,7 +35,7 @@ from rlx.rewards import Scored
 from rlx.rollout import Completion
 from rlx.serve.endpoint import Endpoint, Forced
 from rlx.serve.trajectories import EpisodeLog
-from rlx.trainer.agents import write_samples
+from rlx.trainer.produce.agents import write_samples
 
 _GRACE_S = 10.0  # past the episodes' timeout, a program that blocks its event loop is abandoned
 

@@ -2,9 +2,9 @@
 
     summary = train_split(config, workdir)
 
-A generator thread runs the producer loop (``rlx.trainer.produce``): it samples and scores
+A generator thread runs the producer loop (``rlx.trainer.produce.loop``): it samples and scores
 batches on the generation sub-mesh and hands them to the learner through a bounded queue (``ThreadSource``, the batch source of the one learner
-loop, ``rlx.trainer.loop``); the learner trains on the learning sub-mesh and publishes every
+loop, ``rlx.trainer.learn.loop``); the learner trains on the learning sub-mesh and publishes every
 new policy version (reshard across sub-meshes, or an Orbax checkpoint). Staleness is bounded
 by ``mesh.max_staleness`` = k:
 
@@ -39,15 +39,16 @@ import time
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import BusyWindow
 from rlx.trainer import control
-from rlx.trainer.buffer import buffered
-from rlx.trainer.collect import collect
+from rlx.trainer.learn.buffer import buffered
+from rlx.trainer.produce.collect import collect
 from rlx.trainer.common import Say
-from rlx.trainer.experience import make_mismatch
-from rlx.trainer.run import Run
-from rlx.trainer.lifecycle import begin
-from rlx.trainer.loop import Batch, BatchSource, Summary, learn_loop
-from rlx.trainer.produce import Opened, Produced, Weights, produce
-from rlx.trainer.stream import stream_produce
+from rlx.trainer.learn.experience import make_mismatch
+from rlx.trainer.setup.run import Run
+from rlx.trainer.learn.lifecycle import begin
+from rlx.trainer.produce.evaluate import evaluate
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.produce.loop import Opened, Produced, Weights, produce
+from rlx.trainer.produce.stream import stream_produce
 
 
 class ThreadGate:
@@ -101,7 +102,7 @@ class ThreadGate:
 
 
 class Generator(threading.Thread):
-  """Runs the producer loop (``rlx.trainer.produce``) on the generation sub-mesh, handing
+  """Runs the producer loop (``rlx.trainer.produce.loop``) on the generation sub-mesh, handing
   batches to the learner through a bounded queue, at most ``max_staleness`` policy versions
   ahead of it (``ThreadGate``)."""
 
@@ -212,7 +213,7 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
     raise ConfigError(
         "config.mesh.mode=split runs generation in a thread of one controller and does not "
         "span processes yet (config.mesh.multihost=true)")
-  run, learner, start, accuracy_before = begin(config, workdir, say)
+  run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
   controller = control.Controller.from_config(config)
   controller.restore(learner.restored_meta.get("control"))
   every = config.logging.mismatch_every
@@ -222,5 +223,5 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
   source.retune(controller)
   source = buffered(source, config, controller, learner.restored_meta, run.stream.get_state())
   generator.start()
-  return learn_loop(run, learner, source, controller, start=start,
+  return learn_loop(run, learner, source, controller, start=start, evaluate=evaluate,
                     accuracy_before=accuracy_before, say=say, learner_delay_s=learner_delay_s)

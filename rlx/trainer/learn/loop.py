@@ -37,16 +37,16 @@ import jax
 
 from rlx import cli, distributed, progress
 from rlx.checkpoint import CheckpointError, StopSignal
+from rlx.config import RunConfig
 from rlx.data import DataError
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer import control
-from rlx.trainer.collect import Draw
-from rlx.trainer.common import RewardFailedError, Say, device_memory, throughput
-from rlx.trainer.evaluate import evaluate, evaluation_due
-from rlx.trainer.health import Health, describe_sample, sample_rows
-from rlx.trainer.run import Run
-from rlx.trainer.learner import Learner
-from rlx.trainer.lifecycle import finish
+from rlx.trainer.draw import Draw
+from rlx.trainer.common import Evaluate, RewardFailedError, Say, device_memory, throughput
+from rlx.trainer.learn.health import Health, describe_sample, sample_rows
+from rlx.trainer.setup.run import Run
+from rlx.trainer.learn.learner import Learner
+from rlx.trainer.learn.lifecycle import finish
 
 
 @dataclasses.dataclass
@@ -114,11 +114,18 @@ class Summary:
   """The step it resumed from (0: a fresh run): this process ran the steps after it."""
 
 
+def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
+  """Whether the loop evaluates after ``step`` (never once the run is stopping)."""
+  every = config.trainer.eval_every
+  return bool(every and step % every == 0 and not stopping)
+
+
 def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: control.Controller,
                *, start: int | None, accuracy_before: float | None, say: Say,
-               learner_delay_s: float = 0.0) -> Summary:
+               evaluate: Evaluate, learner_delay_s: float = 0.0) -> Summary:
   """Trains until ``trainer.steps`` (or a stop signal, or the data runs out); returns the
-  summary. ``learner_delay_s`` slows the learner down on purpose (tests and benchmarks of
+  summary. ``evaluate``: the held-out evaluation (the producing side's), run every
+  ``trainer.eval_every`` steps and at the end. ``learner_delay_s`` slows the learner down on purpose (tests and benchmarks of
   the staleness control)."""
   config = run.config
   step = start or 0
@@ -242,7 +249,7 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
       finally:
         source.close()
       ended = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
-                     say=say, save_meta=meta(), final=final)
+                     say=say, evaluate=evaluate, save_meta=meta(), final=final)
       if final is None and ended["final"]:  # the loop ended early: the final evaluation too
         sink.write(step, ended["final"], force=True)
   finally:

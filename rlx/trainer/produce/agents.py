@@ -15,11 +15,8 @@ turns the sums of a step into the logged ``agent/*`` metrics.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import pathlib
-import queue
-import threading
 import time
 from collections.abc import Sequence
 
@@ -27,188 +24,14 @@ import jax
 import numpy as np
 
 from rlx import rollout
-from rlx.config import RunConfig
-from rlx.envs import COUNTS, Episode, Renderer, Toolbox, check_env, load_factory, tools_of
-from rlx.envs.episode import EnvError
-from rlx.envs.calls import Format, detect_format, turn_stop_ids
+from rlx.envs import COUNTS, Episode
+from rlx.envs.calls import turn_stop_ids
 from rlx.rewards import Scored
 from rlx.rollout import Completion
+from rlx.trainer.episodes import Episodes, tool_format
 
 AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "tool_wait_s", "step_timeouts",
               "slot_steps", "busy_steps", "held_steps", "parked_s", "life_s", "away_s", *COUNTS)
-
-
-def tool_format(config: RunConfig, tokenizer) -> Format:
-  """The run's tool-call format ('auto': builtin without a chat template, else by the
-  template's own markers)."""
-  chosen = config.env.tool_format
-  return detect_format(tokenizer) if chosen == "auto" else chosen
-
-
-class _DaemonPool:
-  """``submit(fn, *args) -> Future`` on up to ``workers`` daemon threads, started as work comes
-  (a thread per call waiting at once, so a quick call never queues behind slow ones while
-  the bound allows). An environment's call that never returns then holds one thread and no
-  more: it can keep neither a batch nor the process alive (``ThreadPoolExecutor`` joins its
-  threads at exit, so a hung ``step`` kept a finished run from exiting)."""
-
-  def __init__(self, workers: int, name: str):
-    self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-    self._closed, self._workers, self._name = False, workers, name
-    self._lock = threading.Lock()
-    self._started = self._idle = 0
-
-  def submit(self, fn, *args) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    if self._closed:
-      future.cancel()
-      return future
-    with self._lock:
-      if self._idle:
-        self._idle -= 1  # that thread takes this task
-      elif self._started < self._workers:
-        threading.Thread(target=self._work, name=f"{self._name}-{self._started}",
-                         daemon=True).start()
-        self._started += 1
-    self._tasks.put((future, fn, args))
-    return future
-
-  @property
-  def threads(self) -> int:
-    """Threads started so far."""
-    return self._started
-
-  def _work(self) -> None:
-    while True:
-      task = self._tasks.get()
-      if task is None:
-        return
-      future, fn, args = task
-      if future.set_running_or_notify_cancel():
-        try:
-          future.set_result(fn(*args))
-        except BaseException as error:  # noqa: BLE001 - the caller reads it from the future
-          future.set_exception(error)
-      with self._lock:
-        self._idle += 1
-
-  def shutdown(self) -> None:
-    """Stops taking work; idle threads end, busy ones end with their call (or the process)."""
-    self._closed = True
-    while True:
-      try:
-        future, _, _ = self._tasks.get_nowait()
-      except queue.Empty:
-        break
-      future.cancel()
-    with self._lock:
-      started = self._started
-    for _ in range(started):
-      self._tasks.put(None)
-
-
-class _Episodes:
-  """The environments of one ``run_episodes`` call, and the thread pool that answers turns."""
-
-  def __init__(self, run, rows: Sequence[dict], n: int, episodes: int = 0):
-    """``episodes``: the most that may be under way at once (default: ``rows``'s); each gets a
-    thread for its environment step, so a step that ends an episode never waits for another
-    episode's slow tool call (the tools have their own bound, ``env.tool_workers``)."""
-    config = run.config
-    self.run, self.rows, self.n = run, [], n
-    self.factory = load_factory(config.env.name)
-    self.format = tool_format(config, run.tokenizer)
-    self.episodes: dict[tuple[int, int], Episode] = {}
-    self.prompts: list[list[int]] = []
-    self.toolboxes: dict[tuple, Toolbox | None] = {}
-    self.pool = _DaemonPool(max(4, 2 * config.env.tool_workers, episodes or len(rows) * n),
-                            "rlx-env")
-    self.replies: dict[tuple[int, int], concurrent.futures.Future] = {}
-    self.failed_rows = 0
-    """Rows skipped because an environment's ``reset`` failed (counted as env errors)."""
-    self.add(rows)
-
-  def add(self, rows: Sequence[dict]) -> list[list[int]]:
-    """Starts the episodes of more rows (prompt indices counting on); returns their prompts."""
-    config, start = self.run.config, len(self.prompts)
-    for row in rows:
-      try:
-        self._start(row, len(self.prompts))
-      except EnvError as error:  # this row only: skipped and counted, as a bad data row is
-        self.failed_rows += 1
-        if getattr(self.run, "env_error", None) is None:
-          self.run.env_error = f"{row.get('where', 'a row')}: {error}"
-          if jax.process_index() == 0:
-            print(f"rlx: warning: environment {config.env.name!r}: {self.run.env_error}; the "
-                  "row is skipped (agent/env_errors counts such rows)", flush=True)
-        continue
-    return self.prompts[start:]
-
-  def _start(self, row: dict, p: int) -> None:
-    """Starts the ``n`` episodes of ``row`` as prompt ``p``."""
-    config = self.run.config
-    first = None
-    for s in range(self.n):
-      env = check_env(self.factory(dict(row)), config.env.name)
-      tools = tools_of(env)
-      names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
-                    for t in tools)
-      signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
-      if signature not in self.toolboxes:
-        self.toolboxes[signature] = Toolbox.of(tools) if tools else None
-      toolbox = self.toolboxes[signature]
-      renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
-      episode = Episode(env, renderer, self.run.tools, toolbox, format=self.format,
-                        max_turns=config.env.max_turns,
-                        max_observation_chars=config.env.max_observation_chars,
-                        system=config.data.system_prompt)
-      try:
-        prompt = self._started(episode)
-      except EnvError:
-        for earlier in range(s):  # the row's episodes started so far go with it
-          self.episodes.pop((p, earlier))
-        raise
-      if first is None:
-        first = prompt
-      elif prompt != first:
-        raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
-                         "differently; a group's episodes must share their first messages")
-      self.episodes[(p, s)] = episode
-    if len(first) > config.rollout.max_prompt_len:
-      raise ValueError(f"{row.get('where', 'a row')}: the first messages with the tools' schemas "
-                       f"are {len(first)} tokens, more than rollout.max_prompt_len="
-                       f"{config.rollout.max_prompt_len}; raise it")
-    self.rows.append(row)
-    self.prompts.append(first)
-
-  def _started(self, episode: Episode) -> list[int]:
-    """``episode.start()`` on the pool, within ``env.step_timeout_s``: a reset that never
-    returns skips its row (its thread is left to it) instead of hanging the run."""
-    timeout = self.run.config.env.step_timeout_s
-    future = self.pool.submit(episode.start)
-    try:
-      return future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-      raise EnvError(f"reset() did not return within env.step_timeout_s={timeout:g}s") from None
-
-  def forget(self, p: int) -> list[Episode]:
-    """The episodes of prompt ``p``, no longer kept (a stream's finished group)."""
-    for s in range(self.n):
-      self.replies.pop((p, s), None)
-    return [self.episodes.pop((p, s)) for s in range(self.n)]
-
-  def respond(self, p: int, s: int, tokens: list[int], reason: str) -> concurrent.futures.Future:
-    episode = self.episodes[(p, s)]
-    text = self.run.tokenizer.decode(tokens)  # for the environment to read; ids stay as sampled
-    self.replies[(p, s)] = future = self.pool.submit(episode.respond, text, reason)
-    return future
-
-  def step_timeouts(self) -> int:
-    """Environment steps still running after their episode was ended for taking too long."""
-    return sum(not future.done() for future in self.replies.values())
-
-  def close(self) -> None:
-    self.pool.shutdown()
 
 
 def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, seed: int,
@@ -217,7 +40,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   """``n`` episodes of each row, and their rewards, verdicts and statistics (``inflight``:
   newer weights between decode chunks, as in ``collect.generate_and_score``)."""
   config = run.config
-  episodes = _Episodes(run, rows, n)
+  episodes = Episodes(run, rows, n)
   r = config.rollout
   slots: dict = {}
   try:

@@ -1,0 +1,5 @@
+"""The learning wing: draws in, policy versions out. The learner loop (``loop.py``), the
+``Learner`` (``learner.py``), a draw made into a batch (``experience.py``), the replay buffer
+(``buffer.py``), the health checks (``health.py``) and a run's start and end around the
+learner (``lifecycle.py``). Imports ``setup`` and the floor, never ``produce`` or ``deploy``:
+what it needs of the producing side (the held-out evaluation) it is handed."""
