@@ -12,6 +12,7 @@ from a session-wide persistent cache, which ``tiny.OVERRIDES`` hands to the runs
 subprocesses too; nothing is written under the user's home.
 """
 
+import gc
 import os
 import pathlib
 import shutil
@@ -68,6 +69,30 @@ def pytest_collection_modifyitems(session, config, items):
     return next((i for i, name in enumerate(LONGEST_FIRST) if name in item.nodeid),
                 len(LONGEST_FIRST))
   items.sort(key=rank)
+
+
+# Every compiled XLA:CPU program holds its machine code in memory maps of its own, and a worker
+# keeps the programs of every test it ran: past ~500 tests one worker held 60,000 maps, the
+# kernel's limit (vm.max_map_count, 65,530 by default), and the next compile or cache load
+# failed inside LLVM: a segfault or an abort that took the worker down. Past half the limit,
+# the compiled programs are dropped (the next test that needs one loads it from the cache).
+MAPS_BEFORE_CLEARING = 30_000
+
+
+def _memory_maps() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps)
+  except OSError:  # not Linux
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+  yield
+  if _memory_maps() > MAPS_BEFORE_CLEARING:
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_sessionfinish(session, exitstatus):
