@@ -1,0 +1,50 @@
+"""``python -m rlx.tinker --model NAME=DIR [--model ...] [--port 8000]``: serves the base
+models at DIR under the names clients pass as ``base_model``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m rlx.tinker", description=__doc__)
+  parser.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
+                      help="a base model: the name clients use, and its Hugging Face directory")
+  parser.add_argument("--host", default="127.0.0.1")
+  parser.add_argument("--port", type=int, default=8000)
+  parser.add_argument("--workdir", default="tinker_runs", help="where saved weights go")
+  parser.add_argument("--api-key", default=None,
+                      help="the key clients must send (default: any; the SDK wants 'tml-...')")
+  parser.add_argument("--max-length", type=int, default=4096,
+                      help="the longest sequence (prompt and response) a call may hold")
+  args = parser.parse_args(argv)
+  models = {}
+  for spec in args.model:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+      print(f"rlx.tinker: --model {spec!r}: give NAME=DIR", file=sys.stderr)
+      return 2
+    if not (pathlib.Path(path) / "config.json").is_file():
+      print(f"rlx.tinker: --model {spec!r}: {path} holds no Hugging Face config.json",
+            file=sys.stderr)
+      return 2
+    models[name] = path
+  import uvicorn  # noqa: PLC0415 - after the arguments are checked
+
+  from rlx.tinker.server import HEARTBEAT_TIMEOUT_S, Service, app  # noqa: PLC0415
+  from rlx.tinker.training import Base  # noqa: PLC0415
+
+  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  bases = {name: Base.load(name, path, args.max_length) for name, path in models.items()}
+  service = Service(bases, args.workdir, api_key=args.api_key)
+  print(f"rlx.tinker: serving {sorted(bases)} on http://{args.host}:{args.port}; a session "
+        f"without a heartbeat for {HEARTBEAT_TIMEOUT_S:g} s releases its adapters", flush=True)
+  uvicorn.run(app(service), host=args.host, port=args.port, log_level="warning")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,62 @@
+"""The Tinker API's loss functions, per token, summed over a batch's tokens as the API defines
+them (a sum, not a mean: the caller scales by its own weights or advantages).
+
+Each takes the policy's log-probs of the target tokens ``logprobs`` [B, T] (float32, with the
+gradient) and the datums' ``loss_fn_inputs`` as arrays [B, T] (padding weighs 0 through
+``mask``), and returns the loss per token [B, T]:
+
+- ``cross_entropy``: ``-weights * logprobs``;
+- ``importance_sampling``: ``-ratio * advantages``, ``ratio = exp(logprobs - sampler's)``;
+- ``ppo``: ``-min(ratio * A, clip(ratio, low, high) * A)``, the clip thresholds on the ratio
+  (``loss_fn_config``: ``clip_low_threshold`` 0.8, ``clip_high_threshold`` 1.2);
+- ``cispo``: ``-stop_gradient(clip(ratio, low, high)) * A * logprobs`` (same thresholds).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+INPUTS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+}
+"""The loss_fn_inputs each loss reads (every one also needs the target tokens)."""
+
+CONFIG = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+          "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
+"""The loss_fn_config keys each loss takes, with their defaults (no other key is accepted)."""
+
+
+def per_token(loss_fn: str, logprobs: jax.Array, inputs: dict[str, jax.Array],
+              config: dict[str, float]) -> jax.Array:
+  """The loss of each token [B, T] (unmasked)."""
+  if loss_fn == "cross_entropy":
+    return -inputs["weights"] * logprobs
+  ratio = jnp.exp(logprobs - inputs["logprobs"])
+  advantages = inputs["advantages"]
+  if loss_fn == "importance_sampling":
+    return -ratio * advantages
+  low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+  clipped = jnp.clip(ratio, low, high)
+  if loss_fn == "ppo":
+    return -jnp.minimum(ratio * advantages, clipped * advantages)
+  if loss_fn == "cispo":
+    return -jax.lax.stop_gradient(clipped) * advantages * logprobs
+  raise ValueError(f"unknown loss_fn {loss_fn!r}")
+
+
+def settings(loss_fn: str, given: dict | None) -> dict[str, float]:
+  """``loss_fn``'s config: its defaults, overridden by ``given``; an unknown loss or key raises
+  ValueError naming it."""
+  if loss_fn not in INPUTS:
+    raise ValueError(f"loss_fn {loss_fn!r} is not served; this service serves "
+                     f"{', '.join(sorted(INPUTS))}")
+  allowed = CONFIG.get(loss_fn, {})
+  unknown = sorted(set(given or {}) - set(allowed))
+  if unknown:
+    raise ValueError(f"loss_fn_config keys {unknown} are not read by {loss_fn!r}"
+                     + (f" (it reads {sorted(allowed)})" if allowed else " (it takes none)"))
+  return {**allowed, **{k: float(v) for k, v in (given or {}).items()}}

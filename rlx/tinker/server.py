@@ -1,0 +1,437 @@
+"""The HTTP service the ``tinker`` SDK talks to: sessions, LoRA training clients, sampling
+clients, and every call's future.
+
+    service = Service({"HuggingFaceTB/SmolLM2-135M-Instruct": Base.load(...)}, workdir)
+    app = service.app()          # FastAPI; ``python -m rlx.tinker`` serves it with uvicorn
+
+Every call that computes (``create_model``, ``forward_backward``, ``optim_step``, the weight
+saves and loads, ``asample``) is queued and answered at once with a future id; one worker
+thread runs the queue in order, so a client's ``forward_backward`` calls land before the
+``optim_step`` that follows them, as the SDK expects. ``retrieve_future`` waits up to
+``POLL_S`` for the result, then asks the SDK to try again. A failed call's future carries the
+reason (category ``user`` for bad input); no adapter changes on a failed call, and the service
+keeps serving.
+"""
+
+
+import dataclasses
+import itertools
+import logging
+import pathlib
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from rlx.models import lora
+from rlx.tinker import wire
+from rlx.tinker.training import AdamHyper, Adapter, Base, BadInput
+
+log = logging.getLogger(__name__)
+
+POLL_S = 20.0
+"""How long ``retrieve_future`` holds a request for a result before the SDK asks again."""
+HEARTBEAT_TIMEOUT_S = 600.0
+"""A session whose heartbeat stops this long releases its adapters."""
+REFUSED = {
+    "create_custom_loss": "custom losses run on the client here: use forward_backward_custom",
+    "copy_weights": "copying weights between training runs is not served",
+    "save_weights_external": "external storage is not served; save_weights writes to this host",
+    "join_sampling_session": "sampling sessions are per client here; create one instead",
+}
+"""Calls the SDK knows that this service refuses, and why."""
+
+
+@dataclasses.dataclass
+class _Future:
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  json: dict | None = None
+  proto: bytes | None = None
+  error: str | None = None
+  category: str = "user"
+
+
+@dataclasses.dataclass
+class _Session:
+  id: str
+  beat: float
+  adapters: list[str] = dataclasses.field(default_factory=list)
+
+
+class Service:
+  """The served base models, the sessions and their adapters, the futures."""
+
+  def __init__(self, bases: dict[str, Base], workdir: str | pathlib.Path, api_key: str | None = None,
+               heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+    self.bases, self.workdir, self.api_key = bases, pathlib.Path(workdir), api_key
+    self.heartbeat_timeout_s = heartbeat_timeout_s
+    self.sessions: dict[str, _Session] = {}
+    self.adapters: dict[str, Adapter] = {}
+    self.samplers: dict[str, tuple] = {}  # path -> (base, adapters, their scale)
+    self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base)
+    self.futures: dict[str, _Future] = {}
+    self._work: queue.Queue = queue.Queue()
+    self._lock = threading.Lock()
+    self._ids = itertools.count()
+    self._worker = threading.Thread(target=self._run, name="rlx-tinker-worker", daemon=True)
+    self._worker.start()
+
+  # -- the queue -------------------------------------------------------------------------------
+
+  def submit(self, fn: Callable[[], dict | bytes], model_id: str | None = None) -> dict:
+    request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+    future = self.futures[request_id] = _Future()
+    self._work.put((future, fn))
+    return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+
+  def _run(self) -> None:
+    while True:
+      future, fn = self._work.get()
+      try:
+        result = fn()
+        if isinstance(result, bytes):
+          future.proto = result
+        else:
+          future.json = result
+      except (BadInput, wire.WireError, ValueError, KeyError) as error:
+        future.error = str(error) if not isinstance(error, KeyError) else f"unknown {error}"
+      except Exception as error:  # noqa: BLE001 - reported to the caller, the service goes on
+        future.error, future.category = f"{type(error).__name__}: {error}", "server"
+        log.error("tinker: a call failed:\n%s", traceback.format_exc())
+      future.done.set()
+
+  def retrieve(self, request_id: str, wait_s: float = POLL_S):
+    """The future's result: a dict, protobuf bytes, or ``{"type": "try_again"}``."""
+    future = self.futures.get(request_id)
+    if future is None:
+      raise BadInput(f"request_id {request_id!r} was never issued by this service")
+    if not future.done.wait(wait_s):
+      return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    if future.error is not None:
+      return {"error": future.error, "category": future.category}
+    return future.proto if future.proto is not None else future.json
+
+  # -- sessions --------------------------------------------------------------------------------
+
+  def create_session(self) -> str:
+    session = _Session(f"session-{uuid.uuid4().hex[:12]}", time.monotonic())
+    self.sessions[session.id] = session
+    self.release_idle()
+    return session.id
+
+  def heartbeat(self, session_id: str) -> None:
+    self._session(session_id).beat = time.monotonic()
+    self.release_idle()
+
+  def _session(self, session_id: str) -> _Session:
+    if session_id not in self.sessions:
+      raise BadInput(f"session {session_id!r} is unknown (or released after "
+                     f"{self.heartbeat_timeout_s:g} s without a heartbeat)")
+    return self.sessions[session_id]
+
+  def release_idle(self) -> list[str]:
+    """Releases the adapters of sessions whose heartbeat stopped; returns their ids."""
+    now, released = time.monotonic(), []
+    for session in list(self.sessions.values()):
+      if now - session.beat > self.heartbeat_timeout_s:
+        for model_id in session.adapters:
+          self.adapters.pop(model_id, None)
+        released += session.adapters
+        del self.sessions[session.id]
+    return released
+
+  # -- training clients ------------------------------------------------------------------------
+
+  def base(self, name: str | None) -> Base:
+    if name not in self.bases:
+      raise BadInput(f"base_model {name!r} is not served here; this service serves "
+                     f"{sorted(self.bases)}")
+    return self.bases[name]
+
+  def adapter(self, model_id: str) -> Adapter:
+    if model_id not in self.adapters:
+      raise BadInput(f"model_id {model_id!r} is unknown (never created, or released with its "
+                     "session)")
+    return self.adapters[model_id]
+
+  def create_model(self, request: dict) -> dict:
+    session = self._session(request["session_id"])
+    base = self.base(request.get("base_model"))
+    config = request.get("lora_config") or {"rank": 32}
+    optimizer = (request.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+      raise BadInput(f"optimizer_config type {optimizer!r} is not served; this service "
+                     "trains with adamw")
+    model_id = f"{session.id}:train:{request.get('model_seq_id', 0)}"
+
+    def create():
+      adapter = Adapter(base, rank=int(config["rank"]), seed=config.get("seed"),
+                        train_attn=config.get("train_attn", True),
+                        train_mlp=config.get("train_mlp", True))
+      if config.get("train_unembed", True):
+        log.info("tinker: %s: train_unembed is served as off (the unembedding keeps the "
+                 "base's weights)", model_id)
+      self.adapters[model_id] = adapter
+      session.adapters.append(model_id)
+      return {"model_id": model_id, "type": "create_model"}
+
+    return self.submit(create, model_id)
+
+  def get_info(self, model_id: str) -> dict:
+    adapter = self.adapter(model_id)
+    return {"type": "get_info", "model_id": model_id, "model_name": adapter.base.name,
+            "is_lora": True, "lora_rank": adapter.config.rank,
+            "model_data": {"arch": adapter.base.model.arch.family, "model_name": adapter.base.name,
+                           "tokenizer_id": adapter.base.name}}
+
+  def forward_backward(self, body: bytes, forward_only: bool = False) -> dict:
+    model_id, datums, loss_fn, config, proto_forward_only = wire.read_forward_backward(body)
+    adapter = self.adapter(model_id)
+
+    def run():
+      outputs, metrics = adapter.forward_backward(datums, loss_fn, config,
+                                                  forward_only or proto_forward_only)
+      return wire.forward_backward_output(outputs, metrics)
+
+    return self.submit(run, model_id)
+
+  def optim_step(self, request: dict) -> dict:
+    model_id = request["model_id"]
+    adapter = self.adapter(model_id)
+    params = dict(request.get("optim_params") or request.get("adam_params") or {})
+    if params.pop("type", "adam") not in ("adam", "adamw"):
+      raise BadInput("optim_step: only Adam's parameters (AdamParams) are served")
+    hyper = AdamHyper(**params)
+    return self.submit(lambda: {"type": "optim_step", "metrics": adapter.optim_step(hyper)},
+                       model_id)
+
+  # -- weights ---------------------------------------------------------------------------------
+
+  def _path(self, model_id: str, kind: str, name: str | None) -> str:
+    name = name or f"{kind}-{next(self._ids):06d}"
+    if "/" in name or name.startswith("."):
+      raise BadInput(f"checkpoint name {name!r}: a plain name, without '/'")
+    return f"tinker://{model_id}/{kind}/{name}"
+
+  def _directory(self, path: str) -> pathlib.Path:
+    if not path.startswith("tinker://"):
+      raise BadInput(f"path {path!r} is not a tinker:// path this service wrote")
+    return self.workdir / "checkpoints" / path.removeprefix("tinker://").replace(":", "_")
+
+  def save_weights(self, request: dict, for_sampler: bool = False) -> dict:
+    model_id = request["model_id"]
+    adapter = self.adapter(model_id)
+    path = self._path(model_id, "sampler_weights" if for_sampler else "weights",
+                      request.get("path"))
+
+    def save():
+      snapshot = jax.tree.map(np.asarray, adapter.adapters)
+      directory = self._directory(path)
+      lora.save_peft(snapshot, adapter.base.model.arch, adapter.config, directory, None)
+      if for_sampler:
+        self.samplers[path] = (adapter.base, snapshot, adapter.config.scale)
+        return {"type": "save_weights_for_sampler", "path": path}
+      state = jax.tree.map(np.asarray, adapter.opt_state)
+      np.save(directory / "optimizer.npy", np.asarray(jax.tree.leaves(state), dtype=object),
+              allow_pickle=True)
+      return {"type": "save_weights", "path": path}
+
+    return self.submit(save, model_id)
+
+  def load_weights(self, request: dict) -> dict:
+    model_id = request["model_id"]
+    adapter = self.adapter(model_id)
+    directory = self._directory(request["path"])
+    with_optimizer = bool(request.get("optimizer"))
+
+    def load():
+      if not directory.is_dir():
+        raise BadInput(f"no checkpoint at {request['path']!r}")
+      adapters = lora.load_peft(directory, adapter.base.model.arch, adapter.config)
+      state = None
+      if with_optimizer:
+        saved = directory / "optimizer.npy"
+        if not saved.is_file():
+          raise BadInput(f"{request['path']!r} holds no optimizer state (a sampler checkpoint)")
+        leaves = list(np.load(saved, allow_pickle=True))
+        state = jax.tree.unflatten(jax.tree.structure(adapter.opt_state), leaves)
+      adapter.adapters, adapter.pending = adapters, None
+      if state is not None:
+        adapter.opt_state = state
+      return {"type": "load_weights", "path": request["path"]}
+
+    return self.submit(load, model_id)
+
+  # -- sampling --------------------------------------------------------------------------------
+
+  def create_sampling_session(self, request: dict) -> str:
+    self._session(request["session_id"])
+    path = request.get("model_path")
+    if path is None:
+      self.base(request.get("base_model"))
+    elif path not in self.samplers:
+      raise BadInput(f"model_path {path!r} is not a sampler checkpoint of this service "
+                     "(save_weights_for_sampler makes one)")
+    session_id = f"sampling-{uuid.uuid4().hex[:12]}"
+    self.sampling_sessions[session_id] = path if path is not None else f"base:{request['base_model']}"
+    return session_id
+
+  def sample(self, request: dict) -> dict:
+    where = self.sampling_sessions.get(request.get("sampling_session_id")) or (
+        request.get("model_path") or f"base:{request.get('base_model')}")
+    if where.startswith("base:"):
+      base, params = self.base(where.removeprefix("base:")), None
+    else:
+      if where not in self.samplers:
+        raise BadInput(f"model_path {where!r} is not a sampler checkpoint of this service")
+      base, snapshot, scale = self.samplers[where]
+      params = lora.merge(base.model.params, snapshot, scale)
+    prompt = np.concatenate([np.asarray(chunk["tokens"], np.int32)
+                             for chunk in request["prompt"]["chunks"]])
+    base.check_tokens(prompt, "the prompt")
+    settings = request.get("sampling_params") or {}
+    stops = []
+    for stop in settings.get("stop") or []:
+      if isinstance(stop, int):
+        stops.append(stop)
+        continue
+      if base.tokenizer is None:
+        raise BadInput(f"stop string {stop!r}: {base.name!r} has no tokenizer here; give token ids")
+      ids = base.tokenizer.encode(stop)
+      if len(ids) != 1:
+        raise BadInput(f"stop string {stop!r} is {len(ids)} tokens; this service stops on "
+                       "single tokens: give token ids or one-token strings")
+      stops.append(ids[0])
+    n = int(request.get("num_samples", 1))
+    max_tokens = int(settings.get("max_tokens") or 16)
+    if len(prompt) + max_tokens > base.max_length:
+      raise BadInput(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed this "
+                     f"service's {base.max_length} for {base.name!r}")
+
+    def run():
+      completions = base.sample(
+          params, prompt.tolist(), n=n, max_tokens=max_tokens,
+          temperature=float(settings.get("temperature", 1.0)),
+          top_p=float(settings.get("top_p", 1.0)), top_k=max(int(settings.get("top_k", -1)), 0),
+          stop_token_ids=stops, seed=int(settings.get("seed") or 0))
+      return wire.sample_response([(c.response_tokens, c.logprobs,
+                                    "length" if c.finish_reason == "length" else "stop")
+                                   for c in completions])
+
+    return self.submit(run)
+
+
+def app(service: Service):
+  """The FastAPI application serving ``service`` under ``/api/v1``."""
+  import fastapi  # noqa: PLC0415 - an optional dependency (the tinker extra)
+  from fastapi.responses import JSONResponse, Response  # noqa: PLC0415
+
+  api = fastapi.FastAPI(title="rlx Tinker-compatible service")
+
+  @api.middleware("http")
+  async def check_key(request: fastapi.Request, call_next):
+    if service.api_key is not None and request.url.path != "/api/v1/healthz":
+      if request.headers.get("x-api-key") != service.api_key and request.headers.get(
+          "authorization", "").removeprefix("Bearer ") != service.api_key:
+        return JSONResponse({"error": "wrong or missing API key", "category": "user"}, 401)
+    try:
+      return await call_next(request)
+    except (BadInput, wire.WireError, KeyError) as error:
+      return JSONResponse({"error": str(error), "category": "user"}, 400)
+
+  def answer(result):
+    if isinstance(result, bytes):
+      return Response(result, media_type=wire.PROTOBUF)
+    return JSONResponse(result)
+
+  async def body(request: fastapi.Request) -> dict:
+    return await request.json()
+
+  @api.get("/api/v1/healthz")
+  async def healthz():
+    return {"status": "ok"}
+
+  @api.get("/api/v1/get_server_capabilities")
+  async def capabilities():
+    return {"supported_models": [{"model_name": name, "max_context_length": base.max_length,
+                                  "trainable": True, "sampleable": True}
+                                 for name, base in service.bases.items()]}
+
+  @api.post("/api/v1/client/config")
+  async def client_config(request: fastapi.Request):
+    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
+            "sample_use_retrieve_futures": False}
+
+  @api.post("/api/v1/client/dynamic_config")
+  async def dynamic_config(request: fastapi.Request):
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+  @api.post("/api/v1/telemetry")
+  async def telemetry(request: fastapi.Request):
+    return {"status": "accepted"}
+
+  @api.post("/api/v1/create_session")
+  async def create_session(request: fastapi.Request):
+    return {"type": "create_session", "session_id": service.create_session()}
+
+  @api.post("/api/v1/session_heartbeat")
+  async def heartbeat(request: fastapi.Request):
+    service.heartbeat((await body(request))["session_id"])
+    return {"type": "session_heartbeat"}
+
+  @api.post("/api/v1/create_model")
+  async def create_model(request: fastapi.Request):
+    return service.create_model(await body(request))
+
+  @api.post("/api/v1/get_info")
+  async def get_info(request: fastapi.Request):
+    return service.get_info((await body(request))["model_id"])
+
+  @api.post("/api/v1/forward_backward")
+  async def forward_backward(request: fastapi.Request):
+    return service.forward_backward(await request.body())
+
+  @api.post("/api/v1/optim_step")
+  async def optim_step(request: fastapi.Request):
+    return service.optim_step(await body(request))
+
+  @api.post("/api/v1/save_weights")
+  async def save_weights(request: fastapi.Request):
+    return service.save_weights(await body(request))
+
+  @api.post("/api/v1/save_weights_for_sampler")
+  async def save_weights_for_sampler(request: fastapi.Request):
+    return service.save_weights(await body(request), for_sampler=True)
+
+  @api.post("/api/v1/load_weights")
+  async def load_weights(request: fastapi.Request):
+    return service.load_weights(await body(request))
+
+  @api.post("/api/v1/create_sampling_session")
+  async def create_sampling_session(request: fastapi.Request):
+    return {"type": "create_sampling_session",
+            "sampling_session_id": service.create_sampling_session(await body(request))}
+
+  @api.post("/api/v1/asample")
+  async def asample(request: fastapi.Request):
+    return service.sample(await body(request))
+
+  @api.post("/api/v1/retrieve_future")
+  async def retrieve_future(request: fastapi.Request):
+    import asyncio  # noqa: PLC0415
+
+    request_id = (await body(request))["request_id"]
+    return answer(await asyncio.to_thread(service.retrieve, request_id))
+
+  for name, why in REFUSED.items():
+    async def refuse(request: fastapi.Request, name=name, why=why):
+      return JSONResponse({"error": f"{name} is not served by rlx: {why}", "category": "user"},
+                          400)
+    api.post(f"/api/v1/{name}")(refuse)
+
+  return api

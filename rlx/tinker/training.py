@@ -1,0 +1,201 @@
+"""What the service computes: base models, and one LoRA adapter with its own Adam state per
+training client.
+
+    base = Base.load("HuggingFaceTB/SmolLM2-135M-Instruct", "models/SmolLM2-135M-Instruct")
+    client = Adapter(base, rank=8, seed=0, train_attn=True, train_mlp=True)
+    outputs, metrics = client.forward_backward(datums, "cross_entropy", {})   # accumulates
+    metrics = client.optim_step(AdamHyper(learning_rate=1e-4))                # applies, clears
+    completions = base.sample(client.sampler_weights(), [prompt], n=4, ...)
+
+Every client's adapter sits beside the same base weights (``rlx.models.lora``: the base is an
+argument of the loss, never of the gradient); gradients of ``forward_backward`` calls add up
+until ``optim_step`` applies them with the step's Adam settings (``optax.inject_hyperparams``:
+changing the learning rate compiles nothing). Batches are padded to power-of-two rows and
+lengths, so the jitted step compiles once per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rlx import rollout
+from rlx.config import LoraConfig, ModelConfig
+from rlx.kernels import fused_logprobs
+from rlx.models import Model, build_model, load_tokenizer, lora
+from rlx.tinker import losses
+from rlx.tinker.wire import Datum
+
+LORA_ALPHA = 32.0
+"""The adapters' scale numerator (Tinker's): they add (32 / rank) x A B."""
+ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
+
+
+class BadInput(ValueError):
+  """A request the service refuses; the message names what is wrong and what is allowed."""
+
+
+def _bucket(n: int, smallest: int) -> int:
+  return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass
+class AdamHyper:
+  learning_rate: float = 1e-4
+  beta1: float = 0.9
+  beta2: float = 0.95
+  eps: float = 1e-12
+  weight_decay: float = 0.0
+  grad_clip_norm: float = 0.0
+
+
+class Base:
+  """A served base model: its weights, tokenizer and context length."""
+
+  def __init__(self, name: str, model: Model, tokenizer, max_length: int):
+    self.name, self.model, self.tokenizer, self.max_length = name, model, tokenizer, max_length
+
+  @classmethod
+  def load(cls, name: str, path: str, max_length: int = 4096) -> Base:
+    """The model at ``path`` (a Hugging Face directory); its tokenizer when it has one (only
+    stop strings need it)."""
+    has_tokenizer = (pathlib.Path(path) / "tokenizer.json").is_file()
+    return cls(name, build_model(ModelConfig(path=path)),
+               load_tokenizer(path) if has_tokenizer else None, max_length)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.arch.vocab_size
+
+  def check_tokens(self, tokens: np.ndarray, where: str) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+      bad = int(tokens[(tokens < 0) | (tokens >= self.vocab_size)][0])
+      raise BadInput(f"{where}: token id {bad} is outside the vocabulary of {self.name!r} "
+                     f"(0..{self.vocab_size - 1})")
+    if tokens.size > self.max_length:
+      raise BadInput(f"{where}: {tokens.size} tokens, more than this service's "
+                     f"{self.max_length} for {self.name!r}")
+
+  def sample(self, params, prompt: Sequence[int], *, n: int, max_tokens: int,
+             temperature: float, top_p: float, top_k: int, stop_token_ids: Sequence[int],
+             seed: int) -> list[rollout.Completion]:
+    """``n`` samples of ``prompt`` with ``params`` (the base's, or an adapter's merged in)."""
+    return rollout.generate(self.model, [list(prompt)], n=n, max_new_tokens=max_tokens,
+                            temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop_token_ids=list(stop_token_ids), seed=seed, params=params)
+
+
+@functools.partial(jax.jit, static_argnames=("transformer", "loss_fn", "config"))
+def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss_fn, config):
+  """The summed loss, and the target log-probs and per-token losses [B, T]."""
+  params = lora.combine(base_params, adapters)
+  B, T = tokens.shape
+  hidden, _ = transformer.hidden_states(params, tokens, jnp.ones((B, T), bool))
+  logprobs, _ = fused_logprobs(hidden.reshape(B * T, -1), transformer.unembedding(params),
+                               inputs["target_tokens"].reshape(-1))
+  logprobs = logprobs.reshape(B, T)
+  per_token = jnp.where(loss_mask, losses.per_token(loss_fn, logprobs, inputs, dict(config)),
+                        0.0)
+  return jnp.sum(per_token), (jnp.where(loss_mask, logprobs, 0.0), per_token)
+
+
+class Adapter:
+  """A training client's LoRA adapter on ``base``, its Adam state and its pending gradient."""
+
+  def __init__(self, base: Base, *, rank: int, seed: int | None = None, train_attn: bool = True,
+               train_mlp: bool = True):
+    targets = (ATTENTION if train_attn else ()) + (MLP if train_mlp else ())
+    if rank < 1 or not targets:
+      raise BadInput(f"LoraConfig(rank={rank}, train_attn={train_attn}, train_mlp={train_mlp}) "
+                     "adapts nothing: give a rank of 1 or more and train the attention or the MLP")
+    self.base = base
+    self.config = LoraConfig(rank=rank, alpha=LORA_ALPHA, targets=targets)
+    self.transformer = dataclasses.replace(base.model.transformer, lora_scale=self.config.scale)
+    self.adapters = lora.init_adapters(base.model.arch, self.config,
+                                       jax.random.key(0 if seed is None else seed))
+    self.optimizer = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)
+    self.opt_state = self.optimizer.init(self.adapters)
+    self.pending = None  # the gradients since the last optim_step, summed
+    self.steps = 0
+
+  def _arrays(self, datums: list[Datum], loss_fn: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    needed = losses.INPUTS[loss_fn]
+    B = _bucket(len(datums), 1)
+    T = _bucket(max(len(d.tokens) for d in datums), 16)
+    tokens = np.zeros((B, T), np.int32)
+    mask = np.zeros((B, T), bool)
+    inputs = {name: np.zeros((B, T), np.int32 if name == "target_tokens" else np.float32)
+              for name in needed}
+    for b, datum in enumerate(datums):
+      n = len(datum.tokens)
+      self.base.check_tokens(datum.tokens, f"datum {b}'s model_input")
+      missing = [name for name in needed if name not in datum.inputs]
+      if missing:
+        raise BadInput(f"datum {b}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(needed)}; "
+                       f"{missing} missing")
+      for name in needed:
+        value = np.asarray(datum.inputs[name]).reshape(-1)
+        if value.size != n:
+          raise BadInput(f"datum {b}: loss_fn_inputs[{name!r}] has {value.size} entries for "
+                         f"{n} input tokens; each input takes one per token")
+        inputs[name][b, :n] = value
+      self.base.check_tokens(inputs["target_tokens"][b, :n], f"datum {b}'s target_tokens")
+      tokens[b, :n] = datum.tokens
+      mask[b, :n] = True
+    return tokens, mask, inputs
+
+  def forward_backward(self, datums: list[Datum], loss_fn: str, config: dict | None,
+                       forward_only: bool = False) -> tuple[list[dict], dict[str, float]]:
+    """Each datum's target log-probs and per-token losses, and ``loss:sum``; unless
+    ``forward_only``, the gradient is added to the pending one."""
+    if not datums:
+      raise BadInput("forward_backward with no datums")
+    settings = losses.settings(loss_fn, config)
+    tokens, mask, inputs = self._arrays(datums, loss_fn)
+    run = functools.partial(_loss, transformer=self.transformer, loss_fn=loss_fn,
+                            config=tuple(sorted(settings.items())))
+    base_params = self.base.model.params
+    if forward_only:
+      loss, (logprobs, per_token) = run(self.adapters, base_params, tokens, mask, inputs)
+    else:
+      (loss, (logprobs, per_token)), grads = jax.value_and_grad(run, has_aux=True)(
+          self.adapters, base_params, tokens, mask, inputs)
+      self.pending = grads if self.pending is None else jax.tree.map(jnp.add, self.pending, grads)
+    logprobs, per_token = np.asarray(logprobs), np.asarray(per_token)
+    outputs = [{"logprobs": logprobs[b, :len(d.tokens)],
+                "elementwise_loss": per_token[b, :len(d.tokens)]} for b, d in enumerate(datums)]
+    return outputs, {"loss:sum": float(loss)}
+
+  def optim_step(self, hyper: AdamHyper) -> dict[str, float]:
+    """Applies the pending gradient with ``hyper``'s Adam settings; clears it."""
+    if self.pending is None:
+      raise BadInput("optim_step with no forward_backward since the last one: nothing to apply")
+    for name in ("learning_rate", "eps"):
+      if not (getattr(hyper, name) >= 0 and math.isfinite(getattr(hyper, name))):
+        raise BadInput(f"AdamParams.{name}={getattr(hyper, name)} must be finite and >= 0")
+    grads = self.pending
+    norm = float(optax.tree.norm(grads))
+    if hyper.grad_clip_norm > 0 and norm > hyper.grad_clip_norm:
+      grads = jax.tree.map(lambda g: g * (hyper.grad_clip_norm / norm), grads)
+    state = self.opt_state
+    state.hyperparams.update(learning_rate=hyper.learning_rate, b1=hyper.beta1, b2=hyper.beta2,
+                             eps=hyper.eps, weight_decay=hyper.weight_decay)
+    updates, self.opt_state = self.optimizer.update(grads, state, self.adapters)
+    self.adapters = optax.apply_updates(self.adapters, updates)
+    self.pending = None
+    self.steps += 1
+    return {"grad_norm": norm, "step": float(self.steps)}
+
+  def merged(self, adapters=None):
+    """The base's weights with ``adapters`` (default: the current ones) folded in."""
+    return lora.merge(self.base.model.params, self.adapters if adapters is None else adapters,
+                      self.config.scale)
