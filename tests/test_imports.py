@@ -70,6 +70,8 @@ ALLOWED = {
     "export": {"trainer", "config", "cli", "main", "mesh", "models", "update", "checkpoint"},
     # python -m rlx.fetch: a GGUF model converted and checked by the model code
     "fetch": {"models"},
+    # python -m rlx.tinker: the Tinker-compatible service on the models, kernels and engine
+    "tinker": {"models", "config", "kernels", "rollout"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
 NO_JAX = {"config", "cli", "report", "envs", "configs"}

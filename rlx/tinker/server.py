@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlx.models import lora
@@ -83,11 +84,16 @@ class Service:
 
   # -- the queue -------------------------------------------------------------------------------
 
-  def submit(self, fn: Callable[[], dict | bytes], model_id: str | None = None) -> dict:
+  def submit(self, fn: Callable[[], dict | bytes], model_id: str | None = None,
+             samples: int = 0) -> dict:
+    """Queues ``fn``; returns its future (with one sequence id per sample, for a sampling call)."""
     request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
     future = self.futures[request_id] = _Future()
     self._work.put((future, fn))
-    return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+    answer = {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+    if samples:
+      answer["sample_sequence_ids"] = [f"{request_id}:{i}" for i in range(samples)]
+    return answer
 
   def _run(self) -> None:
     while True:
@@ -230,15 +236,18 @@ class Service:
                       request.get("path"))
 
     def save():
-      snapshot = jax.tree.map(np.asarray, adapter.adapters)
+      snapshot = adapter.adapters  # immutable arrays: a step replaces them, never writes them
       directory = self._directory(path)
       lora.save_peft(snapshot, adapter.base.model.arch, adapter.config, directory, None)
       if for_sampler:
         self.samplers[path] = (adapter.base, snapshot, adapter.config.scale)
+        if request.get("path") is None:  # an unnamed snapshot: a sampling session on it
+          session_id = f"sampling-{uuid.uuid4().hex[:12]}"
+          self.sampling_sessions[session_id] = path
+          return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
         return {"type": "save_weights_for_sampler", "path": path}
-      state = jax.tree.map(np.asarray, adapter.opt_state)
-      np.save(directory / "optimizer.npy", np.asarray(jax.tree.leaves(state), dtype=object),
-              allow_pickle=True)
+      leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(adapter.opt_state)]
+      np.savez(directory / "optimizer.npz", *leaves)
       return {"type": "save_weights", "path": path}
 
     return self.submit(save, model_id)
@@ -255,10 +264,11 @@ class Service:
       adapters = lora.load_peft(directory, adapter.base.model.arch, adapter.config)
       state = None
       if with_optimizer:
-        saved = directory / "optimizer.npy"
+        saved = directory / "optimizer.npz"
         if not saved.is_file():
           raise BadInput(f"{request['path']!r} holds no optimizer state (a sampler checkpoint)")
-        leaves = list(np.load(saved, allow_pickle=True))
+        with np.load(saved) as arrays:
+          leaves = [jnp.asarray(arrays[f"arr_{i}"]) for i in range(len(arrays.files))]
         state = jax.tree.unflatten(jax.tree.structure(adapter.opt_state), leaves)
       adapter.adapters, adapter.pending = adapters, None
       if state is not None:
@@ -323,7 +333,7 @@ class Service:
                                     "length" if c.finish_reason == "length" else "stop")
                                    for c in completions])
 
-    return self.submit(run)
+    return self.submit(run, samples=n)
 
 
 def app(service: Service):

@@ -55,7 +55,7 @@ def test_capabilities_list_the_served_models(service_url):
 
 
 def test_a_supervised_loop_lowers_the_loss(client):
-  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0)
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
   data = [_datum([1, 5, 9, 13, 17, 21, 25, 29]), _datum([2, 4, 6, 8, 10, 12])]
   losses = []
   for _ in range(8):
@@ -69,3 +69,93 @@ def test_a_supervised_loop_lowers_the_loss(client):
   assert logprobs.shape == (7,) and np.all(logprobs <= 0)
   assert np.isclose(-sum(o["logprobs"].to_numpy().sum() for o in out.loss_fn_outputs),
                     losses[-1], rtol=1e-4)
+
+
+def test_sampling_from_the_base_and_from_saved_weights(client):
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+  prompt = tinker.ModelInput.from_ints([1, 5, 9, 13])
+  params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+  base = client.create_sampling_client(base_model=BASE).result()
+  drawn = base.sample(prompt, num_samples=3, sampling_params=params).result()
+  assert len(drawn.sequences) == 3
+  for sequence in drawn.sequences:
+    assert 1 <= len(sequence.tokens) <= 6 and len(sequence.logprobs) == len(sequence.tokens)
+    assert all(lp <= 0 for lp in sequence.logprobs)
+  # a fresh adapter (B = 0) is exactly the base: same seed, same tokens
+  fresh = training.save_weights_and_get_sampling_client().result()
+  same = fresh.sample(prompt, num_samples=3, sampling_params=params).result()
+  assert [s.tokens for s in same.sequences] == [s.tokens for s in drawn.sequences]
+
+
+def test_save_and_load_weights_round_trip_bitwise(client, service_url):
+  service = service_url[1]
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+  data = [_datum([3, 7, 11, 15, 19])]
+  training.forward_backward(data, "cross_entropy").result()
+  training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+  path = training.save_state("after-one").result().path
+  model_id = training.model_id
+  saved = {k: np.asarray(v) for k, v in _flat(service.adapters[model_id].adapters).items()}
+  training.forward_backward(data, "cross_entropy").result()
+  training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+  moved = _flat(service.adapters[model_id].adapters)
+  assert any(not np.array_equal(saved[k], np.asarray(moved[k])) for k in saved)
+  training.load_state_with_optimizer(path).result()
+  loaded = _flat(service.adapters[model_id].adapters)
+  assert all(np.array_equal(saved[k], np.asarray(loaded[k])) for k in saved)
+
+
+def _flat(tree):
+  import jax
+
+  return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_one_clients_step_never_changes_anothers(client):
+  one = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+  two = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+  data = [_datum([1, 5, 9, 13, 17])]
+  before = two.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+  two.optim_step(tinker.AdamParams(learning_rate=0.0)).result()  # clears two's gradient
+  for _ in range(3):
+    one.forward_backward(data, "cross_entropy").result()
+    one.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+  assert one.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] < before
+  assert two.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] == before
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: [_datum([1, 2, 999])], "outside the vocabulary"),
+    (lambda: [tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+                           loss_fn_inputs={"target_tokens": np.array([2, 3], np.int64),
+                                           "weights": np.ones(2, np.float32)})],
+     "one per token"),
+    (lambda: [tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+                           loss_fn_inputs={"target_tokens": np.array([2, 3, 4], np.int64)})],
+     "missing"),
+])
+def test_bad_datums_fail_their_call_with_the_reason_and_change_nothing(client, service_url, make,
+                                                                       message):
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+  adapters = _flat(service_url[1].adapters[training.model_id].adapters)
+  with pytest.raises(tinker.RequestFailedError, match=message):
+    training.forward_backward(make(), "cross_entropy").result()
+  assert service_url[1].adapters[training.model_id].pending is None
+  after = _flat(service_url[1].adapters[training.model_id].adapters)
+  assert all(np.array_equal(np.asarray(adapters[k]), np.asarray(after[k])) for k in adapters)
+  # the service keeps serving
+  assert training.forward_backward([_datum([1, 2, 3])], "cross_entropy").result().metrics
+
+
+def test_an_unknown_loss_or_config_key_is_refused_by_name(client):
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+  with pytest.raises(tinker.RequestFailedError, match="'dpo' is not served"):
+    training.forward_backward([_datum([1, 2, 3])], "dpo").result()
+  with pytest.raises(tinker.RequestFailedError, match="clip_lo"):
+    training.forward_backward([_datum([1, 2, 3])], "cross_entropy",
+                              loss_fn_config={"clip_lo": 0.5}).result()
+
+
+def test_an_unknown_base_model_is_refused_with_the_served_ones(client):
+  with pytest.raises(Exception, match="not served here"):
+    client.create_lora_training_client(base_model="nobody/none", rank=4).result()
