@@ -55,6 +55,8 @@ class _Future:
   proto: bytes | None = None
   error: str | None = None
   category: str = "user"
+  seconds: float = 0.0
+  """How long the worker took (queueing excluded)."""
 
 
 @dataclasses.dataclass
@@ -76,6 +78,7 @@ class Service:
     self.samplers: dict[str, tuple] = {}  # path -> (base, adapters, their scale)
     self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base)
     self.futures: dict[str, _Future] = {}
+    self._last_merged: tuple = (None, None)
     self._work: queue.Queue = queue.Queue()
     self._lock = threading.Lock()
     self._ids = itertools.count()
@@ -98,6 +101,7 @@ class Service:
   def _run(self) -> None:
     while True:
       future, fn = self._work.get()
+      started = time.perf_counter()
       try:
         result = fn()
         if isinstance(result, bytes):
@@ -109,6 +113,7 @@ class Service:
       except Exception as error:  # noqa: BLE001 - reported to the caller, the service goes on
         future.error, future.category = f"{type(error).__name__}: {error}", "server"
         log.error("tinker: a call failed:\n%s", traceback.format_exc())
+      future.seconds = time.perf_counter() - started
       future.done.set()
 
   def retrieve(self, request_id: str, wait_s: float = POLL_S):
@@ -291,6 +296,13 @@ class Service:
     self.sampling_sessions[session_id] = path if path is not None else f"base:{request['base_model']}"
     return session_id
 
+  def _merged(self, path: str, base: Base, snapshot, scale: float):
+    """The base with ``path``'s adapters folded in, kept for the next call on the same path
+    (a sampling client samples many times from one snapshot)."""
+    if self._last_merged[0] != path:
+      self._last_merged = (path, lora.merge(base.model.params, snapshot, scale))
+    return self._last_merged[1]
+
   def sample(self, request: dict) -> dict:
     where = self.sampling_sessions.get(request.get("sampling_session_id")) or (
         request.get("model_path") or f"base:{request.get('base_model')}")
@@ -300,7 +312,7 @@ class Service:
       if where not in self.samplers:
         raise BadInput(f"model_path {where!r} is not a sampler checkpoint of this service")
       base, snapshot, scale = self.samplers[where]
-      params = lora.merge(base.model.params, snapshot, scale)
+      params = self._merged(where, base, snapshot, scale)
     prompt = np.concatenate([np.asarray(chunk["tokens"], np.int32)
                              for chunk in request["prompt"]["chunks"]])
     base.check_tokens(prompt, "the prompt")

@@ -37,6 +37,10 @@ from rlx.tinker.wire import Datum
 LORA_ALPHA = 32.0
 """The adapters' scale numerator (Tinker's): they add (32 / rank) x A B."""
 ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
+ADAM = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12,
+                                             weight_decay=0.0)
+"""One optimizer for every adapter (its settings live in each adapter's state), so that its
+jitted step compiles once per adapter shape."""
 
 
 class BadInput(ValueError):
@@ -93,7 +97,6 @@ class Base:
                             stop_token_ids=list(stop_token_ids), seed=seed, params=params)
 
 
-@functools.partial(jax.jit, static_argnames=("transformer", "loss_fn", "config"))
 def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss_fn, config):
   """The summed loss, and the target log-probs and per-token losses [B, T]."""
   params = lora.combine(base_params, adapters)
@@ -105,6 +108,22 @@ def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss
   per_token = jnp.where(loss_mask, losses.per_token(loss_fn, logprobs, inputs, dict(config)),
                         0.0)
   return jnp.sum(per_token), (jnp.where(loss_mask, logprobs, 0.0), per_token)
+
+
+_STATIC = ("transformer", "loss_fn", "config")
+_forward = jax.jit(_loss, static_argnames=_STATIC)
+_forward_backward = jax.jit(jax.value_and_grad(_loss, has_aux=True), static_argnames=_STATIC)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
+def _apply(optimizer, grads, state, adapters, clip_norm):
+  """One Adam step with the gradient clipped to ``clip_norm`` (0: never); the new adapters,
+  state and the gradient's norm before clipping."""
+  norm = optax.tree.norm(grads)
+  scale = jnp.where((clip_norm > 0) & (norm > clip_norm), clip_norm / norm, 1.0)
+  grads = jax.tree.map(lambda g: g * scale, grads)
+  updates, state = optimizer.update(grads, state, adapters)
+  return optax.apply_updates(adapters, updates), state, norm
 
 
 class Adapter:
@@ -121,8 +140,7 @@ class Adapter:
     self.transformer = dataclasses.replace(base.model.transformer, lora_scale=self.config.scale)
     self.adapters = lora.init_adapters(base.model.arch, self.config,
                                        jax.random.key(0 if seed is None else seed))
-    self.optimizer = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)
+    self.optimizer = ADAM
     self.opt_state = self.optimizer.init(self.adapters)
     self.pending = None  # the gradients since the last optim_step, summed
     self.steps = 0
@@ -161,15 +179,15 @@ class Adapter:
       raise BadInput("forward_backward with no datums")
     settings = losses.settings(loss_fn, config)
     tokens, mask, inputs = self._arrays(datums, loss_fn)
-    run = functools.partial(_loss, transformer=self.transformer, loss_fn=loss_fn,
-                            config=tuple(sorted(settings.items())))
-    base_params = self.base.model.params
+    static = dict(transformer=self.transformer, loss_fn=loss_fn,
+                  config=tuple(sorted(settings.items())))
+    args = (self.adapters, self.base.model.params, tokens, mask, inputs)
     if forward_only:
-      loss, (logprobs, per_token) = run(self.adapters, base_params, tokens, mask, inputs)
+      loss, (logprobs, per_token) = _forward(*args, **static)
     else:
-      (loss, (logprobs, per_token)), grads = jax.value_and_grad(run, has_aux=True)(
-          self.adapters, base_params, tokens, mask, inputs)
+      (loss, (logprobs, per_token)), grads = _forward_backward(*args, **static)
       self.pending = grads if self.pending is None else jax.tree.map(jnp.add, self.pending, grads)
+      jax.block_until_ready(self.pending)  # the call's time is its own, and so are its errors
     logprobs, per_token = np.asarray(logprobs), np.asarray(per_token)
     outputs = [{"logprobs": logprobs[b, :len(d.tokens)],
                 "elementwise_loss": per_token[b, :len(d.tokens)]} for b, d in enumerate(datums)]
@@ -182,15 +200,14 @@ class Adapter:
     for name in ("learning_rate", "eps"):
       if not (getattr(hyper, name) >= 0 and math.isfinite(getattr(hyper, name))):
         raise BadInput(f"AdamParams.{name}={getattr(hyper, name)} must be finite and >= 0")
-    grads = self.pending
-    norm = float(optax.tree.norm(grads))
-    if hyper.grad_clip_norm > 0 and norm > hyper.grad_clip_norm:
-      grads = jax.tree.map(lambda g: g * (hyper.grad_clip_norm / norm), grads)
     state = self.opt_state
-    state.hyperparams.update(learning_rate=hyper.learning_rate, b1=hyper.beta1, b2=hyper.beta2,
-                             eps=hyper.eps, weight_decay=hyper.weight_decay)
-    updates, self.opt_state = self.optimizer.update(grads, state, self.adapters)
-    self.adapters = optax.apply_updates(self.adapters, updates)
+    for name, value in (("learning_rate", hyper.learning_rate), ("b1", hyper.beta1),
+                        ("b2", hyper.beta2), ("eps", hyper.eps),
+                        ("weight_decay", hyper.weight_decay)):
+      state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
+    self.adapters, self.opt_state, norm = _apply(self.optimizer, self.pending, state,
+                                                 self.adapters, jnp.float32(hyper.grad_clip_norm))
+    norm = float(norm)
     self.pending = None
     self.steps += 1
     return {"grad_norm": norm, "step": float(self.steps)}
