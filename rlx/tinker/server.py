@@ -341,9 +341,11 @@ class Service:
           temperature=float(settings.get("temperature", 1.0)),
           top_p=float(settings.get("top_p", 1.0)), top_k=max(int(settings.get("top_k", -1)), 0),
           stop_token_ids=stops, seed=int(settings.get("seed") or 0))
+      prompt_logprobs = (base.prompt_logprobs(params, prompt.tolist())
+                         if request.get("prompt_logprobs") else None)
       return wire.sample_response([(c.response_tokens, c.logprobs,
                                     "length" if c.finish_reason == "length" else "stop")
-                                   for c in completions])
+                                   for c in completions], prompt_logprobs)
 
     return self.submit(run, samples=n)
 

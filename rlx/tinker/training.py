@@ -88,6 +88,16 @@ class Base:
       raise BadInput(f"{where}: {tokens.size} tokens, more than this service's "
                      f"{self.max_length} for {self.name!r}")
 
+  def prompt_logprobs(self, params, prompt: Sequence[int]) -> np.ndarray:
+    """float32 [len(prompt)]: each prompt token's log-prob after the ones before it (NaN for
+    the first), with ``params`` (None: the base's)."""
+    n = len(prompt)
+    tokens = np.zeros((1, _bucket(n, 16)), np.int32)
+    tokens[0, :n] = prompt
+    logprobs = np.asarray(_prompt_logprobs(self.model.params if params is None else params,
+                                           tokens, transformer=self.model.transformer))
+    return np.concatenate([[np.nan], logprobs[0, :n - 1]]).astype(np.float32)
+
   def sample(self, params, prompt: Sequence[int], *, n: int, max_tokens: int,
              temperature: float, top_p: float, top_k: int, stop_token_ids: Sequence[int],
              seed: int) -> list[rollout.Completion]:
@@ -108,6 +118,17 @@ def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss
   per_token = jnp.where(loss_mask, losses.per_token(loss_fn, logprobs, inputs, dict(config)),
                         0.0)
   return jnp.sum(per_token), (jnp.where(loss_mask, logprobs, 0.0), per_token)
+
+
+@functools.partial(jax.jit, static_argnames="transformer")
+def _prompt_logprobs(params, tokens, *, transformer):
+  """[1, T] log-probs of tokens[:, 1:] after the ones before them (the last entry unused)."""
+  B, T = tokens.shape
+  hidden, _ = transformer.hidden_states(params, tokens, jnp.ones((B, T), bool))
+  targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+  logprobs, _ = fused_logprobs(hidden.reshape(B * T, -1), transformer.unembedding(params),
+                               targets.reshape(-1))
+  return logprobs.reshape(B, T)
 
 
 _STATIC = ("transformer", "loss_fn", "config")

@@ -159,3 +159,16 @@ def test_an_unknown_loss_or_config_key_is_refused_by_name(client):
 def test_an_unknown_base_model_is_refused_with_the_served_ones(client):
   with pytest.raises(Exception, match="not served here"):
     client.create_lora_training_client(base_model="nobody/none", rank=4).result()
+
+
+def test_compute_logprobs_gives_each_prompt_tokens_log_prob(client):
+  sampler = client.create_sampling_client(base_model=BASE).result()
+  tokens = [1, 7, 19, 23, 42, 5]
+  logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
+  assert len(logprobs) == len(tokens) and logprobs[0] is None
+  assert all(lp is not None and lp < 0 for lp in logprobs[1:])
+  # the same numbers as the training side's forward pass on the base (a fresh adapter)
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+  out = training.forward([_datum(tokens)], "cross_entropy").result()
+  np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), logprobs[1:],
+                             rtol=1e-4, atol=1e-5)
