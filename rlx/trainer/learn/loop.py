@@ -167,29 +167,11 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           if failing >= config.reward.max_error_steps:
             _save_before_failing(learner, step, start, data_state, meta(), "a reward that never "
                                  "works", say)
-            raise RewardFailedError(
-                f"every reward call of {failing} steps in a row failed (config.reward."
-                f"max_error_steps={config.reward.max_error_steps}); the first error: "
-                f"{run.pool.first_error or 'in the generator job: see its log'}. Fix the "
-                f"reward function (config.reward.name={config.reward.name!r}) or the data's "
-                "fields it reads; checkpoints so far are kept")
-          versions = batch.policy_versions or [c.policy_version for c in draw.completions]
-          lag_mean, lag_max = control.lag(versions, learner.version)
-          # clocks differ between hosts: process 0 decides, every process follows
-          verdict = distributed.agree(controller.verdict(
-              lag_max, time.time() - draw.born, lag_min=learner.version - max(versions)))
+            raise _reward_failed(run, failing)
+          verdict, lag_mean = _judge(batch, learner, controller, source, counts, step, say)
           if verdict != control.TRAIN:
-            counts[verdict] += 1
-            source.settle(batch, verdict, learner.version)
-            if verdict == control.EXPIRE and batch.current:
-              _retune(controller.observe(step, lag_mean=lag_mean), controller, source, say)
             continue
-          # a save that failed (a full disk) stops the run before it trains another step that
-          # could not be saved; agreed, since every process writes its part of a checkpoint
-          failed = learner.checkpointer.failed_save()
-          if distributed.any_process(failed is not None):
-            raise failed or CheckpointError("writing a checkpoint failed on another process: "
-                                            "see its log")
+          _stop_on_a_failed_save(learner)
           metrics = learner.learn(draw, clip_eps_high=controller.clip_eps_high)
           if learner_delay_s:
             time.sleep(learner_delay_s)
@@ -203,12 +185,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           _retune(controller.observe(step, lag_mean=lag_mean if batch.current else None,
                                      is_clip_frac=metrics["policy/is_clip_frac"],
                                      entropy=metrics["policy/entropy"]), controller, source, say)
-          metrics.update(controller.metrics())
-          if controller.expires:
-            metrics["rollout/expired_batches"] = counts[control.EXPIRE]
+          metrics.update(controller.metrics(), **_counted(run, controller, counts))
           metrics.update({
-              "rollout/dropped_batches": counts[control.DROP],
-              "data/skipped_rows": run.source.skipped + run.stream.skipped,
               "time/step_s": elapsed, "time/wait_for_data_s": received - since,
               "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
               "time/sync_s": sync_seconds, "sync/bytes": learner.sync_bytes,
@@ -219,33 +197,14 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           metrics["throughput/learning_tokens_per_s"] = learned_tokens / learning_seconds
           for line in health.check(metrics):
             say(line)
-          every = config.logging.samples_every
-          if every and step % every == 0 and distributed.lead():
-            rows = sample_rows(step, draw, run.tokenizer, config.logging.samples_groups,
-                               config.rollout.group_size)
-            with open(run.workdir / "samples.jsonl", "a") as samples:
-              samples.writelines(json.dumps(row) + "\n" for row in rows)
-            if config.logging.samples_console and rows:
-              say(describe_sample(rows[0]))
+          _write_samples(run, step, draw, say)
           since = finished
           stopping = stop.agree()  # every process stops after the same step
-          if config.mesh.check_agreement:
-            distributed.check_same(
-                {"step": step, "policy_version": learner.version,
-                 "data_state": zlib.crc32(json.dumps(data_state, sort_keys=True).encode())},
-                f"the loop's state after step {step}")
+          _check_agreement(config, step, learner, data_state)
           last = step == config.trainer.steps and not stopping
-          if evaluation_due(config, step, stopping) or last:
-            # the last step's evaluation is the final one: logged with its step, run once
-            progress.doing(f"evaluating after step {step}")
-            evaluated = evaluate(run, learner.generation_params())
-            metrics.update(evaluated)
-            final = evaluated if last else None
-          sink.write(step, metrics, force=last)
-          if learner.checkpoint_due(step, stopping):
-            progress.doing(f"saving the checkpoint of step {step}")
-            learner.save(step, data_state, **meta())
-          _export(run, learner, step)
+          evaluated = _close_step(run, learner, sink, evaluate, metrics, step, stopping, last,
+                                  data_state, meta)
+          final = evaluated if last else final
       finally:
         source.close()
       ended = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
@@ -261,6 +220,93 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                  dropped_batches=counts[control.DROP], expired_batches=counts[control.EXPIRE],
                  control_events=tuple(str(event) for event in controller.events),
                  first_step=start or 0)
+
+
+def _close_step(run: Run, learner: Learner, sink: MetricsSink, evaluate: Evaluate,
+                metrics: dict, step: int, stopping: bool, last: bool, data_state: dict,
+                meta) -> dict | None:
+  """After ``step``: its evaluation when due (the ``last`` step's is the final one, logged
+  with its step and run once), its metrics, its checkpoint when due, its export; returns the
+  evaluation's figures (None when none ran)."""
+  evaluated = None
+  if evaluation_due(run.config, step, stopping) or last:
+    progress.doing(f"evaluating after step {step}")
+    evaluated = evaluate(run, learner.generation_params())
+    metrics.update(evaluated)
+  sink.write(step, metrics, force=last)
+  if learner.checkpoint_due(step, stopping):
+    progress.doing(f"saving the checkpoint of step {step}")
+    learner.save(step, data_state, **meta())
+  _export(run, learner, step)
+  return evaluated
+
+
+def _judge(batch: Batch, learner: Learner, controller: control.Controller, source: BatchSource,
+           counts: dict, step: int, say: Say) -> tuple[str, float]:
+  """The controller's verdict on ``batch`` (agreed: process 0 decides, every process follows,
+  since clocks differ between hosts) and its mean lag; a batch not trained is settled and
+  counted here."""
+  draw = batch.draw
+  versions = batch.policy_versions or [c.policy_version for c in draw.completions]
+  lag_mean, lag_max = control.lag(versions, learner.version)
+  verdict = distributed.agree(controller.verdict(
+      lag_max, time.time() - draw.born, lag_min=learner.version - max(versions)))
+  if verdict != control.TRAIN:
+    counts[verdict] += 1
+    source.settle(batch, verdict, learner.version)
+    if verdict == control.EXPIRE and batch.current:
+      _retune(controller.observe(step, lag_mean=lag_mean), controller, source, say)
+  return verdict, lag_mean
+
+
+def _stop_on_a_failed_save(learner: Learner) -> None:
+  """A save that failed (a full disk) stops the run before it trains another step that could
+  not be saved; agreed, since every process writes its part of a checkpoint."""
+  failed = learner.checkpointer.failed_save()
+  if distributed.any_process(failed is not None):
+    raise failed or CheckpointError("writing a checkpoint failed on another process: see its log")
+
+
+def _reward_failed(run: Run, failing: int) -> RewardFailedError:
+  config = run.config
+  return RewardFailedError(
+      f"every reward call of {failing} steps in a row failed (config.reward."
+      f"max_error_steps={config.reward.max_error_steps}); the first error: "
+      f"{run.pool.first_error or 'in the generator job: see its log'}. Fix the "
+      f"reward function (config.reward.name={config.reward.name!r}) or the data's "
+      "fields it reads; checkpoints so far are kept")
+
+
+def _counted(run: Run, controller: control.Controller, counts: dict) -> dict[str, float]:
+  """The batches the controller dropped (and expired, where it expires) and the rows skipped."""
+  counted = {"rollout/dropped_batches": counts[control.DROP],
+             "data/skipped_rows": run.source.skipped + run.stream.skipped}
+  if controller.expires:
+    counted["rollout/expired_batches"] = counts[control.EXPIRE]
+  return counted
+
+
+def _write_samples(run: Run, step: int, draw, say: Say) -> None:
+  """Every ``logging.samples_every`` steps, a few groups' samples to samples.jsonl (process 0)."""
+  logging = run.config.logging
+  if not (logging.samples_every and step % logging.samples_every == 0 and distributed.lead()):
+    return
+  rows = sample_rows(step, draw, run.tokenizer, logging.samples_groups,
+                     run.config.rollout.group_size)
+  with open(run.workdir / "samples.jsonl", "a") as samples:
+    samples.writelines(json.dumps(row) + "\n" for row in rows)
+  if logging.samples_console and rows:
+    say(describe_sample(rows[0]))
+
+
+def _check_agreement(config: RunConfig, step: int, learner: Learner, data_state: dict) -> None:
+  """With ``mesh.check_agreement``: every process holds the same step, version and data
+  position after ``step``, or the run stops naming what differs."""
+  if config.mesh.check_agreement:
+    distributed.check_same(
+        {"step": step, "policy_version": learner.version,
+         "data_state": zlib.crc32(json.dumps(data_state, sort_keys=True).encode())},
+        f"the loop's state after step {step}")
 
 
 def _save_before_failing(learner: Learner, step: int, start: int | None, data_state: dict,
