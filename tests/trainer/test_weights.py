@@ -117,3 +117,21 @@ def test_ask_starts_a_read_at_once_whatever_the_poll_interval():
   assert not weights.ask() and storage.reads == 2  # the learner showed 2: read now
   _settle(weights)
   assert weights.ask() and weights.version == 2
+
+
+def test_going_back_to_an_earlier_version_drops_the_read_under_way():
+  """The learner resumed from an earlier checkpoint: the producer holds the version it names,
+  older than its own, and a read started before that never lands over it."""
+  storage = Storage()
+  weights = Weights(storage.latest, background=True)
+  storage.newest = 5
+  weights.refresh(force=True)
+  assert weights.version == 5
+  storage.newest, storage.gate = 7, threading.Event()  # a slow read of version 7 starts
+  weights.ask()
+  storage.gate.set()
+  weights.go_back(("params-2", 2))
+  assert (weights.params, weights.version) == ("params-2", 2)
+  assert weights._reading is None and not weights.refresh()  # nothing from the dropped read
+  weights.go_back(None)
+  assert (weights.params, weights.version) == (None, -1)

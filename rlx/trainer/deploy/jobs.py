@@ -288,8 +288,7 @@ class FileGate:
       elif (opened and weights.version > seen["version"]
             and max(self.run.sync.versions(), default=-1) < weights.version):
         # nothing newer because the learner resumed from an earlier checkpoint: take its
-        weights.close()
-        weights.params, weights.version = _latest(self.run, -1) or (None, -1)
+        weights.go_back(_latest(self.run, -1))
       # open, with weights the learner has reached (shared storage may not show them yet)
       if opened and weights.params is not None and weights.version >= seen["version"]:
         self._noticed = time.perf_counter()

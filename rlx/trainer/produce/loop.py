@@ -161,6 +161,13 @@ class Weights:
     self.swaps += 1
     return True
 
+  def go_back(self, held: tuple | None) -> None:
+    """Holds ``held`` = ``(params, version)`` (None: nothing) even if older than the version
+    held now: the learner resumed from an earlier checkpoint, and the newer versions are gone.
+    A read under way is waited for and dropped."""
+    self.close()
+    self.params, self.version = held or (None, -1)
+
   def close(self) -> None:
     """Waits for a read under way (before the sync it reads from closes)."""
     if self._reading is not None:
