@@ -183,8 +183,8 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
 
     with jax.log_compiles(), caplog.at_level("WARNING"):
       for prompt_len, temperature, clip in ((3, None, 0.2), (5, 1.3, 0.28), (8, 0.7, 0.35)):
-        learner.clip_eps_high = clip  # prompts bucketed to 8 tokens, responses to 8
-        metrics = learner.learn(draw(prompt_len, temperature))
+        # prompts bucketed to 8 tokens, responses to 8; the clip range a traced input
+        metrics = learner.learn(draw(prompt_len, temperature), clip_eps_high=clip)
       assert compiled() == [1] * len(programs)
       for prompt_len in (12, 16, 2, 9):  # a 16-token prompt bucket, then both again
         metrics = learner.learn(draw(prompt_len))

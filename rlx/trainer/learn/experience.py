@@ -225,7 +225,6 @@ def make_prepare(config: RunConfig, transformer: Transformer, *, param_shardings
     return jitted(params, ref_params, critic_params, sampled, jnp.asarray(coef, jnp.float32),
                   packing)
 
-  run.jitted = jitted
   return run
 
 

@@ -208,7 +208,7 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes, workdir: pathlib.
   else:
     shardings = param_shardings(model.arch, meshes.generation, rules)
     like = model.params
-  # versions a reader may still be restoring stay on storage: k + 2 of them. A learner job
+  # versions a reader may still be restoring stay on storage: k + 3 of them. A learner job
   # only writes them: in the background, while it trains the next batch (its generator's gate
   # waits until the version is on storage).
   # with LoRA the inner sync ships adapters, and the merged model is what the generator keeps
