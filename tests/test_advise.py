@@ -10,7 +10,7 @@ import pytest
 
 from rlx import cli
 from rlx.advise import splits_to_probe
-from rlx.advise.model import (Probe, _interpolate, groups_in_flight, overlapped, predict, reasons,
+from rlx.advise.model import (Probe, _interpolate, advised_groups_in_flight, overlapped, predict, reasons,
                               stream_advice)
 from tests.trainer import tiny
 
@@ -92,11 +92,11 @@ def _agent_config(*overrides):
 def test_groups_in_flight_fill_the_slots_within_what_the_gate_admits():
   config = _agent_config()
   # in a slot a quarter of its life: 64 slots need 256 episodes, 32 groups of 8
-  assert groups_in_flight(config, 0.25, k=3) == 32
-  assert groups_in_flight(config, 0.25, k=2) == 24  # the gate admits 3 batches of 8 groups
-  assert groups_in_flight(config, 0.5, k=3) == 16
-  assert groups_in_flight(config, 1.0, k=3) == 8  # parked in their slots: one batch fills them
-  assert groups_in_flight(config, 0.0, k=1) == 16  # never in a slot: as many as admitted
+  assert advised_groups_in_flight(config, 0.25, k=3) == 32
+  assert advised_groups_in_flight(config, 0.25, k=2) == 24  # the gate admits 3 batches of 8 groups
+  assert advised_groups_in_flight(config, 0.5, k=3) == 16
+  assert advised_groups_in_flight(config, 1.0, k=3) == 8  # parked in their slots: one batch fills them
+  assert advised_groups_in_flight(config, 0.0, k=1) == 16  # never in a slot: as many as admitted
 
 
 def test_the_advisor_adds_continuous_admission_for_episodes_only():

@@ -9,6 +9,7 @@ import math
 import statistics
 
 from rlx.config import RunConfig
+from rlx.trainer import control
 
 
 @dataclasses.dataclass
@@ -143,10 +144,11 @@ def groups_needed(config: RunConfig, in_slot_frac: float) -> int:
                    / (max(in_slot_frac, 1e-3) * config.rollout.group_size))
 
 
-def groups_in_flight(config: RunConfig, in_slot_frac: float, k: int) -> int:
-  """``groups_needed``, at least one batch and at most what the gate admits: k + 1 batches."""
-  batch = config.data.prompts_per_step
-  return max(batch, min(groups_needed(config, in_slot_frac), (k + 1) * batch))
+def advised_groups_in_flight(config: RunConfig, in_slot_frac: float, k: int) -> int:
+  """The ``mesh.groups_in_flight`` to advise: ``groups_needed``, at least one batch and at
+  most what the gate admits at bound ``k`` (``control.admitted_groups``)."""
+  return max(config.data.prompts_per_step,
+             min(groups_needed(config, in_slot_frac), control.admitted_groups(config, k)))
 
 
 def stream_advice(config: RunConfig, best: Prediction, probes: list[Probe],
@@ -162,7 +164,7 @@ def stream_advice(config: RunConfig, best: Prediction, probes: list[Probe],
   share, batch = statistics.median(measured), config.data.prompts_per_step
   needed = groups_needed(config, share)
   k = min(max(best.k, math.ceil(needed / batch) - 1), max(max_k, best.k))
-  groups = groups_in_flight(config, share, k)
+  groups = advised_groups_in_flight(config, share, k)
   reason = (f"episodes held a decode slot {share:.0%} of their life (env.release_slots="
             f"{config.env.release_slots}): {needed} groups ({needed * config.rollout.group_size}"
             f" episodes) under way would keep the {config.rollout.max_slots} slots decoding")

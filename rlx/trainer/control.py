@@ -86,6 +86,23 @@ def may_start(index: int, finished: int, k: int) -> bool:
   return finished >= index - k
 
 
+def admitted_groups(config: RunConfig, k: int) -> int:
+  """The most groups the gate lets be sampled ahead at bound ``k``: ``may_start`` lets batch
+  ``finished + k`` start, so k + 1 batches of ``data.prompts_per_step`` groups."""
+  return (k + 1) * config.data.prompts_per_step
+
+
+def groups_in_flight(config: RunConfig) -> int:
+  """A stream's bound on groups admitted and not yet handed over: ``mesh.groups_in_flight``,
+  or (0) one batch and twice what the slots hold: the next batch's groups take the slots the
+  current one's stragglers leave (a bound of one batch would be the batch barrier again). The
+  gate caps it further at ``admitted_groups``."""
+  if config.mesh.groups_in_flight:
+    return config.mesh.groups_in_flight
+  slots_worth = -(-config.rollout.max_slots // config.rollout.group_size)
+  return config.data.prompts_per_step + 2 * slots_worth
+
+
 def past_bound(lag_max: int, max_staleness: int) -> bool:
   """Whether a batch whose largest lag is ``lag_max`` breaks the bound k = ``max_staleness``."""
   return lag_max > max_staleness

@@ -72,22 +72,13 @@ from rlx.rollout import Completion
 from rlx.trainer.episodes import Episodes, tool_format
 from rlx.trainer.produce.agents import agent_metrics, episode_sums, slot_metrics, write_samples
 from rlx.trainer.produce.collect import _component_key, _Scorer, exhausted
+from rlx.trainer import control
 from rlx.trainer.draw import Draw
 from rlx.trainer.produce.loop import Produced
 from rlx.trainer.setup.run import Run
 
 POLL_S = 0.02
 """How often an idle stream looks at its gate and its scorer."""
-
-
-def groups_in_flight(config) -> int:
-  """The bound on groups admitted and not yet handed over: ``mesh.groups_in_flight``, or
-  (0) one batch and twice what the slots hold: the next batch's groups take the slots the
-  current one's stragglers leave (a bound of one batch would be the batch barrier again)."""
-  if config.mesh.groups_in_flight:
-    return config.mesh.groups_in_flight
-  slots_worth = -(-config.rollout.max_slots // config.rollout.group_size)
-  return config.data.prompts_per_step + 2 * slots_worth
 
 
 @dataclasses.dataclass
@@ -128,7 +119,7 @@ class Streamer:
     """Batches ``first``, ``first + stride``, ...: one of ``stride`` generator jobs."""
     self.config = config = run.config
     self.size, self.per_batch = config.rollout.group_size, config.data.prompts_per_step
-    self.bound = groups_in_flight(config)
+    self.bound = control.groups_in_flight(config)
     self.index = self.first = first
     """The next batch to hand over."""
     self.mismatch, self.mismatch_every = mismatch, mismatch_every
