@@ -77,6 +77,15 @@ def lag(policy_versions, version: int) -> tuple[float, int]:
   return float(np.mean(lags)), int(np.max(lags))
 
 
+def token_lag(completions, version: int) -> float:
+  """The mean lag of the sampled tokens (``lag`` takes each row at its oldest token's
+  version): below it when in-flight updates reached sequences while they decoded."""
+  lags = [version - v for c in completions
+          for v, sampled in zip(c.versions(), c.sampled_mask or [True] * len(c.response_tokens))
+          if sampled]
+  return float(np.mean(lags)) if lags else 0.0
+
+
 def may_start(index: int, finished: int, k: int) -> bool:
   """The generator's gate: whether batch ``index`` (counting from 0 over the run) may start
   when the learner is done with ``finished`` batches (trained or dropped) under the bound

@@ -25,6 +25,7 @@ from rlx.config import RunConfig
 from rlx.models import Model, lora
 from rlx.sync import WeightSync
 from rlx.update import packing
+from rlx.trainer import control
 from rlx.trainer.draw import Draw
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.trainer.setup.run import Run, base_reference, save_adapter, save_hf
@@ -268,7 +269,7 @@ class Learner:
                                    pad_id=self.pad_id, lengths=tuple(lengths),
                                    temperature=temperature)
     version = self.version  # the params that train on it (the update below advances it)
-    lag = version - sampled.policy_version
+    lag_mean, lag_max = control.lag(sampled.policy_version, version)
     pad_frac = packing.pad_fraction(sampled.attention_mask.sum(1), sampled.attention_mask.size)
     sampled = distributed.global_tree(self.batch_sharding, sampled)
     plans, packed = (self._packing(sampled)
@@ -306,11 +307,11 @@ class Learner:
           steps=batch.batch_size))
     # this process's rows: every process has as many, so means of means are exact
     means = dict(stats, **{"reward/kept_accuracy": float(np.mean(draw.correct)),
-                           "rollout/policy_lag_mean": float(lag.mean()),
-                           "rollout/token_lag_mean": _token_lag(draw.completions, version),
+                           "rollout/policy_lag_mean": lag_mean,
+                           "rollout/token_lag_mean": control.token_lag(draw.completions, version),
                            "train/pad_frac": pad_frac})
     maxima = {"response/length_max": stats.pop("response/length_max"),
-              "rollout/policy_lag_max": int(lag.max())}
+              "rollout/policy_lag_max": lag_max}
     means.pop("response/length_max")
     totals = distributed.sum_over_processes(list(means.values())) / jax.process_count()
     metrics.update(zip(means, map(float, totals)))
@@ -431,11 +432,3 @@ def _cause(metrics: dict, draw: Draw, config: RunConfig) -> str:
   return ("the gradient norm is not finite; lower config.optimizer.learning_rate or "
           "config.optimizer.max_grad_norm")
 
-
-def _token_lag(completions, version: int) -> float:
-  """The mean lag of the sampled tokens (``rollout/policy_lag_mean`` is the rows' oldest
-  token's): below it when in-flight updates reached sequences while they decoded."""
-  lags = [version - v for c in completions
-          for v, sampled in zip(c.versions(), c.sampled_mask or [True] * len(c.response_tokens))
-          if sampled]
-  return float(np.mean(lags)) if lags else 0.0
