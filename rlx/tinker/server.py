@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 20.0
 """How long ``retrieve_future`` holds a request for a result before the SDK asks again."""
+KEPT_FUTURES = 4096
+"""Finished futures kept for ``retrieve_future`` (a retry may ask again); the oldest go first."""
 HEARTBEAT_TIMEOUT_S = 600.0
 """A session whose heartbeat stops this long releases its adapters."""
 REFUSED = {
@@ -115,6 +117,15 @@ class Service:
         log.error("tinker: a call failed:\n%s", traceback.format_exc())
       future.seconds = time.perf_counter() - started
       future.done.set()
+      self._forget_old()
+
+  def _forget_old(self) -> None:
+    """Drops the oldest finished futures past ``KEPT_FUTURES`` (a long session's results
+    would otherwise pile up: every forward_backward's outputs)."""
+    excess = len(self.futures) - KEPT_FUTURES
+    if excess > 0:
+      for request_id in [r for r, f in list(self.futures.items()) if f.done.is_set()][:excess]:
+        self.futures.pop(request_id, None)
 
   def retrieve(self, request_id: str, wait_s: float = POLL_S):
     """The future's result: a dict, protobuf bytes, or ``{"type": "try_again"}``."""

@@ -172,3 +172,14 @@ def test_compute_logprobs_gives_each_prompt_tokens_log_prob(client):
   out = training.forward([_datum(tokens)], "cross_entropy").result()
   np.testing.assert_allclose(out.loss_fn_outputs[0]["logprobs"].to_numpy(), logprobs[1:],
                              rtol=1e-4, atol=1e-5)
+
+
+def test_finished_futures_past_the_limit_are_forgotten_oldest_first(service_url, monkeypatch):
+  service = service_url[1]
+  monkeypatch.setattr(server_lib, "KEPT_FUTURES", 3)
+  ids = [service.submit(lambda i=i: {"i": i})["request_id"] for i in range(6)]
+  assert service.retrieve(ids[-1]) == {"i": 5}
+  time.sleep(0.1)
+  assert len(service.futures) <= 3 and ids[0] not in service.futures
+  with pytest.raises(server_lib.BadInput, match="never issued"):
+    service.retrieve(ids[0])
