@@ -35,8 +35,9 @@ from rlx.tinker.training import AdamHyper, Adapter, Base, BadInput
 
 log = logging.getLogger(__name__)
 
-POLL_S = 20.0
-"""How long ``retrieve_future`` holds a request for a result before the SDK asks again."""
+POLL_S = 40.0
+"""How long ``retrieve_future`` holds a request for a result before the SDK asks again (its
+own timeout for the call is 45 s; each "try again" is a warning line on its side)."""
 KEPT_FUTURES = 4096
 """Finished futures kept for ``retrieve_future`` (a retry may ask again); the oldest go first."""
 HEARTBEAT_TIMEOUT_S = 600.0
