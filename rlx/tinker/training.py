@@ -10,8 +10,8 @@ training client.
 Every client's adapter sits beside the same base weights (``rlx.models.lora``: the base is an
 argument of the loss, never of the gradient); gradients of ``forward_backward`` calls add up
 until ``optim_step`` applies them with the step's Adam settings (``optax.inject_hyperparams``:
-changing the learning rate compiles nothing). Batches are padded to power-of-two rows and
-lengths, so the jitted step compiles once per bucket.
+changing the learning rate compiles nothing). Batches are padded to bucketed rows and
+lengths (powers of two and their halfway points), so the jitted step compiles once per bucket.
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ class BadInput(ValueError):
 
 
 def _bucket(n: int, smallest: int) -> int:
-  return max(smallest, 1 << max(n - 1, 0).bit_length())
+  """The least of ``smallest`` and the powers of two and their halfway points (16, 24, 32,
+  48, 64, 96, ...) that holds ``n``: a third of padding at most, two shapes per octave."""
+  size = max(smallest, 1 << max(n - 1, 0).bit_length())
+  three_quarters = size // 4 * 3
+  return three_quarters if n <= three_quarters and three_quarters >= smallest else size
 
 
 @dataclasses.dataclass

@@ -87,3 +87,12 @@ def test_gradients_of_two_calls_add_up_to_one_call_of_both(base):
   apart.forward_backward(datums[1:], "cross_entropy", {})
   for a, b in zip(jax.tree.leaves(together.pending), jax.tree.leaves(apart.pending)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_buckets_pad_by_a_third_at_most_with_two_shapes_an_octave():
+  from rlx.tinker.training import _bucket
+
+  sizes = {_bucket(n, 16) for n in range(1, 4097)}
+  assert sorted(sizes)[:6] == [16, 24, 32, 48, 64, 96] and len(sizes) == 17
+  assert all(n <= _bucket(n, 16) and (_bucket(n, 16) <= 16 or _bucket(n, 16) < 1.5 * n)
+             for n in range(1, 4097))
