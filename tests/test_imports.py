@@ -71,7 +71,7 @@ ALLOWED = {
     # python -m rlx.fetch: a GGUF model converted and checked by the model code
     "fetch": {"models"},
     # python -m rlx.tinker: the Tinker-compatible service on the models, kernels and engine
-    "tinker": {"models", "config", "kernels", "rollout"},
+    "tinker": {"models", "config", "kernels", "rollout", "update"},
 }
 NEVER_FROM_LIBRARY = {"configs", "launch", "benchmarks", "tests"}
 NO_JAX = {"config", "cli", "report", "envs", "configs"}

@@ -33,6 +33,7 @@ from rlx.kernels import fused_logprobs
 from rlx.models import Model, build_model, load_tokenizer, lora
 from rlx.tinker import losses
 from rlx.tinker.wire import Datum
+from rlx.update import sequence_logprobs
 
 LORA_ALPHA = 32.0
 """The adapters' scale numerator (Tinker's): they add (32 / rank) x A B."""
@@ -100,7 +101,7 @@ class Base:
     tokens[0, :n] = prompt
     logprobs = np.asarray(_prompt_logprobs(self.model.params if params is None else params,
                                            tokens, transformer=self.model.transformer))
-    return np.concatenate([[np.nan], logprobs[0, :n - 1]]).astype(np.float32)
+    return np.concatenate([[np.nan], logprobs[0, 1:n]]).astype(np.float32)
 
   def sample(self, params, prompt: Sequence[int], *, n: int, max_tokens: int,
              temperature: float, top_p: float, top_k: int, stop_token_ids: Sequence[int],
@@ -126,13 +127,8 @@ def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss
 
 @functools.partial(jax.jit, static_argnames="transformer")
 def _prompt_logprobs(params, tokens, *, transformer):
-  """[1, T] log-probs of tokens[:, 1:] after the ones before them (the last entry unused)."""
-  B, T = tokens.shape
-  hidden, _ = transformer.hidden_states(params, tokens, jnp.ones((B, T), bool))
-  targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-  logprobs, _ = fused_logprobs(hidden.reshape(B * T, -1), transformer.unembedding(params),
-                               targets.reshape(-1))
-  return logprobs.reshape(B, T)
+  """[1, T] log-probs of each token after the ones before it (0 for the first)."""
+  return sequence_logprobs(transformer, params, tokens, jnp.ones(tokens.shape, bool))[0]
 
 
 _STATIC = ("transformer", "loss_fn", "config")
@@ -236,8 +232,3 @@ class Adapter:
     self.pending = None
     self.steps += 1
     return {"grad_norm": norm, "step": float(self.steps)}
-
-  def merged(self, adapters=None):
-    """The base's weights with ``adapters`` (default: the current ones) folded in."""
-    return lora.merge(self.base.model.params, self.adapters if adapters is None else adapters,
-                      self.config.scale)
