@@ -21,6 +21,11 @@ its text falls in ``eval_fraction``.
   1-10, asking for a ``\\boxed{}`` answer: for small pretrained instruct models with no
   warm-up (SmolLM2-135M-Instruct, Q4_1: ~28 % greedy, ~20 % sampled at temperature 0.7 at first;
   with numbers up to 20, 16 % and 12 %).
+- ``word_groups``: ``word_sums``' sibling over products and equal shares, numbers 2-6
+  (``Zoe has 3 jars with 4 shells in each. How many shells does Zoe have?`` -> ``12``;
+  ``Tom has 24 pens and shares them equally between 4 friends, Mia among them. How many pens
+  does Mia get?`` -> ``6``), the same ``\\boxed{}`` answer and reward: a second task for a
+  small instruct model that no rlx setting was tuned on.
 - ``code``: write a one-line Python function ``f(b)`` from its description
   (``returns the larger of b and 37``; 8 operations, 8 argument names, constants 2-99); the
   row's ``tests`` are assert statements that the ``code`` reward runs in its sandbox. The
@@ -121,6 +126,24 @@ def _word_sums(rng: random.Random) -> dict[str, str]:
   return {"prompt": prompt, "answer": str(value), "sft_target": f"\\boxed{{{value}}}"}
 
 
+def _word_groups(rng: random.Random) -> dict[str, str]:
+  """``word_sums``' sibling over products and equal shares (numbers 2-6): a second task of
+  one-line word problems that nothing in rlx was tuned on."""
+  name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+  groups, each = rng.randint(2, 6), rng.randint(2, 6)
+  if rng.random() < 0.5:
+    box = rng.choice(("bags", "boxes", "jars"))
+    story = f"{name} has {groups} {box} with {each} {thing} in each."
+    question, value = f"How many {thing} does {name} have?", groups * each
+  else:
+    friend = rng.choice([n for n in _NAMES if n != name])
+    story = (f"{name} has {groups * each} {thing} and shares them equally between {groups} "
+             f"friends, {friend} among them.")
+    question, value = f"How many {thing} does {friend} get?", each
+  prompt = f"{story} {question} {BOXED_INSTRUCTION}"
+  return {"prompt": prompt, "answer": str(value), "sft_target": f"\\boxed{{{value}}}"}
+
+
 CALC_TOOL_SHARE = 0.3
 """The share of ``calc`` rows whose warm-up target calls the calculator."""
 
@@ -147,7 +170,7 @@ def _calc(rng: random.Random) -> dict:
 
 TASKS: dict[str, Callable[[random.Random], dict]] = {
     "arithmetic": _arithmetic, "countdown": _countdown, "sort": _sort, "code": _code,
-    "calc": _calc, "word_sums": _word_sums}
+    "calc": _calc, "word_sums": _word_sums, "word_groups": _word_groups}
 
 
 def in_eval(prompt: str, eval_fraction: float) -> bool:

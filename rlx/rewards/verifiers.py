@@ -129,4 +129,4 @@ def word_sums_reward(response: str, reference: str) -> float:
 
 VERIFIERS = {"math": math_reward, "arithmetic": arithmetic_reward, "countdown": countdown_reward,
              "sort": sort_reward, "calc": arithmetic_reward,
-             "word_sums": word_sums_reward}
+             "word_sums": word_sums_reward, "word_groups": word_sums_reward}
