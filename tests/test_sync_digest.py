@@ -58,24 +58,51 @@ def test_the_jitted_digest_equals_the_numpy_one(meshes):
     assert digest.jitted_tree_digest(tree) == digest.tree_digest(tree)
 
 
-def test_reshard_checks_each_version_where_it_lands(meshes, monkeypatch):
+def test_reshard_checks_each_version_where_it_lands(meshes):
   generation = param_shardings(ARCH, meshes.generation, RULES)
-  reshard = sync.ReshardSync(generation, prepare=unstack_layers)
+  stale = {}
+
+  def keeps_one_array(params):  # from version 3 on, "layers/down" of layer 1 is left behind
+    landed = unstack_layers(params)
+    if "down" in stale:
+      landed["layers"][1]["down"] = stale["down"]
+    stale.setdefault("down", landed["layers"][1]["down"])
+    return landed
+
+  reshard = sync.ReshardSync(generation, prepare=keeps_one_array)
   reshard.publish(_params(meshes, 1), 1)
-  reshard.publish(_params(meshes, 2), 2)
-  assert reshard.verified == 2
-  # an array left at its old value: the move skips "layers/down" of every later layer
-  real_moved = sync._moved
-  kept = reshard.latest()[0]["layers"][1]["down"]
-
-  def stale_moved(prepared, source, shardings):
-    moved = real_moved(prepared, source, shardings)
-    moved["layers"][1]["down"] = kept
-    return moved
-
-  monkeypatch.setattr(sync, "_moved", stale_moved)
+  stale.clear()  # version 1 landed as published: nothing is kept until it lands
+  assert reshard.latest()[1] == 1
+  stale["down"] = reshard.latest()[0]["layers"][1]["down"]
+  reshard.publish(_params(meshes, 3), 3)
   with pytest.raises(sync.SyncMismatch, match=r"policy version 3 .*layers/down .*1 of 11 arrays"):
-    reshard.publish(_params(meshes, 3), 3)
+    reshard.latest()
+  assert reshard.verified == 1
+
+
+def test_the_learner_s_part_is_the_digest_and_the_copy_s_start(meshes):
+  """``publish`` leaves the landing to the generator's ``latest``: a version published twice
+  before the generator looks lands once, the newer one; the learner may donate (delete) its
+  params right after ``publish``."""
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  landings = []
+
+  def counted(params):
+    landings.append(1)
+    return unstack_layers(params)
+
+  reshard = sync.ReshardSync(generation, prepare=counted)
+  first, second = _params(meshes, 1), _params(meshes, 2)
+  want = digest.tree_digest(second)
+  reshard.publish(first, 1)
+  reshard.publish(second, 2)
+  for x in jax.tree.leaves(second):  # what a donating update does to them
+    x.delete()
+  assert landings == []
+  params, version = reshard.latest()
+  assert version == 2 and landings == [1] and reshard.verified == 1
+  assert digest.tree_digest(params) == want
+  assert reshard.latest(newer_than=2) is None and landings == [1]
 
 
 def test_two_swapped_arrays_and_a_generator_that_keeps_its_first_weights(meshes):
@@ -85,8 +112,10 @@ def test_two_swapped_arrays_and_a_generator_that_keeps_its_first_weights(meshes)
     layers = dict(params["layers"], gate=params["layers"]["up"], up=params["layers"]["gate"])
     return dict(params, layers=layers)
 
+  swapping = sync.ReshardSync(generation, prepare=swap)
+  swapping.publish(_params(meshes, 1), 1)
   with pytest.raises(sync.SyncMismatch, match="layers/gate"):
-    sync.ReshardSync(generation, prepare=swap).publish(_params(meshes, 1), 1)
+    swapping.latest()
   first = {}
 
   def keeps_first(params):
@@ -95,8 +124,10 @@ def test_two_swapped_arrays_and_a_generator_that_keeps_its_first_weights(meshes)
 
   stuck = sync.ReshardSync(generation, prepare=keeps_first)
   stuck.publish(_params(meshes, 1), 1)
+  stuck.latest()
+  stuck.publish(_params(meshes, 2), 2)
   with pytest.raises(sync.SyncMismatch, match="policy version 2"):
-    stuck.publish(_params(meshes, 2), 2)
+    stuck.latest()
 
 
 def test_a_version_bitwise_the_last_one_is_refused(meshes):

@@ -193,15 +193,27 @@ class Engine:
     layers = ((None, 0),) if self.cache_layout == "stacked" else ()
     return self._sharding(*layers, *slots_heads, (None, 0), (None, 0))
 
-  def decode_params(self, params: Params) -> Params:
+  def decode_params(self, params: Params, owned: bool = False) -> Params:
     """``params`` as this engine decodes fastest from them: per layer (``unstack_layers``) for
     a ``per_layer`` cache, else as they are. A chunk over stacked weights copies them into
     per-layer buffers first, the weights' size again in temporaries (SmolLM2-135M, 64 slots:
     502 MiB against 96); a generator that holds them per layer pays that copy once per
-    version. Every contract function takes either form."""
+    version. Every contract function takes either form.
+
+    ``owned``: ``params`` are the caller's to give up (a weight sync's own copy): each stacked
+    array is deleted once its layers are sliced out, so that the two forms never both stand
+    whole (one array more than a version, not two versions)."""
     if self.cache_layout != "per_layer" or isinstance(params["layers"], (list, tuple)):
       return params
-    return _unstack(params)
+    if not owned:
+      return _unstack(params)
+    leaves, tree = jax.tree.flatten(params["layers"])
+    sliced = []
+    for stacked in leaves:
+      sliced.append(jax.block_until_ready(_split_layers(stacked)))
+      stacked.delete()
+    return dict(params, layers=[jax.tree.unflatten(tree, [parts[l] for parts in sliced])
+                                for l in range(len(sliced[0]))])
 
   # --- the contract --------------------------------------------------------------------------
 
@@ -290,6 +302,11 @@ class Engine:
 
 
 _unstack = jax.jit(unstack_layers)
+
+
+@jax.jit
+def _split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
+  return tuple(stacked[l] for l in range(stacked.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

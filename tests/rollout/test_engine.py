@@ -342,3 +342,19 @@ def test_weights_held_per_layer_decode_the_same_and_need_no_copy_per_chunk(model
       jnp.int32(5)).compile().memory_analysis().temp_size_in_bytes
       for name, p in (("stacked", model.params), ("per_layer", held))}
   assert temps["stacked"] - temps["per_layer"] >= weights, (temps, weights)
+
+
+def test_decode_params_of_an_owned_copy_unstack_it_in_place(model):
+  """``owned``: the per-layer form of a copy the caller gives up, each stacked array deleted
+  once sliced; the same values as unstacking it whole, the layers' order kept."""
+  engine = Engine(model.transformer, max_slots=2, max_len=16, max_prompt_len=8)
+  if engine.cache_layout != "per_layer":
+    pytest.skip("this engine decodes from stacked weights")
+  params = model.params
+  copy = jax.tree.map(jnp.copy, params)
+  got = engine.decode_params(copy, owned=True)
+  want = engine.decode_params(params)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert all(x.is_deleted() for x in jax.tree.leaves(copy["layers"]))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(got))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))  # not owned: left as it is

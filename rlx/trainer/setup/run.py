@@ -200,6 +200,8 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes, workdir: pathlib.
   run loads the learner's warm-up when the first version has landed). ``prepare``: the form
   the generator keeps each version in (the engine's ``decode_params``)."""
   decoding = {} if prepare is None else {"prepare": prepare}
+  # a sync's own copy (resharded or restored) is prepared in place, one array at a time
+  owning = {} if prepare is None else {"prepare": functools.partial(prepare, owned=True)}
   rules = config.mesh.logical_axis_rules
   lora_config = config.model.lora
   if lora_config.enabled:
@@ -212,7 +214,7 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes, workdir: pathlib.
   # only writes them: in the background, while it trains the next batch (its generator's gate
   # waits until the version is on storage).
   # with LoRA the inner sync ships adapters, and the merged model is what the generator keeps
-  inner = {} if lora_config.enabled else decoding
+  inner = {} if lora_config.enabled else owning
   sync = (OrbaxSync(workdir / "policy_versions", shardings, like=like,
                     keep=control.bound(config) + 3, asynchronous=config.mesh.role == "learner",
                     **inner)
