@@ -49,7 +49,8 @@ import numpy as np
 from rlx import update
 from rlx.config import RunConfig
 from rlx.models import init_model
-from rlx.trainer.learn.experience import Sampled, _bucket, make_prepare
+from rlx.trainer.draw import _bucket
+from rlx.trainer.learn.experience import Sampled, make_prepare
 from rlx.update import packing
 
 from rollout_throughput import BENCH_ARCH

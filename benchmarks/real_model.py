@@ -39,7 +39,8 @@ from rlx.config import RunConfig
 from rlx.data.tasks import task_rows
 from rlx.models import from_pretrained, load_tokenizer
 from rlx.rollout.engine import Engine
-from rlx.trainer.learn.experience import Sampled, _bucket, make_prepare
+from rlx.trainer.draw import _bucket
+from rlx.trainer.learn.experience import Sampled, make_prepare
 
 import rollout_throughput  # the benchmark beside this one: its timer
 

@@ -7,6 +7,8 @@ checked as soon as they land.
 """
 
 import ast
+import importlib
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -178,3 +180,17 @@ def test_the_wing_checker_catches_a_learner_importing_a_producer(tmp_path, monke
   monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
   with pytest.raises(AssertionError, match="learn/bad.py .learn. imports rlx.trainer.produce"):
     test_the_trainer_wings_import_only_what_design_allows()
+
+
+def test_what_the_benchmarks_and_configs_import_from_rlx_exists():
+  """A move inside rlx updates every importer: the benchmarks and configs too, which no other
+  test imports (a benchmark that no longer starts is found at the next measurement)."""
+  missing = []
+  for file in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "configs").glob("*.py")]:
+    for node in ast.walk(ast.parse(file.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rlx"):
+        module = importlib.import_module(node.module)
+        missing += [f"{file.name}: {node.module}.{alias.name}" for alias in node.names
+                    if not hasattr(module, alias.name)
+                    and importlib.util.find_spec(f"{node.module}.{alias.name}") is None]
+  assert not missing, missing
