@@ -214,6 +214,11 @@ class ReshardSync:
     pass
 
 
+def _first_line(error: Exception, limit: int = 300) -> str:
+  text = str(error).strip().splitlines()
+  return (text[0] if text else type(error).__name__)[:limit]
+
+
 def _delete(params: Params) -> None:
   for x in jax.tree.leaves(params):
     if not x.is_deleted():
@@ -313,8 +318,15 @@ class OrbaxSync:
               self._manager.restore(version, args=ocp.args.StandardRestore(self._abstract)))
           self.verified += check_landed(version, self._expected(version), params,
                                         f"read from {self.directory / str(version)}")
-      except Exception:  # noqa: BLE001 - Orbax's error for a vanished step is no FileNotFoundError
-        if (self.directory / str(version)).exists() or attempt == 49:
+      except SyncMismatch:
+        raise
+      except Exception as error:  # noqa: BLE001 - Orbax's error for a vanished step is no FileNotFoundError
+        where = self.directory / str(version)
+        if where.exists():  # there, and unreadable: a write cut short, or files lost since
+          raise SyncMismatch(
+              f"policy version {version} could not be read from {where} (a write cut short, "
+              f"or files removed from it): {_first_line(error)}") from error
+        if attempt == 49:
           raise
         # the manager keeps state from the failed read (the next one failed too): a new one
         with self._lock:

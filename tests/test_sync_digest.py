@@ -190,3 +190,23 @@ def test_a_lora_generator_refuses_another_merge_scale(meshes, tmp_path):
   finally:
     learner.close()
     generator.close()
+
+
+def test_orbax_refuses_a_truncated_version(meshes, tmp_path):
+  """A write cut short (a full disk, a killed copy): the reader stops with one line naming
+  the version, whatever the storage layer's own error, or its digest catches what it read."""
+  generation = param_shardings(ARCH, meshes.generation, RULES)
+  like = jax.eval_shape(lambda: init_params(ARCH, jax.random.key(0)))
+  writer = sync.OrbaxSync(tmp_path / "weights", generation, like=like, keep=3)
+  reader = sync.OrbaxSync(tmp_path / "weights", generation, like=like, keep=3)
+  try:
+    writer.publish(_params(meshes, 1), 1)
+    files = sorted((p for p in (tmp_path / "weights" / "1").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+    largest = files[-1]
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    with pytest.raises(sync.SyncMismatch, match=r"policy version 1 .*could not be read"):
+      reader.latest()
+  finally:
+    writer.close()
+    reader.close()

@@ -202,6 +202,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
   stop = arch.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
   for p in prompts:
     engine.prompt_bucket(len(p))  # refuses prompts that are too long
+  # once per call, not per decode chunk (stacked weights on a per-layer cache: a copy each)
+  params = engine.decode_params(params)
   return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
               policy_version, batching, first_prompt_index, on_finished, weights, supply=supply,
               stats=stats).run()
@@ -387,7 +389,7 @@ class _Run:
       return
     newer = self.weights()
     if newer is not None and newer[1] != self.policy_version:
-      self.params, self.policy_version = newer
+      self.params, self.policy_version = self.engine.decode_params(newer[0]), newer[1]
       self.swaps += 1
 
   def _prefill_next(self, free_slots: int) -> None:
