@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import json
 import re
+import threading
 import warnings
 from typing import Any, Literal
 
@@ -57,12 +58,20 @@ def _json_call(text: str, arguments_key: str) -> ToolCall:
   return ToolCall(value["name"], arguments)
 
 
+_PARSING = threading.Lock()
+"""Episodes parse their turns on worker threads. CPython 3.11's parser keeps its recursion depth
+in state that threads share (a parse beside another one raised ``SystemError: AST constructor
+recursion depth mismatch`` in an agent run at RL step 86), and ``warnings.catch_warnings``
+changes process-wide filters: one parse at a time."""
+
+
 def _builtin_call(text: str) -> ToolCall:
   try:
-    with warnings.catch_warnings():  # a model's text ("12abc") must not print warnings
+    with _PARSING, warnings.catch_warnings():  # a model's text ("12abc") must not print warnings
       warnings.simplefilter("ignore", SyntaxWarning)
       node = ast.parse(text.strip(), mode="eval").body
-  except SyntaxError:
+  except (SyntaxError, ValueError, RecursionError, MemoryError, SystemError):
+    # ValueError: a NUL byte; the others: nesting deeper than the parser takes
     raise MalformedCall(f"cannot read the call {text.strip()[:80]!r}; write name(\"argument\")") from None
   if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
     raise MalformedCall(f"cannot read the call {text.strip()[:80]!r}; write name(\"argument\")")

@@ -234,3 +234,27 @@ def test_a_system_prompt_goes_first_in_episodes_that_start_without_one():
 def test_a_script_must_end_on_the_assistant_s_turn():
   with pytest.raises(ValueError, match="must end on an assistant turn"):
     Renderer(builtin_tokenizer(), "builtin").scripted([{"role": "tool", "content": "1"}])
+
+
+def test_builtin_calls_parse_on_many_threads_and_odd_text_is_a_malformed_call():
+  """Episodes parse turns on worker threads: many at once give each its own call (CPython
+  3.11's parser raised SystemError when two parsed at once), and text the parser cannot take
+  (a NUL byte, nesting past its depth) is a malformed call, not an error of the run."""
+  import concurrent.futures
+  from rlx.envs.calls import BUILTIN_CALL, MalformedCall, parse
+  opened, closed = BUILTIN_CALL
+
+  def read(i):
+    depth = i % 9 * 20  # nested in the parser, not in a string
+    text = f"{opened}calculator({'[' * depth}{i}{']' * depth}){closed}"
+    value = parse(text, "builtin")[0].arguments["*"][0]
+    for _ in range(depth):
+      [value] = value
+    return value
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    assert list(pool.map(read, range(3000))) == list(range(3000))
+  for odd in ("calculator('1\x00')", "f(" * 500 + ")" * 500, "-" * 100000 + "1",
+              "calculator(" + "not " * 100000 + "1)"):
+    with pytest.raises(MalformedCall):
+      parse(f"{opened}{odd}{closed}", "builtin")
