@@ -39,6 +39,8 @@ ALLOWED = {
     "digest": set(),
     # with LoRA, the generator's side merges the shipped adapters into its base (models.lora)
     "sync": {"mesh", "types", "config", "distributed", "models", "digest"},
+    # policy versions between jobs as whole or delta files: the sync protocol's third way
+    "versions": {"sync", "distributed", "models", "digest"},
     "rewards": {"config", "hostmem"},
     "data": {"config", "types"},
     # environments and tools of multi-turn episodes: plain Python (tools run in reward-like
@@ -54,8 +56,8 @@ ALLOWED = {
     # plots of finished runs from their metrics.jsonl and config.json: plain Python + matplotlib
     "report": set(),
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
-                "rollout", "sync", "rewards", "data", "envs", "serve", "checkpoint", "metrics",
-                "distributed", "progress"},
+                "rollout", "sync", "versions", "rewards", "data", "envs", "serve", "checkpoint",
+                "metrics", "distributed", "progress"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation",
              "hostmem", "progress"},
     # compiling the learner step and decode for an accelerator that is not here

@@ -171,8 +171,10 @@ def check(config: RunConfig) -> RunConfig:
   if mesh.role != "both":
     _check(mesh.mode == "split", "mesh.role", f"{mesh.role!r} is one side of a split run; "
            "set config.mesh.mode=split (or role=both)")
-    _check(mesh.weight_sync == "orbax", "mesh.weight_sync", f"must be 'orbax' with "
-           f"mesh.role={mesh.role!r}: separate jobs exchange weights through the shared workdir")
+    _check(mesh.weight_sync in ("orbax", "delta"), "mesh.weight_sync", f"must be 'delta' or "
+           f"'orbax' with mesh.role={mesh.role!r}: separate jobs exchange weights through the "
+           "shared workdir")
+  _check(mesh.whole_version_every >= 1, "mesh.whole_version_every", "must be >= 1")
   _check(mesh.generators == 1 or mesh.role != "both", "mesh.generators",
          "counts generator jobs of a split run as jobs (mesh.role=learner or generator)")
   env = config.env

@@ -39,8 +39,10 @@ class MeshConfig:
   """Split mode: a batch holding a rollout more than this many versions old is expired (dropped and counted), and when the mean lag over control_window batches exceeds it the controller lowers the effective staleness bound below max_staleness, raising it again when healthy (rlx.trainer.control); None disables both."""
   control_window: int = 4
   """Batches (or steps) each controller decision looks back over; after a change it waits this many before the next."""
-  weight_sync: Literal["reshard", "orbax"] = "reshard"
-  """How weights go learner -> generator: device_put across sub-meshes, or Orbax checkpoints on shared storage."""
+  weight_sync: Literal["reshard", "orbax", "delta"] = "reshard"
+  """How weights go learner -> generator: device_put across sub-meshes (one job), or through shared storage between jobs: Orbax checkpoints, or rlx's own whole and delta version files (``rlx.versions``: most versions are the XOR of their bits with the last one's, compressed)."""
+  whole_version_every: int = 10
+  """weight_sync=delta: a whole version at least every this many (the others are deltas; a generator that joins late reads the newest whole version and the deltas after it)."""
   role: Literal["both", "learner", "generator"] = "both"
   """Split mode: 'both' runs generator and learner in this job (a thread each); 'learner' or 'generator' runs one side as its own job, the two exchanging weights (Orbax versions) and rollouts (files) through the shared workdir (see launch/local.sh --learner N --generator M)."""
   generators: int = 1

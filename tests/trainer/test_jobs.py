@@ -194,8 +194,11 @@ def test_a_streaming_generator_job_killed_mid_stream_resumes(tmp_path):
              for row in rows)
 
 
-def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versions(tmp_path):
-  steps, overrides = 8, ("--config.trainer.steps=8", "--config.checkpoint.every_steps=3")
+@pytest.mark.parametrize("weight_sync", ["orbax", "delta"])
+def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versions(
+    tmp_path, weight_sync):
+  steps, overrides = 8, ("--config.trainer.steps=8", "--config.checkpoint.every_steps=3",
+                         f"--config.mesh.weight_sync={weight_sync}")
   processes = [_start("learner", tmp_path, *overrides), _start("generator", tmp_path, *overrides)]
   try:
     deadline = time.monotonic() + 240
@@ -232,7 +235,7 @@ def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versio
 def test_roles_need_split_and_orbax():
   from rlx.config import ConfigError, check
 
-  with pytest.raises(ConfigError, match="config.mesh.weight_sync: must be 'orbax'"):
+  with pytest.raises(ConfigError, match="config.mesh.weight_sync: must be 'delta' or 'orbax'"):
     check(tiny.config("dapo_split", "--config.mesh.role=learner"))
   with pytest.raises(ConfigError, match="config.mesh.role: 'generator' is one side of a split"):
     check(tiny.config("grpo_colocated", "--config.mesh.role=generator",

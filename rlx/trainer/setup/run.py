@@ -37,6 +37,7 @@ from rlx.rewards.limits import _PROCESSES_WITHOUT_CGROUP
 from rlx.rewards.sandbox import capabilities, check_rows
 from rlx.models import lora
 from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
+from rlx.versions import DeltaSync
 from rlx.trainer import control
 from rlx.trainer.common import NonFiniteError, Say
 from rlx.trainer.episodes import Episodes, tool_format
@@ -215,10 +216,15 @@ def make_sync(config: RunConfig, model: Model, meshes: Meshes, workdir: pathlib.
   # waits until the version is on storage).
   # with LoRA the inner sync ships adapters, and the merged model is what the generator keeps
   inner = {} if lora_config.enabled else owning
-  sync = (OrbaxSync(workdir / "policy_versions", shardings, like=like,
-                    keep=control.bound(config) + 3, asynchronous=config.mesh.role == "learner",
-                    **inner)
-          if config.mesh.weight_sync == "orbax" else ReshardSync(shardings, **inner))
+  keep = control.bound(config) + 3
+  if config.mesh.weight_sync == "orbax":
+    sync = OrbaxSync(workdir / "policy_versions", shardings, like=like, keep=keep,
+                     asynchronous=config.mesh.role == "learner", **inner)
+  elif config.mesh.weight_sync == "delta":
+    sync = DeltaSync(workdir / "policy_versions", shardings, like=like, keep=keep,
+                     whole_every=config.mesh.whole_version_every, **inner)
+  else:
+    sync = ReshardSync(shardings, **inner)
   if not lora_config.enabled:
     return sync
   generation = param_shardings(model.arch, meshes.generation, rules)
