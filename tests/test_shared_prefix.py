@@ -4,6 +4,7 @@ random groups of uneven prompt and answer lengths), with micro-batches, mini-bat
 LoRA and every fused log-prob implementation."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -253,3 +254,33 @@ def test_a_wrong_share_changes_the_result(model):
       model.transformer, model.params, jnp.asarray(other), jnp.asarray(attention),
       jnp.asarray(response), impl="xla", chunk=8, packing=plan)[0]
   assert not np.allclose(np.asarray(run(plan))[1], np.asarray(run(None))[1], atol=1e-4)
+
+
+def test_float32_log_probs_do_not_depend_on_the_micro_batch_and_barely_on_the_layout(model):
+  """What the learner reaches on CPU in float32: a sequence's log-probs agree to an ulp or two
+  whatever micro-batch of rows it is computed in (bitwise at the SmolLM2 recipe's shapes,
+  benchmarks/logprob_gap.py; XLA's matmul blocking follows the batch's size, so not bitwise
+  at every shape), and to float32 rounding packed into a row with others or behind a shared
+  prompt (the attention sums over another row width)."""
+  from rlx.trainer.learn.experience import _by_micro_batch
+  tokens, attention, response = map(jnp.asarray, _groups(5, groups=4, size=4))
+  config = _config()
+  fn = functools.partial(update.policy_logprobs, config, model.transformer, model.params)
+  run = jax.jit(lambda *xs, packing=None, micro=1: _by_micro_batch(fn, micro, *xs,
+                                                                   packing=packing),
+                static_argnames="micro")
+  lengths = np.asarray(attention).sum(1)
+  reference = np.asarray(run(tokens, attention, response))
+  mask, sharing = np.asarray(response), []
+  for micro in (2, 4, 8):
+    np.testing.assert_allclose(np.asarray(run(tokens, attention, response, micro=micro)),
+                               reference, rtol=0, atol=1e-6)
+    packed = packing.chunk_plan(lengths, micro, T)
+    if packed is not None:  # where rows do share (not in chunks of two)
+      sharing.append(micro)
+      got = np.asarray(run(tokens, attention, response, micro=micro, packing=packed))
+      np.testing.assert_allclose(got[mask], reference[mask], atol=2e-5)
+    shared = _plan(tokens, attention, response, chunks=micro)
+    got = np.asarray(run(tokens, attention, response, micro=micro, packing=shared))
+    np.testing.assert_allclose(got[mask], reference[mask], atol=2e-5)
+  assert sharing
