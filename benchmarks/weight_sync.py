@@ -2,6 +2,7 @@
 time, for each way a split run ships it, at a few model sizes.
 
     python benchmarks/weight_sync.py [--sizes builtin,medium,smollm2] [--versions 12]
+        [--dtypes float32,bfloat16] [--arms reshard,orbax,delta] [--lr 1e-5] [--whole-every 10]
 
 ``reshard``: one process, the learner's device to the generator's (``mesh.weight_sync=
 reshard``; ``publish`` then ``latest``). ``orbax``: two jobs sharing the workdir
@@ -9,7 +10,12 @@ reshard``; ``publish`` then ``latest``). ``orbax``: two jobs sharing the workdir
 the seconds on its step's path), the write it leaves in the background, and the generator's
 ``latest`` (list the versions, restore the newest). Wall times are medians over
 ``--versions`` after two that warm up; CPU times are the process's (every thread) per
-version, which is what the other job loses on a machine they share. Prints JSON.
+version, which is what the other job loses on a machine they share. ``delta``: two jobs
+through rlx's own version files (``mesh.weight_sync=delta``, ``rlx.versions``): the learner's
+publish, the write, the generator's read, and the bytes, for the whole versions and the deltas
+apart, and ``delta_bytes_saved_frac``, the median delta's saving on the params' size. The
+versions are successive Adam steps at ``--lr`` (the SmolLM2 recipe's) on float32 master
+weights, published in each of ``--dtypes``. Prints JSON.
 """
 
 import argparse
@@ -81,7 +87,8 @@ def _versions(params, count: int, lr: float, snr: float = 0.1):
     yield version
 
 
-def measure(arch: ArchConfig, versions: int, dtype: str, lr: float, whole_every: int) -> dict:
+def measure(arch: ArchConfig, versions: int, dtype: str, lr: float, whole_every: int,
+            arms: set[str]) -> dict:
   learner, generator = jax.devices()[:2]
   params = jax.device_put(jax.tree.map(lambda x: x.astype(dtype),
                                        init_params(arch, jax.random.key(0))), learner)
@@ -89,6 +96,16 @@ def measure(arch: ArchConfig, versions: int, dtype: str, lr: float, whole_every:
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   result = {"bytes": nbytes, "arrays": len(jax.tree.leaves(params))}
 
+  if "reshard" in arms:
+    _reshard(params, shardings, versions, lr, result)
+  if "orbax" in arms:
+    _orbax(params, shardings, versions, lr, result)
+  if "delta" in arms:
+    _delta(params, shardings, versions, lr, whole_every, nbytes, result)
+  return result
+
+
+def _reshard(params, shardings, versions, lr, result):
   reshard, rows = sync.ReshardSync(shardings), []
   for v, version in enumerate(_versions(params, versions + 2, lr)):
     rows.append(_timed(lambda: (reshard.publish(version, v),
@@ -96,6 +113,8 @@ def measure(arch: ArchConfig, versions: int, dtype: str, lr: float, whole_every:
   result["reshard"] = _median(rows[2:])
   reshard.release()
 
+
+def _orbax(params, shardings, versions, lr, result):
   with tempfile.TemporaryDirectory() as directory:
     writer = sync.OrbaxSync(f"{directory}/versions", shardings, like=params, keep=4,
                             asynchronous=True)
@@ -113,6 +132,8 @@ def measure(arch: ArchConfig, versions: int, dtype: str, lr: float, whole_every:
   result["orbax_cpu_s_per_version"] = round(sum(
       result[k]["cpu_s"] for k in ("orbax_publish", "orbax_background_write", "orbax_latest")), 5)
 
+
+def _delta(params, shardings, versions, lr, whole_every, nbytes, result):
   with tempfile.TemporaryDirectory() as directory:
     writer = DeltaSync(f"{directory}/versions", shardings, like=params, keep=4,
                        whole_every=whole_every)
@@ -140,7 +161,6 @@ def measure(arch: ArchConfig, versions: int, dtype: str, lr: float, whole_every:
   if rows["delta"]["bytes"]:
     result["delta_bytes_saved_frac"] = round(
         1 - statistics.median(rows["delta"]["bytes"]) / nbytes, 4)
-  return result
 
 
 def main() -> None:
@@ -150,9 +170,10 @@ def main() -> None:
   parser.add_argument("--dtypes", default="float32,bfloat16")
   parser.add_argument("--lr", type=float, default=1e-5, help="the SmolLM2 recipe's")
   parser.add_argument("--whole-every", type=int, default=10)
+  parser.add_argument("--arms", default="reshard,orbax,delta")
   args = parser.parse_args()
   results = {f"{name}/{dtype}": measure(SIZES[name], args.versions, dtype, args.lr,
-                                        args.whole_every)
+                                        args.whole_every, set(args.arms.split(",")))
              for name in args.sizes.split(",") for dtype in args.dtypes.split(",")}
   print(json.dumps(results, indent=2))
 

@@ -13,7 +13,7 @@
 # Split as jobs, a learner job of N processes and M generator jobs of one process each:
 #   launch/local.sh --learner 1 --generator 1 --config configs/dapo_split.py \
 #       --workdir /tmp/rlx-jobs --config.mesh.cpu_devices=1
-#   starts `python -m rlx.main ARGS --config.mesh.role=learner --config.mesh.weight_sync=orbax`
+#   starts `python -m rlx.main ARGS --config.mesh.role=learner --config.mesh.weight_sync=delta`
 #   (N > 1: joined by their own coordinator) and M times the same with role=generator and
 #   --config.mesh.generator_id=0..M-1 (all with --config.mesh.generators=M). The jobs share
 #   only the workdir: weights as Orbax versions, rollouts as files; generator job g writes
@@ -59,10 +59,10 @@ start_job() {
 if [ "$learner" -gt 0 ] || [ "$generator" -gt 0 ]; then
   if [ "$learner" -lt 1 ] || [ "$generator" -lt 1 ]; then echo "$usage" >&2; exit 2; fi
   start_job "the learner" "$learner" "$@" --config.mesh.mode=split --config.mesh.role=learner \
-    --config.mesh.weight_sync=orbax --config.mesh.generators="$generator"
+    --config.mesh.weight_sync=delta --config.mesh.generators="$generator"
   for ((g = 0; g < generator; g++)); do
     start_job "the generator $g" 1 "$@" --config.mesh.mode=split --config.mesh.role=generator \
-      --config.mesh.weight_sync=orbax --config.mesh.generators="$generator" \
+      --config.mesh.weight_sync=delta --config.mesh.generators="$generator" \
       --config.mesh.generator_id="$g"
   done
 elif [ "$processes" -gt 0 ]; then

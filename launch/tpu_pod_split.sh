@@ -16,7 +16,7 @@ source "$(dirname "$0")/wait_all.sh"
 : "${LEARNER_TPU:?set LEARNER_TPU}" "${GENERATOR_TPUS:?set GENERATOR_TPUS}" "${ZONE:?set ZONE}"
 IFS=, read -r -a generators <<< "$GENERATOR_TPUS"
 args=$(printf '%q ' "$@")
-common="--config.mesh.mode=split --config.mesh.weight_sync=orbax --config.mesh.generators=${#generators[@]}"
+common="--config.mesh.mode=split --config.mesh.weight_sync=delta --config.mesh.generators=${#generators[@]}"
 pids=()
 gcloud compute tpus tpu-vm ssh "$LEARNER_TPU" --zone "$ZONE" --worker=all --command \
   "cd ~/rlx && python -m rlx.main $args $common --config.mesh.role=learner --config.mesh.multihost=true" &

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import pathlib
 import shutil
 import threading
@@ -81,20 +82,29 @@ def write_version(directory: pathlib.Path, version: int, bits: dict[str, np.ndar
   """Writes ``version`` (``arrays``, their ``bits``) whole, or as its XOR with ``base``'s
   bits when that is smaller; returns its index."""
   payloads, entries, offset = [], {}, 0
-  compressor = zstandard.ZstdCompressor(level=1)
   whole_bytes = sum(x.nbytes for x in arrays.values())
   if base is not None:
-    delta = {name: compressor.compress(np.bitwise_xor(bits[name], base[1][name]).data)
-             for name in arrays}
-    if sum(map(len, delta.values())) >= whole_bytes // 2:
+    def compressed(job):
+      name, start, stop = job
+      xor = np.bitwise_xor(bits[name][start:stop], base[1][name][start:stop])
+      return zstandard.ZstdCompressor(level=1).compress(xor.data)
+
+    jobs = [(name, start, stop) for name in arrays for start, stop in _frames(bits[name])]
+    with _pool() as pool:
+      frames = dict(zip(jobs, pool.map(compressed, jobs)))
+    delta = {name: [frames[job] for job in jobs if job[0] == name] for name in arrays}
+    if sum(len(f) for parts in delta.values() for f in parts) >= whole_bytes // 2:
       base = None  # most bits moved: whole is as small, and reads without a chain
   for name, array in arrays.items():
-    payload = delta[name] if base is not None else memoryview(bits[name]).cast("B")
+    parts = delta[name] if base is not None else [memoryview(bits[name]).cast("B")]
+    size = sum(len(part) for part in parts)
     entries[name] = {"dtype": str(array.dtype), "shape": list(array.shape),
                      "codec": "raw" if base is None else "xor-zstd", "offset": offset,
-                     "bytes": len(payload)}
-    payloads.append(payload)
-    offset += len(payload)
+                     "bytes": size}
+    if base is not None:
+      entries[name]["frames"] = [len(part) for part in parts]
+    payloads.extend(parts)
+    offset += size
   index = {"format": FORMAT, "version": version, "base": None if base is None else base[0],
            "digest": digest.to_json(taken), "arrays": entries}
   partial = directory / f".{version}.partial"
@@ -111,6 +121,21 @@ def write_version(directory: pathlib.Path, version: int, bits: dict[str, np.ndar
   return index
 
 
+FRAME_BYTES = 16 << 20
+"""A delta is compressed in frames of this many bytes of bits, which threads compress and
+apply side by side."""
+
+
+def _frames(bits: np.ndarray) -> list[tuple[int, int]]:
+  step = max(1, FRAME_BYTES // bits.itemsize)
+  return [(start, min(start + step, bits.size)) for start in range(0, bits.size, step)]
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="rlx-versions-frames")
+
+
 def read_version(path: pathlib.Path, held: tuple[int, dict[str, np.ndarray]] | None
                  ) -> tuple[dict, dict[str, np.ndarray]]:
   """(index, bits) of the version at ``path``; a delta applies to ``held`` (its base's bits,
@@ -121,25 +146,46 @@ def read_version(path: pathlib.Path, held: tuple[int, dict[str, np.ndarray]] | N
   base = index["base"]
   if base is not None and (held is None or held[0] != base):
     raise ValueError(f"{path} is a delta from version {base}, which this reader does not hold")
-  data = np.fromfile(path / "data", dtype=np.uint8)
-  decompressor = zstandard.ZstdDecompressor()
-  bits = {}
-  for name, entry in index["arrays"].items():
-    dtype, shape = _dtype(entry["dtype"]), tuple(entry["shape"])
-    size = int(np.prod(shape)) * dtype.itemsize
-    chunk = data[entry["offset"]:entry["offset"] + entry["bytes"]]
-    if len(chunk) != entry["bytes"]:
-      raise ValueError(f"{path / 'data'} ends before {name} (the write was cut short)")
-    if entry["codec"] == "raw":
-      if entry["bytes"] != size:
-        raise ValueError(f"{name} in {path} holds {entry['bytes']} bytes, not {size}")
-      bits[name] = chunk.view(_BITS[dtype.itemsize]).copy()
-    else:
-      raw = decompressor.decompress(chunk.tobytes(), max_output_size=size)
-      if len(raw) != size:
-        raise ValueError(f"{name}'s delta in {path} is {len(raw)} bytes, not {size}")
-      bits[name] = np.bitwise_xor(held[1][name], np.frombuffer(raw, _BITS[dtype.itemsize]),
-                                  out=held[1][name])
+  bits, jobs = {}, []
+  with open(path / "data", "rb", buffering=0) as data:
+    for name, entry in index["arrays"].items():
+      dtype, shape = _dtype(entry["dtype"]), tuple(entry["shape"])
+      count = int(np.prod(shape))
+      data.seek(entry["offset"])
+      if entry["codec"] == "raw":  # straight into an array of its own
+        if entry["bytes"] != count * dtype.itemsize:
+          raise ValueError(f"{name} in {path} holds {entry['bytes']} bytes, not "
+                           f"{count * dtype.itemsize}")
+        bits[name] = np.empty(count, _BITS[dtype.itemsize])
+        if data.readinto(memoryview(bits[name]).cast("B")) != entry["bytes"]:
+          raise ValueError(f"{path / 'data'} ends before {name} (the write was cut short)")
+        continue
+      payload = memoryview(data.read(entry["bytes"]))
+      if len(payload) != entry["bytes"]:
+        raise ValueError(f"{path / 'data'} ends before {name} (the write was cut short)")
+      bits[name] = held[1][name]
+      at = 0
+      frames = entry["frames"]
+      spans = _frames(bits[name])
+      if len(frames) != len(spans):
+        raise ValueError(f"{name}'s delta in {path} has {len(frames)} frames, not {len(spans)}")
+      for (start, stop), size in zip(spans, frames):
+        jobs.append((name, start, stop, payload, at, size))
+        at += size
+
+  def apply(job):
+    name, start, stop, payload, at, size = job
+    target = bits[name][start:stop]
+    raw = zstandard.ZstdDecompressor().decompress(payload[at:at + size],
+                                                  max_output_size=target.nbytes)
+    if len(raw) != target.nbytes:
+      raise ValueError(f"a frame of {name}'s delta in {path} is {len(raw)} bytes, not "
+                       f"{target.nbytes}")
+    np.bitwise_xor(target, np.frombuffer(raw, target.dtype), out=target)
+
+  if jobs:
+    with _pool() as pool:
+      list(pool.map(apply, jobs))
   return index, bits
 
 

@@ -2,12 +2,13 @@
 process (or ``jax.distributed`` cluster), sharing only the workdir.
 
     python -m rlx.main --config configs/dapo_split.py --workdir W --config.mesh.role=learner \\
-        --config.mesh.weight_sync=orbax &
+        --config.mesh.weight_sync=delta &
     python -m rlx.main --config configs/dapo_split.py --workdir W --config.mesh.role=generator \\
-        --config.mesh.weight_sync=orbax
+        --config.mesh.weight_sync=delta
 
-(``launch/local.sh --learner 1 --generator 1 ...`` starts both.) Weights go as Orbax
-policy versions in ``W/policy_versions`` (the newest k + 3 kept); rollouts as files in
+(``launch/local.sh --learner 1 --generator 1 ...`` starts both.) Weights go as policy
+versions in ``W/policy_versions`` (``rlx.versions``' whole and delta files, or Orbax
+checkpoints with ``weight_sync=orbax``; the newest k + 3 kept); rollouts as files in
 ``W/rollouts`` (``rlx.trainer.deploy.exchange``). Staleness is bounded by ``mesh.max_staleness``
 = k exactly as in one process: the generator starts batch i once the learner has
 finished (trained or dropped) batch i - k - 1, sampling with the newest version
