@@ -17,8 +17,8 @@ from rlx.config import ConfigError, check
 from rlx.trainer.deploy.colocated import train_colocated
 from rlx.trainer.produce.collect import collect
 from rlx.trainer.draw import Draw
-from rlx.trainer.common import (DynamicSamplingError, NonFiniteError, RewardFailedError,
-                                TrainingError)
+from rlx.trainer.common import (DynamicSamplingError, EpisodesFailedError, NonFiniteError,
+                                RewardFailedError, TrainingError)
 from rlx.trainer.produce.evaluate import evaluate
 from rlx.trainer.setup.run import Run, prepare
 from rlx.trainer.learn.learner import Learner
@@ -55,7 +55,7 @@ def train(config, workdir, say=print):
 
 __all__ = ["EXIT_STOPPED", "Batch", "BatchSource", "Draw", "DynamicSamplingError", "Generator", "Learner", "Run",
            "Summary",
-           "learn_loop", "NonFiniteError", "RewardFailedError", "Sampled",
+           "learn_loop", "EpisodesFailedError", "NonFiniteError", "RewardFailedError", "Sampled",
            "TrainingError", "collect", "evaluate", "layout", "make_prepare", "prepare",
            "sample_arrays", "sequence_advantages", "shaped_rewards", "train", "train_colocated",
            "train_generator", "train_learner", "train_split", "warm_up"]

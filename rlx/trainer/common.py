@@ -32,6 +32,10 @@ class RewardFailedError(TrainingError):
   """Every reward call failed, step after step (``reward.max_error_steps``)."""
 
 
+class EpisodesFailedError(TrainingError):
+  """No episode could run: every environment's reset, or every agent program, failed."""
+
+
 class NonFiniteError(TrainingError):
   """Too many updates in a row had a non-finite loss or gradient norm."""
 

@@ -96,6 +96,15 @@ class _DaemonPool:
       self._tasks.put(None)
 
 
+def _reset(future: concurrent.futures.Future, timeout: float) -> list[int]:
+  """The first prompt a started episode's ``reset`` gave (``Episode.start``, on the pool);
+  EnvError when it raised or has not returned by now (its thread is left to it)."""
+  if not future.done():
+    future.cancel()
+    raise EnvError(f"reset() did not return within env.step_timeout_s={timeout:g}s")
+  return future.result()
+
+
 class Episodes:
   """The environments of one ``run_episodes`` call, and the thread pool that answers turns."""
 
@@ -118,11 +127,27 @@ class Episodes:
     self.add(rows)
 
   def add(self, rows: Sequence[dict]) -> list[list[int]]:
-    """Starts the episodes of more rows (prompt indices counting on); returns their prompts."""
+    """Starts the episodes of more rows (prompt indices counting on); returns their prompts.
+    Every episode's ``reset`` runs at once, on the pool, within one ``env.step_timeout_s``:
+    rows whose resets hang or raise are skipped and counted, never waited for in turn."""
     config, start = self.run.config, len(self.prompts)
+    timeout = config.env.step_timeout_s
+    made = []  # (row, [(episode, future)] or the row's EnvError)
     for row in rows:
       try:
-        self._start(row, len(self.prompts))
+        episodes = [self._episode(row) for _ in range(self.n)]
+      except EnvError as error:
+        made.append((row, error))
+        continue
+      made.append((row, [(episode, self.pool.submit(episode.start)) for episode in episodes]))
+    futures = [future for _, started in made if not isinstance(started, EnvError)
+               for _, future in started]
+    concurrent.futures.wait(futures, timeout=timeout)
+    for row, started in made:
+      try:
+        if isinstance(started, EnvError):
+          raise started
+        self._keep(row, [(episode, _reset(future, timeout)) for episode, future in started])
       except EnvError as error:  # this row only: skipped and counted, as a bad data row is
         self.failed_rows += 1
         if getattr(self.run, "env_error", None) is None:
@@ -130,55 +155,41 @@ class Episodes:
           if jax.process_index() == 0:
             print(f"rlx: warning: environment {config.env.name!r}: {self.run.env_error}; the "
                   "row is skipped (agent/env_errors counts such rows)", flush=True)
-        continue
     return self.prompts[start:]
 
-  def _start(self, row: dict, p: int) -> None:
-    """Starts the ``n`` episodes of ``row`` as prompt ``p``."""
+  def _episode(self, row: dict) -> Episode:
+    """One episode of ``row``: its environment, tools and renderer (not started)."""
     config = self.run.config
-    first = None
-    for s in range(self.n):
-      env = check_env(self.factory(dict(row)), config.env.name)
-      tools = tools_of(env)
-      names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
-                    for t in tools)
-      signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
-      if signature not in self.toolboxes:
-        self.toolboxes[signature] = Toolbox.of(tools) if tools else None
-      toolbox = self.toolboxes[signature]
-      renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
-      episode = Episode(env, renderer, self.run.tools, toolbox, format=self.format,
-                        max_turns=config.env.max_turns,
-                        max_observation_chars=config.env.max_observation_chars,
-                        system=config.data.system_prompt)
-      try:
-        prompt = self._started(episode)
-      except EnvError:
-        for earlier in range(s):  # the row's episodes started so far go with it
-          self.episodes.pop((p, earlier))
-        raise
-      if first is None:
-        first = prompt
-      elif prompt != first:
-        raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
-                         "differently; a group's episodes must share their first messages")
-      self.episodes[(p, s)] = episode
+    env = check_env(self.factory(dict(row)), config.env.name)
+    tools = tools_of(env)
+    names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
+                  for t in tools)
+    signature = (names, repr([getattr(t, "keywords", None) for t in tools]))
+    if signature not in self.toolboxes:
+      self.toolboxes[signature] = Toolbox.of(tools) if tools else None
+    toolbox = self.toolboxes[signature]
+    renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
+    return Episode(env, renderer, self.run.tools, toolbox, format=self.format,
+                   max_turns=config.env.max_turns,
+                   max_observation_chars=config.env.max_observation_chars,
+                   system=config.data.system_prompt)
+
+  def _keep(self, row: dict, started: list[tuple[Episode, list[int]]]) -> None:
+    """Keeps ``row``'s started episodes as the next prompt, once they agree on it."""
+    config = self.run.config
+    first = started[0][1]
+    if any(prompt != first for _, prompt in started):
+      raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
+                       "differently; a group's episodes must share their first messages")
     if len(first) > config.rollout.max_prompt_len:
       raise ValueError(f"{row.get('where', 'a row')}: the first messages with the tools' schemas "
                        f"are {len(first)} tokens, more than rollout.max_prompt_len="
                        f"{config.rollout.max_prompt_len}; raise it")
+    p = len(self.prompts)
+    for s, (episode, _) in enumerate(started):
+      self.episodes[(p, s)] = episode
     self.rows.append(row)
     self.prompts.append(first)
-
-  def _started(self, episode: Episode) -> list[int]:
-    """``episode.start()`` on the pool, within ``env.step_timeout_s``: a reset that never
-    returns skips its row (its thread is left to it) instead of hanging the run."""
-    timeout = self.run.config.env.step_timeout_s
-    future = self.pool.submit(episode.start)
-    try:
-      return future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-      raise EnvError(f"reset() did not return within env.step_timeout_s={timeout:g}s") from None
 
   def forget(self, p: int) -> list[Episode]:
     """The episodes of prompt ``p``, no longer kept (a stream's finished group)."""

@@ -51,3 +51,21 @@ class _Stuck(_Flaky):
 
 def make_stuck_env(row):
   return _Stuck(row)
+
+
+class _Hung(_Flaky):
+  def reset(self):  # never returns, on any row
+    threading.Event().wait()
+
+
+def make_hung_env(row):
+  return _Hung(row)
+
+
+class _Broken(_Flaky):
+  def reset(self):  # raises on every row
+    raise ConnectionError("the simulator is not running")
+
+
+def make_broken_env(row):
+  return _Broken(row)

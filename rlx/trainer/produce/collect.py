@@ -19,7 +19,7 @@ from rlx import algorithms, distributed, progress, rollout
 from rlx.rewards import Scored
 from rlx.rollout import Completion
 from rlx.trainer.produce.agents import agent_metrics, run_episodes
-from rlx.trainer.common import DynamicSamplingError, RewardFailedError
+from rlx.trainer.common import DynamicSamplingError, EpisodesFailedError, RewardFailedError
 from rlx.trainer.draw import Draw
 from rlx.trainer.setup.run import Run
 
@@ -160,8 +160,15 @@ def exhausted(run: Run, draws: int, kept: int, counts: dict, sampled: int,
   ``counts``: the draws' reward counts, ``sampled``: the samples they drew."""
   config = run.config
   wanted = config.data.prompts_per_step // jax.process_count()
+  if agent and not config.env.agent and not distributed.any_process(
+      agent.get("agent:episodes", 0) > 0):
+    return EpisodesFailedError(
+        f"environment {config.env.name!r} started no episode in {draws} draws: reset() failed "
+        f"on all {int(agent.get('agent:env_errors', 0))} rows (raised, returned no messages, "
+        f"or ran past env.step_timeout_s={config.env.step_timeout_s:g}s); the first error: "
+        f"{getattr(run, 'env_error', None)}")
   if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
-    return RuntimeError(
+    return EpisodesFailedError(
         f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "
         f"in {draws} draws: {int(agent.get('agent:program_errors', 0))} raised, "
         f"{int(agent.get('agent:program_timeouts', 0))} ran past env.agent_timeout_s, "

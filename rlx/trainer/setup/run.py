@@ -39,7 +39,7 @@ from rlx.models import lora
 from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.versions import DeltaSync
 from rlx.trainer import control
-from rlx.trainer.common import NonFiniteError, Say
+from rlx.trainer.common import EpisodesFailedError, NonFiniteError, Say
 from rlx.trainer.episodes import Episodes, tool_format
 from rlx.update import all_finite, batch_sharding
 from rlx.trainer.setup.warmup import sft_batches, warm_up
@@ -319,7 +319,6 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
 def _episode_prompted(config: RunConfig, tokenizer: Tokenizer, batches):
   """Warm-up batches whose prompts are what the episodes will see: each row's environment's
   first messages with the tools' schemas (a row whose reset fails is left out)."""
-  
   stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
                                    env_error=None)
   episodes = Episodes(stand_in, [], 1)
@@ -338,13 +337,21 @@ def _episode_prompted(config: RunConfig, tokenizer: Tokenizer, batches):
 def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows: int = 8) -> None:
   """Starts the environments of the first ``rows`` rows once, as the episodes will (their
   first messages with the tools' schemas), and refuses a prompt past rollout.max_prompt_len
-  now rather than at the first draw."""
-  
+  now rather than at the first draw. Every row's reset failing ends the run here, in one
+  ``env.step_timeout_s``: their resets run at once."""
   probe = PromptStream(source, batch_size=min(rows, len(source)), seed=config.data.shuffle_seed,
                        encode=prompt_encoder(config, tokenizer), on_bad_row="skip")
   stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
                                    env_error=None)
-  Episodes(stand_in, next(probe), 1).close()
+  rows = next(probe)
+  episodes = Episodes(stand_in, rows, 1)
+  episodes.close()
+  if rows and episodes.failed_rows == len(rows):
+    raise EpisodesFailedError(
+        f"environment {config.env.name!r} could not start: reset() failed on all {len(rows)} "
+        f"rows tried at start (raised, returned no messages, or ran past "
+        f"env.step_timeout_s={config.env.step_timeout_s:g}s); the first error: "
+        f"{stand_in.env_error}")
 
 
 def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):
