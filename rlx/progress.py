@@ -26,13 +26,29 @@ from typing import Self
 
 _lock = threading.Lock()
 _state = {"doing": "starting", "progress_at": time.time(), "waiting_on": None, "ticks": 0}
+_stages: dict[str, str] = {}
+"""Each thread's own stage (by thread name): a learner and a generator thread of one process
+each say what they are doing, and a hang names both."""
 
 
 def doing(what: str) -> None:
-  """Starts the stage ``what`` (a short phrase: "training on rollout 12"): progress."""
+  """Starts the stage ``what`` (a short phrase: "training on rollout 12") of the calling
+  thread: progress."""
   with _lock:
+    _stages[threading.current_thread().name] = what
     _state.update(doing=what, progress_at=time.time(), waiting_on=None)
     _state["ticks"] += 1
+
+
+def _stage_of_each_thread() -> str | None:
+  """The stage of the one live thread that has one, or "the main thread: ...; rlx-generator:
+  ..." when several have; None when none has."""
+  live = {thread.name for thread in threading.enumerate()}
+  stages = [(name, what) for name, what in _stages.items() if name in live]
+  if len(stages) < 2:
+    return stages[0][1] if stages else None
+  return "; ".join(f"{'the main thread' if name == 'MainThread' else name}: {what}"
+                   for name, what in stages)
 
 
 def tick() -> None:
@@ -55,6 +71,9 @@ def snapshot() -> dict:
 
   with _lock:
     record = dict(_state)
+    each = _stage_of_each_thread()
+  if each is not None:
+    record["doing"] = each
   compiling = compilation.compiling()
   if compiling is not None:
     record.update(progress_at=time.time(), doing=f"{record['doing']} (compiling {compiling})")

@@ -49,3 +49,58 @@ def test_a_hung_process_ends_with_its_stacks_and_exit_status_70():
 def test_a_zero_timeout_watches_nothing():
   with progress.Watchdog(0) as dog:
     assert dog._thread is None
+
+
+def test_a_hang_names_the_stage_of_each_thread_that_has_one():
+  """A learner thread and a generator thread of one process each set their stage: the
+  watchdog's line names both, not whichever set its stage last."""
+  import threading
+  progress.doing("updating on the batch of step 4")
+  started, release = threading.Event(), threading.Event()
+
+  def generator():
+    progress.doing("scoring rollout 5")
+    started.set()
+    release.wait()
+
+  thread = threading.Thread(target=generator, name="rlx-generator")
+  thread.start()
+  started.wait()
+  try:
+    doing = progress.snapshot()["doing"]
+    assert "the main thread: updating on the batch of step 4" in doing
+    assert "rlx-generator: scoring rollout 5" in doing
+  finally:
+    release.set()
+    thread.join()
+  # its thread is gone: the stage is the one of the thread still there
+  assert progress.snapshot()["doing"] == "updating on the batch of step 4"
+
+
+def test_a_reward_call_names_its_stage_beside_the_generating_thread_s():
+  """The scorer thread says it is scoring while the reward function runs (a reward that never
+  returns is reported as one), beside the generating thread's own stage."""
+  import types
+
+  import numpy as np
+
+  from rlx.rollout import Completion
+  from rlx.trainer.produce import collect
+
+  seen = []
+
+  def score(texts, rows):
+    seen.append(progress.snapshot()["doing"])
+    return types.SimpleNamespace(rewards=np.zeros(len(texts), np.float32),
+                                 correct=np.zeros(len(texts), bool), counts={}, components={})
+
+  run = types.SimpleNamespace(pool=types.SimpleNamespace(score=score),
+                              tokenizer=types.SimpleNamespace(decode=lambda ids: "text"))
+  progress.doing("sampling and scoring rollout 7")
+  scorer = collect._Scorer(run, [{"prompt": "p"}])
+  scorer.submit(Completion(prompt_tokens=[1], response_tokens=[2], logprobs=[0.0],
+                           policy_logprobs=[0.0], finish_reason="stop", policy_version=0,
+                           prompt_index=0, sample_index=0))
+  scorer.finish()
+  assert "rlx-scorer: scoring the rewards of 1 sample(s)" in seen[0], seen
+  assert "the main thread: sampling and scoring rollout 7" in seen[0], seen

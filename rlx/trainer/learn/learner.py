@@ -225,6 +225,7 @@ class Learner:
   def publish(self) -> float:
     """Hands the current params to the generator; returns the sync's seconds. The sync refuses
     a new version bitwise the last one when the update that made it moved the params."""
+    progress.doing(f"publishing policy version {self.version}")
     return self.sync.publish(self.state.params, self.version, changed=self.moved)
 
   @property
@@ -256,6 +257,7 @@ class Learner:
     ``algorithm.clip_eps_high``), a traced input of the step like each batch's sampling
     temperature, so neither recompiles."""
     config = self.config
+    progress.doing(f"the update that makes policy version {self.version + 1}")
     if self.releases_generation_copy:
       self.release_generation_copy()
     if clip_eps_high is None:

@@ -94,6 +94,7 @@ class _Scorer:
       if not batch or self.error is not None:
         continue
       try:
+        progress.doing(f"scoring the rewards of {len(batch)} sample(s)")
         self.parts.append((batch, self._score(batch)))
         progress.tick()
       except BaseException as error:  # noqa: BLE001 - raised in the generating thread
