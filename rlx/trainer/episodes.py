@@ -2,7 +2,7 @@
 row's first prompt (its environment's first messages with the tools' schemas), and the
 thread pool that answers the episodes' turns.
 
-    episodes = Episodes(run, rows, n)          # the rows' environments, started
+    episodes = Episodes(config, tokenizer, rows, n, tools=run.tools, errors=run.env_errors)
     episodes.prompts[p]                        # prompt p's tokens, shared by its n episodes
     future = episodes.respond(p, s, tokens, reason)
     episodes.close()
@@ -105,17 +105,38 @@ def _reset(future: concurrent.futures.Future, timeout: float) -> list[int]:
   return future.result()
 
 
+class EnvErrors:
+  """The environment errors a run met while starting episodes: how many rows were skipped,
+  and the first error, said once (``agent/env_errors`` counts them per batch)."""
+
+  def __init__(self):
+    self.first: str | None = None
+    self.rows = 0
+
+  def add(self, env_name: str, row: dict, error: Exception) -> None:
+    self.rows += 1
+    if self.first is None:
+      self.first = f"{row.get('where', 'a row')}: {error}"
+      if jax.process_index() == 0:
+        print(f"rlx: warning: environment {env_name!r}: {self.first}; the row is skipped "
+              "(agent/env_errors counts such rows)", flush=True)
+
+
 class Episodes:
   """The environments of one ``run_episodes`` call, and the thread pool that answers turns."""
 
-  def __init__(self, run, rows: Sequence[dict], n: int, episodes: int = 0):
-    """``episodes``: the most that may be under way at once (default: ``rows``'s); each gets a
+  def __init__(self, config: RunConfig, tokenizer, rows: Sequence[dict], n: int, *,
+               tools=None, episodes: int = 0, errors: EnvErrors | None = None):
+    """``tools``: the run's tool workers (``ToolRunner``; None: tools run in the episode's
+    thread); ``errors``: where skipped rows are told (default: a record of this call's own).
+    ``episodes``: the most that may be under way at once (default: ``rows``'s); each gets a
     thread for its environment step, so a step that ends an episode never waits for another
     episode's slow tool call (the tools have their own bound, ``env.tool_workers``)."""
-    config = run.config
-    self.run, self.rows, self.n = run, [], n
+    self.config, self.tokenizer, self.tools = config, tokenizer, tools
+    self.errors = EnvErrors() if errors is None else errors
+    self.rows, self.n = [], n
     self.factory = load_factory(config.env.name)
-    self.format = tool_format(config, run.tokenizer)
+    self.format = tool_format(config, tokenizer)
     self.episodes: dict[tuple[int, int], Episode] = {}
     self.prompts: list[list[int]] = []
     self.toolboxes: dict[tuple, Toolbox | None] = {}
@@ -130,7 +151,7 @@ class Episodes:
     """Starts the episodes of more rows (prompt indices counting on); returns their prompts.
     Every episode's ``reset`` runs at once, on the pool, within one ``env.step_timeout_s``:
     rows whose resets hang or raise are skipped and counted, never waited for in turn."""
-    config, start = self.run.config, len(self.prompts)
+    config, start = self.config, len(self.prompts)
     timeout = config.env.step_timeout_s
     made = []  # (row, [(episode, future)] or the row's EnvError)
     for row in rows:
@@ -150,16 +171,12 @@ class Episodes:
         self._keep(row, [(episode, _reset(future, timeout)) for episode, future in started])
       except EnvError as error:  # this row only: skipped and counted, as a bad data row is
         self.failed_rows += 1
-        if getattr(self.run, "env_error", None) is None:
-          self.run.env_error = f"{row.get('where', 'a row')}: {error}"
-          if jax.process_index() == 0:
-            print(f"rlx: warning: environment {config.env.name!r}: {self.run.env_error}; the "
-                  "row is skipped (agent/env_errors counts such rows)", flush=True)
+        self.errors.add(config.env.name, row, error)
     return self.prompts[start:]
 
   def _episode(self, row: dict) -> Episode:
     """One episode of ``row``: its environment, tools and renderer (not started)."""
-    config = self.run.config
+    config = self.config
     env = check_env(self.factory(dict(row)), config.env.name)
     tools = tools_of(env)
     names = tuple(getattr(t, "__name__", getattr(getattr(t, "func", None), "__name__", ""))
@@ -168,15 +185,15 @@ class Episodes:
     if signature not in self.toolboxes:
       self.toolboxes[signature] = Toolbox.of(tools) if tools else None
     toolbox = self.toolboxes[signature]
-    renderer = Renderer(self.run.tokenizer, self.format, toolbox.schemas if toolbox else ())
-    return Episode(env, renderer, self.run.tools, toolbox, format=self.format,
+    renderer = Renderer(self.tokenizer, self.format, toolbox.schemas if toolbox else ())
+    return Episode(env, renderer, self.tools, toolbox, format=self.format,
                    max_turns=config.env.max_turns,
                    max_observation_chars=config.env.max_observation_chars,
                    system=config.data.system_prompt)
 
   def _keep(self, row: dict, started: list[tuple[Episode, list[int]]]) -> None:
     """Keeps ``row``'s started episodes as the next prompt, once they agree on it."""
-    config = self.run.config
+    config = self.config
     first = started[0][1]
     if any(prompt != first for _, prompt in started):
       raise ValueError(f"environment {config.env.name!r} starts the episodes of one row "
@@ -199,7 +216,7 @@ class Episodes:
 
   def respond(self, p: int, s: int, tokens: list[int], reason: str) -> concurrent.futures.Future:
     episode = self.episodes[(p, s)]
-    text = self.run.tokenizer.decode(tokens)  # for the environment to read; ids stay as sampled
+    text = self.tokenizer.decode(tokens)  # for the environment to read; ids stay as sampled
     self.replies[(p, s)] = future = self.pool.submit(episode.respond, text, reason)
     return future
 

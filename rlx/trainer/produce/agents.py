@@ -40,7 +40,8 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
   """``n`` episodes of each row, and their rewards, verdicts and statistics (``inflight``:
   newer weights between decode chunks, as in ``collect.generate_and_score``)."""
   config = run.config
-  episodes = Episodes(run, rows, n)
+  episodes = Episodes(run.config, run.tokenizer, rows, n, tools=run.tools,
+                      errors=run.env_errors)
   r = config.rollout
   slots: dict = {}
   try:

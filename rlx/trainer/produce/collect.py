@@ -167,7 +167,7 @@ def exhausted(run: Run, draws: int, kept: int, counts: dict, sampled: int,
         f"environment {config.env.name!r} started no episode in {draws} draws: reset() failed "
         f"on all {int(agent.get('agent:env_errors', 0))} rows (raised, returned no messages, "
         f"or ran past env.step_timeout_s={config.env.step_timeout_s:g}s); the first error: "
-        f"{getattr(run, 'env_error', None)}")
+        f"{run.env_errors.first}")
   if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
     return EpisodesFailedError(
         f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "

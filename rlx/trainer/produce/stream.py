@@ -155,7 +155,9 @@ class Streamer:
                     weights=self.weights, supply=self._supply, on_finished=self._finished,
                     stats=self.slots)
       # every episode admitted may be waiting for its environment, and a group's resets
-      self.episodes = (Episodes(self.run, [], self.size, (self.bound + 1) * self.size)
+      self.episodes = (Episodes(config, self.run.tokenizer, [], self.size, tools=self.run.tools,
+                                episodes=(self.bound + 1) * self.size,
+                                errors=self.run.env_errors)
                        if config.env.name else None)
       self.scorer = _Scorer(self.run, self.group_rows, *self._judges())
       try:

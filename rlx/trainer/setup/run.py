@@ -14,7 +14,6 @@ import math
 import pathlib
 import shutil
 import time
-import types
 
 import jax
 
@@ -40,7 +39,7 @@ from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.versions import DeltaSync
 from rlx.trainer import control
 from rlx.trainer.common import EpisodesFailedError, NonFiniteError, Say
-from rlx.trainer.episodes import Episodes, tool_format
+from rlx.trainer.episodes import EnvErrors, Episodes, tool_format
 from rlx.update import all_finite, batch_sharding
 from rlx.trainer.setup.warmup import sft_batches, warm_up
 
@@ -73,6 +72,8 @@ class Run:
   """The OpenAI-compatible endpoint agent programs call (config.env.agent), once started."""
   agent_error: str | None = None
   """The first error an agent program raised (for the message when no group survives)."""
+  env_errors: EnvErrors = dataclasses.field(default_factory=EnvErrors)
+  """The rows whose environment could not start, and the first error (config.env)."""
 
   def close(self) -> None:
     self.pool.close()
@@ -319,9 +320,7 @@ def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object,
 def _episode_prompted(config: RunConfig, tokenizer: Tokenizer, batches):
   """Warm-up batches whose prompts are what the episodes will see: each row's environment's
   first messages with the tools' schemas (a row whose reset fails is left out)."""
-  stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
-                                   env_error=None)
-  episodes = Episodes(stand_in, [], 1)
+  episodes = Episodes(config, tokenizer, [], 1)
   try:
     for batch in batches:
       first = len(episodes.prompts)
@@ -341,17 +340,15 @@ def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows
   ``env.step_timeout_s``: their resets run at once."""
   probe = PromptStream(source, batch_size=min(rows, len(source)), seed=config.data.shuffle_seed,
                        encode=prompt_encoder(config, tokenizer), on_bad_row="skip")
-  stand_in = types.SimpleNamespace(config=config, tokenizer=tokenizer, tools=None,
-                                   env_error=None)
   rows = next(probe)
-  episodes = Episodes(stand_in, rows, 1)
+  episodes = Episodes(config, tokenizer, rows, 1)
   episodes.close()
   if rows and episodes.failed_rows == len(rows):
     raise EpisodesFailedError(
         f"environment {config.env.name!r} could not start: reset() failed on all {len(rows)} "
         f"rows tried at start (raised, returned no messages, or ran past "
         f"env.step_timeout_s={config.env.step_timeout_s:g}s); the first error: "
-        f"{stand_in.env_error}")
+        f"{episodes.errors.first}")
 
 
 def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):
