@@ -138,3 +138,4 @@ def test_the_heaps_are_trimmed_when_their_free_bytes_grew_since_the_last_trim():
   # reused (120), then freed again (250: 130 above 120)
   assert not trimmer.check() and trimmer.check() and trims == [1, 1]
   assert not trimmer.check()  # 260: 10 above what the last trim left counted as free
+
