@@ -358,3 +358,16 @@ def test_decode_params_of_an_owned_copy_unstack_it_in_place(model):
   assert all(x.is_deleted() for x in jax.tree.leaves(copy["layers"]))
   assert not any(x.is_deleted() for x in jax.tree.leaves(got))
   assert not any(x.is_deleted() for x in jax.tree.leaves(params))  # not owned: left as it is
+
+
+def test_slot_counts_tell_computed_held_and_busy_slot_steps_apart(model):
+  """``stats`` of a call (``rollout/slot_occupancy`` and ``rollout/slots_held_frac``): 3
+  requests in 4 slots decoded 4 wide hold 3 of each step's 4 slots, and produce a token on at
+  most those."""
+  engine = Engine(model.transformer, max_slots=4, max_len=32, max_prompt_len=8,
+                  min_decode_width=4)
+  stats = {}
+  rollout.generate(engine, [[1, 2], [3, 4, 5], [6]], params=model.params, max_new_tokens=12,
+                   temperature=1.0, stop_token_ids=[], stats=stats)
+  assert stats["slot_steps"] == 4 * stats["held_steps"] // 3  # every step: 4 computed, 3 held
+  assert 0 < stats["busy_steps"] <= stats["held_steps"] < stats["slot_steps"]
