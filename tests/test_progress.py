@@ -22,9 +22,11 @@ def test_the_watchdog_fires_only_past_the_timeout_and_never_while_waiting():
   progress.waiting("the checkpoint write")  # a peer's or the storage's time, not a hang
   now[0] = progress.snapshot()["progress_at"] + 1000
   assert not dog.check()
-  progress.tick()  # work again: the clock restarts
+  progress.tick()  # work again: the clock restarts, and the wait is over
   now[0] = progress.snapshot()["progress_at"] + 5
   assert not dog.check() and len(hangs) == 1
+  now[0] = progress.snapshot()["progress_at"] + 11  # so a stall past the timeout is a hang
+  assert dog.check() and len(hangs) == 2
 
 
 def test_a_hung_process_ends_with_its_stacks_and_exit_status_70():
