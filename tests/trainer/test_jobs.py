@@ -229,7 +229,7 @@ def test_two_jobs_killed_after_step_5_resume_from_3_without_the_dead_runs_versio
   assert [row["step"] for row in rows] == list(range(1, steps + 1))
   # no trained batch was sampled with a version newer than the learner's (a dead run's)
   assert all(row["rollout/policy_lag_mean"] >= 0 for row in rows), rows
-  assert all(row["rollout/policy_lag_max"] >= 0 for row in rows)
+  assert all(0 <= row["rollout/policy_lag_max"] <= 1 for row in rows), rows  # max_staleness
 
 
 def test_roles_need_split_and_orbax():

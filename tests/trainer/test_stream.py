@@ -107,9 +107,10 @@ def test_groups_are_handed_over_whole_once_and_within_the_gate(k):
     _, lag_max = control.lag([c.policy_version for c in draw.completions], version)
     if k == 0:  # synchronous: nothing is admitted for a batch before the learner is done
       assert {v for c in draw.completions for v in c.versions()} == {version}
-    assert 0 <= lag_max
+    assert 0 <= lag_max <= k  # the bound the stream keeps
     assert 0 <= draw.counts["rollout/slot_occupancy"] <= 1
-    assert draw.counts["rollout/version_span_max"] >= 0
+    # a sequence's tokens span versions no newer than the batch's and no older than its start
+    assert 0 <= draw.counts["rollout/version_span_max"] <= lag_max
   assert len(set(handed)) == len(handed)  # no group twice
   if k:  # it worked ahead: some batch holds rows sampled before the version it trains at, and
     # new versions reached sequences in flight; the slots were busy
