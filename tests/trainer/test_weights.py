@@ -74,6 +74,18 @@ def test_a_read_that_finds_an_older_version_than_the_one_held_is_dropped():
   assert weights() == ("params-5", 5)
 
 
+def test_a_read_that_lands_with_the_version_already_held_is_no_swap():
+  storage = Storage()
+  weights = Weights(storage.latest, background=True)
+  storage.newest = 5
+  storage.gate.clear()
+  weights()  # a read from version -1 under way, slow: it will find 5
+  weights.params, weights.version = "params-5", 5  # the caller took 5 by itself meanwhile
+  storage.gate.set()
+  _settle(weights)
+  assert weights() == ("params-5", 5) and weights.swaps == 0  # not taken again, not counted
+
+
 def test_what_a_background_read_raises_the_next_call_raises():
   storage = Storage()
   weights = Weights(storage.latest, background=True)
