@@ -49,10 +49,10 @@ class _Sync:
     return jax.tree.map(lambda p: p * (1 + 0.05 * version), self.params), version
 
 
-def _job(k: int, reward):
+def _job(k: int, reward, *overrides: str):
   config = tiny.config("dapo_split", "--config.mesh.admission=continuous",
                        f"--config.mesh.max_staleness={k}", "--config.rollout.decode_steps=2",
-                       "--config.algorithm.dynamic_sampling_max_draws=8")
+                       "--config.algorithm.dynamic_sampling_max_draws=8", *overrides)
   model = init_model(config.model.arch, jax.random.key(0))
   engine = Engine(model.transformer, max_slots=4, max_len=24, max_prompt_len=8, decode_steps=2)
   tokenizer = builtin_tokenizer()
@@ -162,3 +162,22 @@ def test_a_run_resumed_mid_stream_loses_and_repeats_no_group():
   assert not set(trained) & set(resumed)  # nothing twice
   assert len(set(resumed)) == len(resumed)
   assert set(lost) <= set(resumed)  # nothing lost
+
+
+def test_the_stream_fills_its_groups_in_flight_bound_and_never_passes_it(monkeypatch):
+  """With the gate wide open (k = 6) the bound on groups admitted and not yet handed over is
+  what holds admission back: it is reached, and never passed."""
+  from rlx.trainer.produce import stream as stream_lib
+  held = []
+  admit = stream_lib.Streamer._admit
+
+  def counted(self):
+    started = admit(self)
+    held.append((len(self.flight) + len(self.ready), self.bound))
+    return started
+
+  monkeypatch.setattr(stream_lib.Streamer, "_admit", counted)
+  job = _job(6, _varied, "--config.mesh.groups_in_flight=3")
+  _learn(job, 6, 4)
+  assert {bound for _, bound in held} == {3}
+  assert max(n for n, _ in held) == 3 and all(n <= 3 for n, _ in held), held
