@@ -371,3 +371,23 @@ def test_slot_counts_tell_computed_held_and_busy_slot_steps_apart(model):
                    temperature=1.0, stop_token_ids=[], stats=stats)
   assert stats["slot_steps"] == 4 * stats["held_steps"] // 3  # every step: 4 computed, 3 held
   assert 0 < stats["busy_steps"] <= stats["held_steps"] < stats["slot_steps"]
+
+
+def test_a_sequence_moved_to_a_lower_slot_keeps_its_length(model):
+  """When the others finish, the long sequence left in a high slot moves down (the decode
+  narrows to the slots in use) and takes its cached length with it: past 64 tokens, a length
+  left behind would shrink what it attends to. Two prompts stop at token 6 within four
+  tokens; the third never writes a 6 and decodes 100 greedily, as it does alone."""
+  engine = Engine(model.transformer, max_slots=16, max_len=128, max_prompt_len=8,
+                  min_decode_width=1)  # 16 slots: decodes 1, 2, 4, 8 or 16 wide
+  short, other, long = [14, 13], [14, 20], [5, 41]
+  alone = rollout.generate(engine, [long], params=model.params, max_new_tokens=100,
+                           temperature=0.0, stop_token_ids=[6])[0]
+  assert len(alone.response_tokens) == 100 and 6 not in alone.response_tokens
+  stats = {}
+  together = rollout.generate(engine, [short, other, long], params=model.params,
+                              max_new_tokens=100, temperature=0.0, stop_token_ids=[6],
+                              stats=stats)
+  assert all(len(c.response_tokens) <= 4 for c in together[:2])  # they stopped early
+  assert stats["slot_steps"] < 2 * 100  # it went on alone, 1 wide (in slot 0), not 4
+  assert together[2].response_tokens == alone.response_tokens
