@@ -181,3 +181,28 @@ def test_decoding_slots_move_below_parked_ones_and_sample_the_same(model, monkey
     np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
   assert max(c.turns for c in moved) >= 2
   assert moved_busy > stayed_busy, (moved_busy, stayed_busy)
+
+
+def test_one_released_episode_is_away_for_each_of_its_environment_steps(model):
+  """One episode alone, released for every environment step of 0.3 s: its time away from the
+  slots is those steps', its last one included (the step that ends it), and no more."""
+  pool = concurrent.futures.ThreadPoolExecutor(2)
+  steps = []
+
+  def respond(p, s, tokens, reason):
+    def answer():
+      time.sleep(0.3)
+      return Reply([] if tokens[-1] == 3 else [10, 11], done=tokens[-1] == 3)
+    steps.append(pool.submit(answer))
+    return steps[-1]
+
+  engine = Engine(model.transformer, max_slots=2, max_len=96, max_prompt_len=48,
+                  decode_steps=4)
+  for _ in range(2):  # the second time, with its programs compiled
+    steps.clear()
+    stats = {}
+    generate_episodes(engine, [[5, 6]], respond, params=model.params, n=1, max_new_tokens=4,
+                      max_tokens=30, stop_token_ids=STOP, seed=5, release=True, stats=stats)
+  pool.shutdown()
+  assert len(steps) >= 2
+  assert 0.3 * len(steps) <= stats["away_s"] < 0.3 * len(steps) + 0.25, (len(steps), stats)
