@@ -82,3 +82,19 @@ def test_a_stop_string_cut_keeps_the_versions_in_step():
   decode = lambda tokens: "".join(chr(97 + t - 10) for t in tokens)  # noqa: E731
   assert c.cut_at_stop_strings(["c"], decode)
   assert c.response_tokens == [10, 11, 12] and c.versions() == [2, 2, 3]
+
+
+def test_a_sample_inserted_after_a_swap_from_a_prefix_made_before_it_keeps_its_version():
+  """Three samples of one prompt on two slots: the third enters after the swap, from the
+  prefix the old version computed, so its first token is the old version's (stamped 0, the
+  old version's own token) and the rest the new one's."""
+  old, new = _model(scale=4.0), _model(seed=1, scale=4.0)
+  engine = Engine(old.transformer, max_slots=2, max_len=56, max_prompt_len=16, decode_steps=4)
+  settings = dict(n=3, max_new_tokens=12, temperature=1.0, stop_token_ids=[], seed=5)
+  only_old = rollout.generate(engine, [[5, 6, 7]], params=old.params, **settings)
+  swapped = rollout.generate(engine, [[5, 6, 7]], params=old.params, **settings,
+                             weights=_Publisher(old.params, new.params, after=1))
+  third = next(c for c in swapped if c.sample_index == 2)
+  assert third.versions()[0] == third.policy_version == 0
+  assert set(third.versions()[1:]) == {1}
+  assert third.response_tokens[0] == only_old[2].response_tokens[0]
