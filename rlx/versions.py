@@ -208,7 +208,6 @@ class DeltaSync:
     self.generation_shardings, self.prepare = generation_shardings, prepare
     self.keep, self.whole_every = max(1, keep), whole_every
     self._like = like
-    self._names = [name for name, _ in _paths(like)]
     self._published = Published()
     self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlx-versions")
     self._pending: concurrent.futures.Future | None = None
