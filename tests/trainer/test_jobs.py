@@ -279,7 +279,9 @@ def test_a_generator_whose_reward_never_returns_stops_the_learner_naming_the_han
         os.killpg(p.pid, signal.SIGKILL)
   assert learner.returncode == 1, out
   assert "the generator job hangs: it has got nothing done for" in out, out
-  assert "while sampling and scoring rollout 2" in out and "kill -USR1" in out, out
+  # each of its threads' stage: the generating thread's, and the scorer's in the reward call
+  assert "while the main thread: sampling and scoring rollout 2" in out, out
+  assert "rlx-scorer: scoring the rewards of" in out and "kill -USR1" in out, out
   assert _steps(tmp_path) == 2, out  # the two batches it delivered were trained on
 
 
