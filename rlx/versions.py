@@ -48,7 +48,7 @@ import zstandard
 
 from rlx import digest, distributed
 from rlx.models import lora
-from rlx.sync import Params, Published, SyncMismatch, check_landed
+from rlx.sync import Params, Published, SyncMismatch, _as_is, check_landed
 
 FORMAT = 1
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -201,7 +201,7 @@ class DeltaSync:
 
   def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
                keep: int = 2, whole_every: int = 10,
-               prepare: Callable[[Params], Params] = lambda params: params):
+               prepare: Callable[[Params], Params] = _as_is):
     if whole_every < 1:
       raise ValueError(f"whole_every={whole_every} must be >= 1")
     self.directory = pathlib.Path(directory).absolute()

@@ -113,6 +113,13 @@ class EnvErrors:
     self.first: str | None = None
     self.rows = 0
 
+  def none_started(self, config: RunConfig, rows: int, when: str) -> str:
+    """The line for ``rows`` rows none of whose environments started (``when``: "tried at
+    start", "of 3 draws")."""
+    return (f"environment {config.env.name!r} could not start: reset() failed on all {rows} "
+            f"rows {when} (raised, returned no messages, or ran past env.step_timeout_s="
+            f"{config.env.step_timeout_s:g}s); the first error: {self.first}")
+
   def add(self, env_name: str, row: dict, error: Exception) -> None:
     self.rows += 1
     if self.first is None:

@@ -1,13 +1,12 @@
 """The learner's controllers, run on a real learner: the adaptive entropy bonus
 (``algorithm.entropy_target``) applies on the side of the target it is meant for."""
 
-import numpy as np
 import pytest
 
-from rlx.trainer import Draw, prepare
+from rlx.trainer import prepare
 from rlx.trainer.learn.learner import Learner
 from tests.trainer import tiny
-from tests.trainer.test_experience import _completion
+from tests.trainer.test_learner_memory import batch_of_4_groups
 
 
 @pytest.mark.parametrize("target, below", [(5.0, True), (0.01, False)])
@@ -20,10 +19,7 @@ def test_the_entropy_bonus_applies_only_below_algorithm_entropy_target(tmp_path,
                        f"--config.algorithm.entropy_target={target}",
                        "--config.algorithm.entropy_coef=0.01",
                        "--config.algorithm.entropy_coef_step=0.005")
-  rng = np.random.default_rng(0)
-  draw = Draw([_completion(rng.integers(1, 32, 4), rng.integers(1, 32, 6), version=0,
-                           prompt_index=i // 8, sample_index=i % 8) for i in range(32)],
-              rng.random(32).round().astype(np.float32), np.ones(32, bool), {}, 0.0, {})
+  draw = batch_of_4_groups()
   run = prepare(config, tmp_path, say=lambda line: None)
   try:
     learner = Learner.for_run(run, say=lambda line: None)

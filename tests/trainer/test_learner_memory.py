@@ -42,16 +42,21 @@ def test_the_only_copies_of_the_weights_are_the_state_s_and_the_generator_s(tmp_
     run.close()
 
 
+def batch_of_4_groups() -> Draw:
+  """A batch of 4 prompts x 8 samples of random tokens and rewards, as a learner takes it."""
+  rng = np.random.default_rng(0)
+  return Draw([_completion(rng.integers(1, 32, 4), rng.integers(1, 32, 6), version=0,
+                           prompt_index=i // 8, sample_index=i % 8) for i in range(32)],
+              rng.random(32).round().astype(np.float32), np.ones(32, bool), {}, 0.0, {})
+
+
 @pytest.mark.parametrize("mode", ["colocated", "split"])
 def test_a_colocated_update_runs_without_the_generator_s_copy(tmp_path, mode):
   """Colocated, nothing samples during the update: the generator's copy of the weights is let
   go before it and made again by the next publish. Split, the generator decodes beside it."""
   config = tiny.config("dapo_split", f"--config.mesh.mode={mode}",
                        "--config.trainer.warmup_sft_steps=0", "--config.data.prompts_per_step=4")
-  rng = np.random.default_rng(0)
-  draw = Draw([_completion(rng.integers(1, 32, 4), rng.integers(1, 32, 6), version=0,
-                           prompt_index=i // 8, sample_index=i % 8) for i in range(32)],
-              rng.random(32).round().astype(np.float32), np.ones(32, bool), {}, 0.0, {})
+  draw = batch_of_4_groups()
   run = prepare(config, tmp_path, say=lambda line: None)
   try:
     learner = Learner.for_run(run, say=lambda line: None)

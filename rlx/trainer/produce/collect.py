@@ -163,11 +163,8 @@ def exhausted(run: Run, draws: int, kept: int, counts: dict, sampled: int,
   wanted = config.data.prompts_per_step // jax.process_count()
   if agent and not config.env.agent and not distributed.any_process(
       agent.get("agent:episodes", 0) > 0):
-    return EpisodesFailedError(
-        f"environment {config.env.name!r} started no episode in {draws} draws: reset() failed "
-        f"on all {int(agent.get('agent:env_errors', 0))} rows (raised, returned no messages, "
-        f"or ran past env.step_timeout_s={config.env.step_timeout_s:g}s); the first error: "
-        f"{run.env_errors.first}")
+    return EpisodesFailedError(run.env_errors.none_started(
+        config, int(agent.get("agent:env_errors", 0)), f"of {draws} draws"))
   if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
     return EpisodesFailedError(
         f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "

@@ -344,11 +344,7 @@ def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows
   episodes = Episodes(config, tokenizer, rows, 1)
   episodes.close()
   if rows and episodes.failed_rows == len(rows):
-    raise EpisodesFailedError(
-        f"environment {config.env.name!r} could not start: reset() failed on all {len(rows)} "
-        f"rows tried at start (raised, returned no messages, or ran past "
-        f"env.step_timeout_s={config.env.step_timeout_s:g}s); the first error: "
-        f"{episodes.errors.first}")
+    raise EpisodesFailedError(episodes.errors.none_started(config, len(rows), "tried at start"))
 
 
 def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):
