@@ -7,23 +7,28 @@ clients, and every call's future.
 Every call that computes (``create_model``, ``forward_backward``, ``optim_step``, the weight
 saves and loads, ``asample``) is queued and answered at once with a future id; one worker
 thread runs the queue in order, so a client's ``forward_backward`` calls land before the
-``optim_step`` that follows them, as the SDK expects. ``retrieve_future`` waits up to
+``optim_step`` that follows them, as the SDK expects. Sampling calls are the exception that
+keeps the order's meaning: a sampler's weights never change, so the worker takes every queued
+sampling call on the same weights with the same settings together and decodes them in one
+engine batch (a loop that samples each of a group's responses with its own call, as
+tinker-cookbook's environments do, fills the engine's slots instead of decoding one at a time). ``retrieve_future`` waits up to
 ``POLL_S`` for the result, then asks the SDK to try again. A failed call's future carries the
 reason (category ``user`` for bad input); no adapter changes on a failed call, and the service
 keeps serving.
 """
 
 
+import collections
 import dataclasses
 import itertools
 import logging
 import pathlib
-import queue
+import secrets
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +68,17 @@ class _Future:
 
 
 @dataclasses.dataclass
+class _Job:
+  future: _Future
+  run: Callable[[], dict | bytes] | None = None
+  batch: Hashable | None = None
+  """Jobs with the same ``batch`` key run together: ``run_batch`` given all their ``payload``s
+  returns one result each."""
+  payload: object = None
+  run_batch: Callable[[list], list] | None = None
+
+
+@dataclasses.dataclass
 class _Session:
   id: str
   beat: float
@@ -82,42 +98,67 @@ class Service:
     self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base)
     self.futures: dict[str, _Future] = {}
     self._last_merged: tuple = (None, None)
-    self._work: queue.Queue = queue.Queue()
-    self._lock = threading.Lock()
+    self._work: collections.deque[_Job] = collections.deque()
+    self._queued = threading.Condition()
     self._ids = itertools.count()
     self._worker = threading.Thread(target=self._run, name="rlx-tinker-worker", daemon=True)
     self._worker.start()
 
   # -- the queue -------------------------------------------------------------------------------
 
-  def submit(self, fn: Callable[[], dict | bytes], model_id: str | None = None,
-             samples: int = 0) -> dict:
-    """Queues ``fn``; returns its future (with one sequence id per sample, for a sampling call)."""
+  def submit(self, fn: Callable[[], dict | bytes] | None, model_id: str | None = None,
+             samples: int = 0, **batch) -> dict:
+    """Queues ``fn`` (or, with ``batch=KEY, payload=..., run_batch=...``, a job that runs with
+    the other queued jobs of the same key); returns its future (with one sequence id per
+    sample, for a sampling call)."""
     request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
     future = self.futures[request_id] = _Future()
-    self._work.put((future, fn))
+    with self._queued:
+      self._work.append(_Job(future, fn, **batch))
+      self._queued.notify()
     answer = {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
     if samples:
       answer["sample_sequence_ids"] = [f"{request_id}:{i}" for i in range(samples)]
     return answer
 
+  def _next(self) -> list[_Job]:
+    """The next job, with every later queued job of its batch key (taken out of the queue;
+    the others keep their order)."""
+    with self._queued:
+      while not self._work:
+        self._queued.wait()
+      job = self._work.popleft()
+      if job.batch is None:
+        return [job]
+      together = [j for j in self._work if j.batch == job.batch]
+      for j in together:
+        self._work.remove(j)
+      return [job, *together]
+
   def _run(self) -> None:
     while True:
-      future, fn = self._work.get()
+      jobs = self._next()
       started = time.perf_counter()
       try:
-        result = fn()
-        if isinstance(result, bytes):
-          future.proto = result
+        if jobs[0].run_batch is None:
+          results = [jobs[0].run()]
         else:
-          future.json = result
+          results = jobs[0].run_batch([j.payload for j in jobs])
+        for job, result in zip(jobs, results, strict=True):
+          if isinstance(result, bytes):
+            job.future.proto = result
+          else:
+            job.future.json = result
       except (BadInput, wire.WireError, ValueError, KeyError) as error:
-        future.error = str(error) if not isinstance(error, KeyError) else f"unknown {error}"
+        for job in jobs:
+          job.future.error = str(error) if not isinstance(error, KeyError) else f"unknown {error}"
       except Exception as error:  # noqa: BLE001 - reported to the caller, the service goes on
-        future.error, future.category = f"{type(error).__name__}: {error}", "server"
+        for job in jobs:
+          job.future.error, job.future.category = f"{type(error).__name__}: {error}", "server"
         log.error("tinker: a call failed:\n%s", traceback.format_exc())
-      future.seconds = time.perf_counter() - started
-      future.done.set()
+      for job in jobs:
+        job.future.seconds = time.perf_counter() - started
+        job.future.done.set()
       self._forget_old()
 
   def _forget_old(self) -> None:
@@ -346,20 +387,26 @@ class Service:
     if len(prompt) + max_tokens > base.max_length:
       raise BadInput(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed this "
                      f"service's {base.max_length} for {base.name!r}")
+    options = dict(n=n, max_tokens=max_tokens,
+                   temperature=float(settings.get("temperature", 1.0)),
+                   top_p=float(settings.get("top_p", 1.0)),
+                   top_k=max(int(settings.get("top_k", -1)), 0), stop_token_ids=tuple(stops))
+    seed = settings.get("seed")
 
-    def run():
-      completions = base.sample(
-          params, prompt.tolist(), n=n, max_tokens=max_tokens,
-          temperature=float(settings.get("temperature", 1.0)),
-          top_p=float(settings.get("top_p", 1.0)), top_k=max(int(settings.get("top_k", -1)), 0),
-          stop_token_ids=stops, seed=int(settings.get("seed") or 0))
-      prompt_logprobs = (base.prompt_logprobs(params, prompt.tolist())
-                         if request.get("prompt_logprobs") else None)
-      return wire.sample_response([(c.response_tokens, c.logprobs,
-                                    "length" if c.finish_reason == "length" else "stop")
-                                   for c in completions], prompt_logprobs)
+    def run_batch(payloads: list[tuple[list[int], bool]]) -> list[bytes]:
+      # no seed: a fresh draw (calls that give none must not repeat each other's samples)
+      drawn = base.sample(params, [prompt for prompt, _ in payloads], **options,
+                          seed=secrets.randbits(31) if seed is None else int(seed))
+      return [wire.sample_response(
+          [(c.response_tokens, c.logprobs, "length" if c.finish_reason == "length" else "stop")
+           for c in completions],
+          base.prompt_logprobs(params, prompt) if with_prompt_logprobs else None)
+          for (prompt, with_prompt_logprobs), completions in zip(payloads, drawn, strict=True)]
 
-    return self.submit(run, samples=n)
+    # calls with a seed run alone: their samples are those of that seed whatever else is queued
+    batch = None if seed is not None else (where, *sorted(options.items()))
+    return self.submit(None, samples=n, batch=batch, run_batch=run_batch,
+                       payload=(prompt.tolist(), bool(request.get("prompt_logprobs"))))
 
 
 def app(service: Service):

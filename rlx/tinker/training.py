@@ -103,13 +103,21 @@ class Base:
                                            tokens, transformer=self.model.transformer))
     return np.concatenate([[np.nan], logprobs[0, 1:n]]).astype(np.float32)
 
-  def sample(self, params, prompt: Sequence[int], *, n: int, max_tokens: int,
+  def sample(self, params, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int,
              temperature: float, top_p: float, top_k: int, stop_token_ids: Sequence[int],
-             seed: int) -> list[rollout.Completion]:
-    """``n`` samples of ``prompt`` with ``params`` (the base's, or an adapter's merged in)."""
-    return rollout.generate(self.model, [list(prompt)], n=n, max_new_tokens=max_tokens,
-                            temperature=temperature, top_p=top_p, top_k=top_k,
-                            stop_token_ids=list(stop_token_ids), seed=seed, params=params)
+             seed: int) -> list[list[rollout.Completion]]:
+    """``n`` samples of each prompt with ``params`` (the base's, or an adapter's merged in),
+    decoded together; one list of ``n`` per prompt."""
+    completions = rollout.generate(
+        self.model, [list(p) for p in prompts], n=n, max_new_tokens=max_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=list(stop_token_ids),
+        seed=seed, params=params,
+        # slot counts of 8, 16, 32, 64: four engines at most, whatever the calls batch
+        max_slots=min(64, max(8, 1 << (len(prompts) * n - 1).bit_length())))
+    per_prompt = [[None] * n for _ in prompts]
+    for completion in completions:
+      per_prompt[completion.prompt_index][completion.sample_index] = completion
+    return per_prompt
 
 
 def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss_fn, config):

@@ -183,3 +183,39 @@ def test_finished_futures_past_the_limit_are_forgotten_oldest_first(service_url,
   assert len(service.futures) <= 3 and ids[0] not in service.futures
   with pytest.raises(server_lib.BadInput, match="never issued"):
     service.retrieve(ids[0])
+
+
+def _sample_request(tokens, **settings):
+  return {"base_model": BASE, "prompt": {"chunks": [{"tokens": tokens}]}, "num_samples": 1,
+          "sampling_params": {"max_tokens": 8, "temperature": 1.0, **settings}}
+
+
+def test_queued_sampling_calls_on_the_same_weights_decode_together(service_url, monkeypatch):
+  service, base = service_url[1], service_url[1].bases[BASE]
+  calls = []
+  sample = base.sample
+  monkeypatch.setattr(base, "sample", lambda params, prompts, **kw: calls.append(
+      (list(map(list, prompts)), kw["seed"])) or sample(params, prompts, **kw))
+  gate = threading.Event()
+  service.submit(lambda: gate.wait(10) and {})  # holds the worker while the calls queue
+  prompts = [[1, 5, 9], [2, 4, 6, 8], [1, 5, 9], [3, 3]]
+  futures = [service.sample(_sample_request(p)) for p in prompts]
+  other = service.sample(_sample_request([7, 7], max_tokens=4))  # other settings: its own batch
+  seeded = [service.sample(_sample_request([1, 5, 9], seed=11)) for _ in range(2)]
+  gate.set()
+  results = [service.retrieve(f["request_id"]) for f in [*futures, other, *seeded]]
+  assert all(isinstance(r, bytes) for r in results), results
+  assert [c[0] for c in calls] == [prompts, [[7, 7]], [[1, 5, 9]], [[1, 5, 9]]]
+  # calls without a seed draw afresh (the same prompt twice is two different samples); calls
+  # with one run alone and repeat exactly
+  first, third = (wire_tokens(results[i]) for i in (0, 2))
+  assert first != third
+  assert calls[2][1] == calls[3][1] == 11
+  assert wire_tokens(results[5]) == wire_tokens(results[6])
+
+
+def wire_tokens(proto: bytes) -> list[list[int]]:
+  from tinker.proto import tinker_public_pb2 as pb
+
+  response = pb.SampleResponse.FromString(proto)
+  return [np.frombuffer(sequence.tokens, np.int32).tolist() for sequence in response.sequences]
