@@ -12,6 +12,13 @@ argument of the loss, never of the gradient); gradients of ``forward_backward`` 
 until ``optim_step`` applies them with the step's Adam settings (``optax.inject_hyperparams``:
 changing the learning rate compiles nothing). Batches are padded to bucketed rows and
 lengths (powers of two and their halfway points), so the jitted step compiles once per bucket.
+
+A batch whose datums' targets are their inputs shifted by one (every sampled or supervised
+sequence: input ``s[:-1]``, targets ``s[1:]``) runs as the learner's does: each datum's whole
+sequence ``s``, packed several to a row, and a run of datums that begin with the same tokens (a
+group's samples of one prompt) forwards that prefix once (``rlx.update.packing``); every
+log-prob, loss and gradient equals the row-per-datum computation's (test). Other targets run
+one datum per row.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from rlx.kernels import fused_logprobs
 from rlx.models import Model, build_model, load_tokenizer, lora
 from rlx.tinker import losses
 from rlx.tinker.wire import Datum
-from rlx.update import sequence_logprobs
+from rlx.update import packing, sequence_logprobs
 
 LORA_ALPHA = 32.0
 """The adapters' scale numerator (Tinker's): they add (32 / rank) x A B."""
@@ -120,17 +127,51 @@ class Base:
     return per_prompt
 
 
-def _loss(adapters, base_params, tokens, loss_mask, inputs, *, transformer, loss_fn, config):
-  """The summed loss, and the target log-probs and per-token losses [B, T]."""
+def _loss(adapters, base_params, tokens, loss_mask, inputs, layout, *, transformer, loss_fn,
+          config):
+  """The summed loss, and the target log-probs and per-token losses [B, T].
+
+  ``layout`` None: row b holds datum b's inputs, ``inputs["target_tokens"]`` its targets (any
+  tokens). Otherwise ``layout`` is ``(real, packing)``: row b holds datum b's whole sequence
+  (``real`` its tokens), position t's target is token t (its log-prob after the tokens before
+  it), the inputs sit at their targets' positions, and ``packing`` (None: none) places the rows
+  in packed rows."""
   params = lora.combine(base_params, adapters)
-  B, T = tokens.shape
-  hidden, _ = transformer.hidden_states(params, tokens, jnp.ones((B, T), bool))
-  logprobs, _ = fused_logprobs(hidden.reshape(B * T, -1), transformer.unembedding(params),
-                               inputs["target_tokens"].reshape(-1))
-  logprobs = logprobs.reshape(B, T)
+  if layout is None:
+    B, T = tokens.shape
+    hidden, _ = transformer.hidden_states(params, tokens, jnp.ones((B, T), bool))
+    logprobs, _ = fused_logprobs(hidden.reshape(B * T, -1), transformer.unembedding(params),
+                                 inputs["target_tokens"].reshape(-1))
+    logprobs = logprobs.reshape(B, T)
+  else:
+    real, placed = layout
+    logprobs, _ = sequence_logprobs(transformer, params, tokens, real, loss_mask, packing=placed)
   per_token = jnp.where(loss_mask, losses.per_token(loss_fn, logprobs, inputs, dict(config)),
                         0.0)
   return jnp.sum(per_token), (jnp.where(loss_mask, logprobs, 0.0), per_token)
+
+
+def shifted(datums: Sequence[Datum]) -> bool:
+  """Whether every datum's targets are its inputs shifted by one (then its whole sequence is
+  its inputs and its last target)."""
+  for datum in datums:
+    targets = np.asarray(datum.inputs.get("target_tokens", ())).reshape(-1)
+    if targets.size != len(datum.tokens) or not np.array_equal(targets[:-1], datum.tokens[1:]):
+      return False
+  return True
+
+
+def shared_links(sequences: Sequence[np.ndarray]) -> np.ndarray:
+  """int [B]: how many leading tokens each sequence shares with the one before it (0 for the
+  first), leaving each at least one token of its own."""
+  links = np.zeros(len(sequences), np.int64)
+  for b in range(1, len(sequences)):
+    previous, current = sequences[b - 1], sequences[b]
+    n = min(len(previous), len(current)) - 1
+    if n > 0:
+      differs = np.flatnonzero(previous[:n] != current[:n])
+      links[b] = differs[0] if differs.size else n
+  return links
 
 
 @functools.partial(jax.jit, static_argnames="transformer")
@@ -174,14 +215,10 @@ class Adapter:
     self.pending = None  # the gradients since the last optim_step, summed
     self.steps = 0
 
-  def _arrays(self, datums: list[Datum], loss_fn: str) -> tuple[np.ndarray, np.ndarray, dict]:
+  def _check(self, datums: list[Datum], loss_fn: str) -> dict[str, list[np.ndarray]]:
+    """Each datum's loss_fn inputs, one entry per input token; refuses what does not fit."""
     needed = losses.INPUTS[loss_fn]
-    B = _bucket(len(datums), 1)
-    T = _bucket(max(len(d.tokens) for d in datums), 16)
-    tokens = np.zeros((B, T), np.int32)
-    mask = np.zeros((B, T), bool)
-    inputs = {name: np.zeros((B, T), np.int32 if name == "target_tokens" else np.float32)
-              for name in needed}
+    out = {name: [] for name in needed}
     for b, datum in enumerate(datums):
       n = len(datum.tokens)
       self.base.check_tokens(datum.tokens, f"datum {b}'s model_input")
@@ -194,23 +231,52 @@ class Adapter:
         if value.size != n:
           raise BadInput(f"datum {b}: loss_fn_inputs[{name!r}] has {value.size} entries for "
                          f"{n} input tokens; each input takes one per token")
-        inputs[name][b, :n] = value
-      self.base.check_tokens(inputs["target_tokens"][b, :n], f"datum {b}'s target_tokens")
-      tokens[b, :n] = datum.tokens
-      mask[b, :n] = True
-    return tokens, mask, inputs
+        out[name].append(value)
+      self.base.check_tokens(out["target_tokens"][b], f"datum {b}'s target_tokens")
+    return out
+
+  def _rows(self, datums: list[Datum], given: dict[str, list[np.ndarray]], whole: bool):
+    """The batch as padded rows: ``(tokens, loss_mask, inputs, layout, first)``, ``first``
+    the column of each datum's first target. ``whole``: each row a datum's whole sequence,
+    packed (``_loss``'s layout); otherwise its inputs."""
+    B = _bucket(len(datums), 1)
+    sequences = [np.append(d.tokens, given["target_tokens"][b][-1]) if whole else d.tokens
+                 for b, d in enumerate(datums)]
+    T = _bucket(max(map(len, sequences)), 16)
+    first = int(whole)
+    tokens = np.zeros((B, T), np.int32)
+    real = np.zeros((B, T), bool)
+    mask = np.zeros((B, T), bool)
+    inputs = {name: np.zeros((B, T), np.int32 if name == "target_tokens" else np.float32)
+              for name in given}
+    for b, sequence in enumerate(sequences):
+      n = len(datums[b].tokens)
+      tokens[b, :len(sequence)] = sequence
+      real[b, :len(sequence)] = True
+      mask[b, first:first + n] = True
+      for name, values in given.items():
+        inputs[name][b, first:first + n] = values[b]
+    if not whole:
+      return tokens, mask, inputs, None, first
+    lengths = np.array([len(q) for q in sequences] + [0] * (B - len(sequences)))
+    links = np.append(shared_links(sequences), np.zeros(B - len(sequences), np.int64))
+    placed = packing.plan(lengths, np.arange(B), T, links=links)
+    return tokens, mask, inputs, (real, placed), first
 
   def forward_backward(self, datums: list[Datum], loss_fn: str, config: dict | None,
-                       forward_only: bool = False) -> tuple[list[dict], dict[str, float]]:
+                       forward_only: bool = False, pack: bool = True
+                       ) -> tuple[list[dict], dict[str, float]]:
     """Each datum's target log-probs and per-token losses, and ``loss:sum``; unless
-    ``forward_only``, the gradient is added to the pending one."""
+    ``forward_only``, the gradient is added to the pending one. ``pack``: the whole-sequence,
+    packed layout where the targets allow it (False: a row per datum, the reference)."""
     if not datums:
       raise BadInput("forward_backward with no datums")
     settings = losses.settings(loss_fn, config)
-    tokens, mask, inputs = self._arrays(datums, loss_fn)
+    given = self._check(datums, loss_fn)
+    tokens, mask, inputs, layout, first = self._rows(datums, given, pack and shifted(datums))
     static = dict(transformer=self.transformer, loss_fn=loss_fn,
                   config=tuple(sorted(settings.items())))
-    args = (self.adapters, self.base.model.params, tokens, mask, inputs)
+    args = (self.adapters, self.base.model.params, tokens, mask, inputs, layout)
     if forward_only:
       loss, (logprobs, per_token) = _forward(*args, **static)
     else:
@@ -218,8 +284,9 @@ class Adapter:
       self.pending = grads if self.pending is None else jax.tree.map(jnp.add, self.pending, grads)
       jax.block_until_ready(self.pending)  # the call's time is its own, and so are its errors
     logprobs, per_token = np.asarray(logprobs), np.asarray(per_token)
-    outputs = [{"logprobs": logprobs[b, :len(d.tokens)],
-                "elementwise_loss": per_token[b, :len(d.tokens)]} for b, d in enumerate(datums)]
+    span = lambda d: slice(first, first + len(d.tokens))
+    outputs = [{"logprobs": logprobs[b, span(d)], "elementwise_loss": per_token[b, span(d)]}
+               for b, d in enumerate(datums)]
     return outputs, {"loss:sum": float(loss)}
 
   def optim_step(self, hyper: AdamHyper) -> dict[str, float]:
