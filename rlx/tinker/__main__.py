@@ -32,7 +32,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr)
       return 2
     models[name] = path
-  import uvicorn  # noqa: PLC0415 - after the arguments are checked
+  try:
+    import fastapi  # noqa: F401, PLC0415 - after the arguments are checked
+    import uvicorn  # noqa: PLC0415
+  except ImportError as error:
+    print(f"rlx.tinker: {error.name} is not installed: the service needs the tinker extra "
+          "(pip install 'rlx[tinker]', or pip install -e '.[tinker]' in a checkout)",
+          file=sys.stderr)
+    return 2
 
   from rlx.tinker.server import HEARTBEAT_TIMEOUT_S, Service, app  # noqa: PLC0415
   from rlx.tinker.training import Base  # noqa: PLC0415

@@ -198,6 +198,16 @@ class Service:
                      f"{self.heartbeat_timeout_s:g} s without a heartbeat)")
     return self.sessions[session_id]
 
+  def finish(self, session_id: str) -> list[str]:
+    """Ends a session (the SDK's client closing): releases its training clients' adapters
+    (what they saved stays loadable); returns their ids."""
+    session = self.sessions.pop(session_id, None)
+    if session is None:
+      return []
+    for model_id in session.adapters:
+      self.adapters.pop(model_id, None)
+    return session.adapters
+
   def release_idle(self) -> list[str]:
     """Releases the adapters of sessions whose heartbeat stopped; returns their ids."""
     now, released = time.monotonic(), []
@@ -466,6 +476,11 @@ def app(service: Service):
   async def heartbeat(request: fastapi.Request):
     service.heartbeat((await body(request))["session_id"])
     return {"type": "session_heartbeat"}
+
+  @api.post("/api/v1/sessions/{session_id}/finish")
+  async def finish(session_id: str):
+    service.finish(session_id)
+    return JSONResponse(None)
 
   @api.post("/api/v1/create_model")
   async def create_model(request: fastapi.Request):

@@ -10,15 +10,16 @@ training client.
 Every client's adapter sits beside the same base weights (``rlx.models.lora``: the base is an
 argument of the loss, never of the gradient); gradients of ``forward_backward`` calls add up
 until ``optim_step`` applies them with the step's Adam settings (``optax.inject_hyperparams``:
-changing the learning rate compiles nothing). Batches are padded to bucketed rows and
-lengths (powers of two and their halfway points), so the jitted step compiles once per bucket.
+changing the learning rate compiles nothing).
 
-A batch whose datums' targets are their inputs shifted by one (every sampled or supervised
-sequence: input ``s[:-1]``, targets ``s[1:]``) runs as the learner's does: each datum's whole
-sequence ``s``, packed several to a row, and a run of datums that begin with the same tokens (a
-group's samples of one prompt) forwards that prefix once (``rlx.update.packing``); every
-log-prob, loss and gradient equals the row-per-datum computation's (test). Other targets run
-one datum per row.
+A batch runs as the learner's does (``rlx.update.packing``): the datums' inputs packed several
+to a row, and a run of datums that begin with the same tokens (a group's samples of one prompt)
+forwards that prefix once. The host lays the batch out (``Layout``): the packed rows, and one
+*entry* per datum token (the slot whose hidden state predicts it, its target and its loss
+inputs), so that a token of a shared prefix keeps its own datum's target and inputs. The jitted
+programs see only the packed rows' and the entries' counts, bucketed (powers of two and their
+halfway points), so that a run of calls of varying lengths compiles a few shapes. Every
+log-prob, loss and gradient equals a plain computation's, one datum at a time (test).
 """
 
 from __future__ import annotations
@@ -127,38 +128,23 @@ class Base:
     return per_prompt
 
 
-def _loss(adapters, base_params, tokens, loss_mask, inputs, layout, *, transformer, loss_fn,
-          config):
-  """The summed loss, and the target log-probs and per-token losses [B, T].
-
-  ``layout`` None: row b holds datum b's inputs, ``inputs["target_tokens"]`` its targets (any
-  tokens). Otherwise ``layout`` is ``(real, packing)``: row b holds datum b's whole sequence
-  (``real`` its tokens), position t's target is token t (its log-prob after the tokens before
-  it), the inputs sit at their targets' positions, and ``packing`` (None: none) places the rows
-  in packed rows."""
-  params = lora.combine(base_params, adapters)
-  if layout is None:
-    B, T = tokens.shape
-    hidden, _ = transformer.hidden_states(params, tokens, jnp.ones((B, T), bool))
-    logprobs, _ = fused_logprobs(hidden.reshape(B * T, -1), transformer.unembedding(params),
-                                 inputs["target_tokens"].reshape(-1))
-    logprobs = logprobs.reshape(B, T)
-  else:
-    real, placed = layout
-    logprobs, _ = sequence_logprobs(transformer, params, tokens, real, loss_mask, packing=placed)
-  per_token = jnp.where(loss_mask, losses.per_token(loss_fn, logprobs, inputs, dict(config)),
-                        0.0)
-  return jnp.sum(per_token), (jnp.where(loss_mask, logprobs, 0.0), per_token)
+WIDTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
+"""The packed rows' lengths tried (the one that needs the fewest token slots wins)."""
 
 
-def shifted(datums: Sequence[Datum]) -> bool:
-  """Whether every datum's targets are its inputs shifted by one (then its whole sequence is
-  its inputs and its last target)."""
-  for datum in datums:
-    targets = np.asarray(datum.inputs.get("target_tokens", ())).reshape(-1)
-    if targets.size != len(datum.tokens) or not np.array_equal(targets[:-1], datum.tokens[1:]):
-      return False
-  return True
+@dataclasses.dataclass
+class Layout:
+  """A batch of datums on packed rows, as the jitted programs take it."""
+
+  rows: dict[str, np.ndarray]
+  """[R, W] each: ``tokens``, ``segment_ids`` (the datum, -1 on padding), ``positions`` (in
+  the datum), ``group_ids`` (the datum that placed the shared prefix) and ``shared`` (a token
+  of a shared prefix): ``Transformer.hidden_states``' packed arguments."""
+  entries: dict[str, np.ndarray]
+  """[E] each: ``source`` (the slot of the flattened rows whose hidden state predicts the
+  entry), ``target_tokens``, ``valid``, and the loss's inputs."""
+  spans: list[slice]
+  """Each datum's entries."""
 
 
 def shared_links(sequences: Sequence[np.ndarray]) -> np.ndarray:
@@ -172,6 +158,62 @@ def shared_links(sequences: Sequence[np.ndarray]) -> np.ndarray:
       differs = np.flatnonzero(previous[:n] != current[:n])
       links[b] = differs[0] if differs.size else n
   return links
+
+
+def layout(sequences: Sequence[np.ndarray], inputs: dict[str, list[np.ndarray]]) -> Layout:
+  """``sequences`` (each datum's input tokens) packed with their groups' shared prefixes once,
+  and their ``inputs`` (one value per input token each, ``target_tokens`` among them) as
+  entries."""
+  lengths = np.array([len(q) for q in sequences], np.int64)
+  links = shared_links(sequences)
+  best = None
+  for width in (w for w in WIDTHS if w >= lengths.max()):
+    placed = packing.place(lengths, width, links)
+    R = _bucket(placed[-1], 1)
+    if best is None or R * width < best[0] * best[1]:
+      best = (R, width, placed)
+  if best is None:
+    raise BadInput(f"a datum of {lengths.max()} tokens is longer than this service's longest "
+                   f"row ({WIDTHS[-1]})")
+  R, W, (row, offset, lead, prefix, _) = best
+  rows = {"tokens": np.zeros(R * W, np.int32), "segment_ids": np.full(R * W, -1, np.int32),
+          "positions": np.zeros(R * W, np.int32), "group_ids": np.full(R * W, -1, np.int32),
+          "shared": np.zeros(R * W, bool)}
+  E = _bucket(int(lengths.sum()), 16)
+  entries = {"source": np.zeros(E, np.int32), "valid": np.zeros(E, bool),
+             **{name: np.zeros(E, np.int32 if name == "target_tokens" else np.float32)
+                for name in inputs}}
+  spans, start = [], 0
+  for b, sequence in enumerate(sequences):
+    n, l = len(sequence), int(lead[b])
+    own = 0 if l == b else int(prefix[b])  # a follower places its tokens after the prefix
+    slots = row[b] * W + offset[b] + np.arange(n) - own
+    slots[:own] = row[l] * W + offset[l] + np.arange(own)
+    rows["tokens"][slots[own:]] = sequence[own:]
+    rows["segment_ids"][slots[own:]] = b
+    rows["positions"][slots[own:]] = np.arange(own, n)
+    rows["group_ids"][slots[own:]] = l
+    rows["shared"][slots[own:]] = (l == b) & (np.arange(own, n) < prefix[b])
+    span = slice(start, start + n)
+    entries["source"][span], entries["valid"][span] = slots, True
+    for name, values in inputs.items():
+      entries[name][span] = values[b]
+    spans.append(span)
+    start += n
+  return Layout({k: v.reshape(R, W) for k, v in rows.items()}, entries, spans)
+
+
+def _loss(adapters, base_params, rows, entries, *, transformer, loss_fn, config):
+  """The summed loss, and each entry's target log-prob and loss [E] (``Layout``)."""
+  params = lora.combine(base_params, adapters)
+  hidden, _ = transformer.hidden_states(params, rows["tokens"], **{
+      name: rows[name] for name in ("segment_ids", "positions", "group_ids", "shared")})
+  R, W, D = hidden.shape
+  logprobs, _ = fused_logprobs(hidden.reshape(R * W, D)[entries["source"]],
+                               transformer.unembedding(params), entries["target_tokens"])
+  valid = entries["valid"]
+  per_token = jnp.where(valid, losses.per_token(loss_fn, logprobs, entries, dict(config)), 0.0)
+  return jnp.sum(per_token), (jnp.where(valid, logprobs, 0.0), per_token)
 
 
 @functools.partial(jax.jit, static_argnames="transformer")
@@ -235,48 +277,17 @@ class Adapter:
       self.base.check_tokens(out["target_tokens"][b], f"datum {b}'s target_tokens")
     return out
 
-  def _rows(self, datums: list[Datum], given: dict[str, list[np.ndarray]], whole: bool):
-    """The batch as padded rows: ``(tokens, loss_mask, inputs, layout, first)``, ``first``
-    the column of each datum's first target. ``whole``: each row a datum's whole sequence,
-    packed (``_loss``'s layout); otherwise its inputs."""
-    B = _bucket(len(datums), 1)
-    sequences = [np.append(d.tokens, given["target_tokens"][b][-1]) if whole else d.tokens
-                 for b, d in enumerate(datums)]
-    T = _bucket(max(map(len, sequences)), 16)
-    first = int(whole)
-    tokens = np.zeros((B, T), np.int32)
-    real = np.zeros((B, T), bool)
-    mask = np.zeros((B, T), bool)
-    inputs = {name: np.zeros((B, T), np.int32 if name == "target_tokens" else np.float32)
-              for name in given}
-    for b, sequence in enumerate(sequences):
-      n = len(datums[b].tokens)
-      tokens[b, :len(sequence)] = sequence
-      real[b, :len(sequence)] = True
-      mask[b, first:first + n] = True
-      for name, values in given.items():
-        inputs[name][b, first:first + n] = values[b]
-    if not whole:
-      return tokens, mask, inputs, None, first
-    lengths = np.array([len(q) for q in sequences] + [0] * (B - len(sequences)))
-    links = np.append(shared_links(sequences), np.zeros(B - len(sequences), np.int64))
-    placed = packing.plan(lengths, np.arange(B), T, links=links)
-    return tokens, mask, inputs, (real, placed), first
-
   def forward_backward(self, datums: list[Datum], loss_fn: str, config: dict | None,
-                       forward_only: bool = False, pack: bool = True
-                       ) -> tuple[list[dict], dict[str, float]]:
+                       forward_only: bool = False) -> tuple[list[dict], dict[str, float]]:
     """Each datum's target log-probs and per-token losses, and ``loss:sum``; unless
-    ``forward_only``, the gradient is added to the pending one. ``pack``: the whole-sequence,
-    packed layout where the targets allow it (False: a row per datum, the reference)."""
+    ``forward_only``, the gradient is added to the pending one."""
     if not datums:
       raise BadInput("forward_backward with no datums")
     settings = losses.settings(loss_fn, config)
-    given = self._check(datums, loss_fn)
-    tokens, mask, inputs, layout, first = self._rows(datums, given, pack and shifted(datums))
+    batch = layout([d.tokens for d in datums], self._check(datums, loss_fn))
     static = dict(transformer=self.transformer, loss_fn=loss_fn,
                   config=tuple(sorted(settings.items())))
-    args = (self.adapters, self.base.model.params, tokens, mask, inputs, layout)
+    args = (self.adapters, self.base.model.params, batch.rows, batch.entries)
     if forward_only:
       loss, (logprobs, per_token) = _forward(*args, **static)
     else:
@@ -284,9 +295,8 @@ class Adapter:
       self.pending = grads if self.pending is None else jax.tree.map(jnp.add, self.pending, grads)
       jax.block_until_ready(self.pending)  # the call's time is its own, and so are its errors
     logprobs, per_token = np.asarray(logprobs), np.asarray(per_token)
-    span = lambda d: slice(first, first + len(d.tokens))
-    outputs = [{"logprobs": logprobs[b, span(d)], "elementwise_loss": per_token[b, span(d)]}
-               for b, d in enumerate(datums)]
+    outputs = [{"logprobs": logprobs[span], "elementwise_loss": per_token[span]}
+               for span in batch.spans]
     return outputs, {"loss:sum": float(loss)}
 
   def optim_step(self, hyper: AdamHyper) -> dict[str, float]:

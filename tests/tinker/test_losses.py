@@ -98,15 +98,17 @@ def test_buckets_pad_by_a_third_at_most_with_two_shapes_an_octave():
              for n in range(1, 4097))
 
 
-def _grouped_datums(base, rng, groups=3, per_group=4):
-  """GRPO-shaped datums: each group's samples share a prompt; input s[:-1], targets s[1:]."""
+def _grouped_datums(base, rng, next_targets, groups=3, per_group=4):
+  """GRPO-shaped datums: each group's samples share a prompt; targets the next tokens (input
+  s[:-1], targets s[1:]) or any tokens."""
   rows, datums = [], []
   for _ in range(groups):
     prompt = rng.integers(4, base.vocab_size, rng.integers(3, 12))
     for _ in range(per_group):
       sequence = np.concatenate([prompt, rng.integers(4, base.vocab_size, rng.integers(1, 9))])
       n = len(sequence) - 1
-      inputs = {"target_tokens": sequence[1:].astype(np.int32),
+      targets = sequence[1:] if next_targets else rng.integers(4, base.vocab_size, n)
+      inputs = {"target_tokens": targets.astype(np.int32),
                 "weights": rng.uniform(0, 1, n).astype(np.float32),
                 "logprobs": (-np.log(base.vocab_size) + rng.normal(0, 0.3, n)).astype(np.float32),
                 "advantages": rng.normal(0, 1, n).astype(np.float32)}
@@ -116,34 +118,35 @@ def _grouped_datums(base, rng, groups=3, per_group=4):
   return rows, datums
 
 
+@pytest.mark.parametrize("next_targets", [True, False])
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo"])
-def test_packed_shared_prompts_equal_the_plain_computation(base, loss_fn):
+def test_shared_prompts_forwarded_once_equal_the_plain_computation(base, loss_fn, next_targets):
+  from rlx.tinker.training import layout
+
   rng = np.random.default_rng(11)
-  rows, datums = _grouped_datums(base, rng)
-  packed, plain = _adapter(base, 5), _adapter(base, 5)
+  rows, datums = _grouped_datums(base, rng, next_targets)
+  adapter = _adapter(base, 5)
   config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn in ("ppo", "cispo") else {}
-  # the packed layout is the one taken, and it shares the groups' prompts
-  _, _, _, layout, _ = packed._rows(datums, packed._check(datums, loss_fn), whole=True)
-  assert layout[1] is not None and layout[1].lead is not None
-  outputs, metrics = packed.forward_backward(datums, loss_fn, config)
-  plain_outputs, plain_metrics = plain.forward_backward(datums, loss_fn, config, pack=False)
+  # each group's prompt is placed once
+  placed = layout([d.tokens for d in datums], adapter._check(datums, loss_fn))
+  real = int((placed.rows["segment_ids"] >= 0).sum())
+  assert placed.rows["shared"].any() and real < sum(len(d.tokens) for d in datums)
+  outputs, metrics = adapter.forward_backward(datums, loss_fn, config)
   value, grads = jax.value_and_grad(
-      lambda a: _reference_loss(packed, a, rows, loss_fn, (0.9, 1.1)))(packed.adapters)
+      lambda a: _reference_loss(adapter, a, rows, loss_fn, (0.9, 1.1)))(adapter.adapters)
   np.testing.assert_allclose(metrics["loss:sum"], float(value), rtol=1e-4)
-  np.testing.assert_allclose(metrics["loss:sum"], plain_metrics["loss:sum"], rtol=1e-4)
-  for ours, theirs in zip(jax.tree.leaves(packed.pending), jax.tree.leaves(grads)):
+  for ours, theirs in zip(jax.tree.leaves(adapter.pending), jax.tree.leaves(grads)):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-3, atol=1e-5)
-  for ours, theirs in zip(outputs, plain_outputs):
-    np.testing.assert_allclose(ours["logprobs"], theirs["logprobs"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(ours["elementwise_loss"], theirs["elementwise_loss"], rtol=1e-4,
-                               atol=1e-5)
+  params = lora.combine(base.model.params, adapter.adapters)
+  for output, (tokens, inputs) in zip(outputs, rows):
+    hidden, _ = adapter.transformer.hidden_states(params, tokens[None], jnp.ones((1, len(tokens)), bool))
+    expected = jnp.take_along_axis(jax.nn.log_softmax(adapter.transformer.logits(params, hidden[0])),
+                                   inputs["target_tokens"][:, None], 1)[:, 0]
+    np.testing.assert_allclose(output["logprobs"], np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
-def test_targets_that_are_not_the_next_inputs_run_a_row_per_datum():
-  from rlx.tinker.training import shared_links, shifted
+def test_links_leave_each_sequence_a_token_of_its_own():
+  from rlx.tinker.training import shared_links
 
-  tokens = np.array([1, 2, 3], np.int32)
-  assert shifted([Datum(tokens, {"target_tokens": np.array([2, 3, 9])})])
-  assert not shifted([Datum(tokens, {"target_tokens": np.array([2, 4, 9])})])
   assert shared_links([np.array([1, 2, 3, 4]), np.array([1, 2, 5]), np.array([1, 2]),
                        np.array([7])]).tolist() == [0, 2, 1, 0]

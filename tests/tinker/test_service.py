@@ -219,3 +219,12 @@ def wire_tokens(proto: bytes) -> list[list[int]]:
 
   response = pb.SampleResponse.FromString(proto)
   return [np.frombuffer(sequence.tokens, np.int32).tolist() for sequence in response.sequences]
+
+
+def test_closing_the_client_ends_its_session_and_releases_its_adapters(service_url):
+  with tinker.ServiceClient(base_url=service_url[0], api_key="tml-test") as closing:
+    training = closing.create_lora_training_client(base_model=BASE, rank=4).result()
+    saved = training.save_weights_for_sampler("kept").result().path
+    assert training.model_id in service_url[1].adapters
+  assert training.model_id not in service_url[1].adapters
+  assert saved in service_url[1].samplers  # what it saved stays usable
