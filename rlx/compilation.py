@@ -15,15 +15,16 @@ _totals = {"seconds": 0.0, "programs": 0, "from_cache": 0}
 _listening = False
 _directory: pathlib.Path | None = None
 _compiling: tuple[str, float] | None = None  # the program being compiled, since when
+_finished_at = 0.0  # time.time() when the last compile (or load from the cache) ended
 
 
 def _on_duration(event: str, duration: float, **_) -> None:
-  global _compiling
+  global _compiling, _finished_at
   if event == "/jax/core/compile/backend_compile_duration":
     with _lock:
       _totals["seconds"] += duration
       _totals["programs"] += 1
-      _compiling = None
+      _compiling, _finished_at = None, time.time()
 
 
 class _Compiles(logging.Filter):
@@ -46,6 +47,12 @@ def compiling() -> str | None:
   ``report_progress`` has started watching)."""
   with _lock:
     return None if _compiling is None else _compiling[0]
+
+
+def finished_at() -> float:
+  """``time.time()`` when the last compile (or load from the cache) ended; 0 before any."""
+  with _lock:
+    return _finished_at
 
 
 def report_progress(say: Callable[[str], None], after_s: float = 10.0,
@@ -76,11 +83,11 @@ def report_progress(say: Callable[[str], None], after_s: float = 10.0,
 
 
 def _on_event(event: str, **_) -> None:
-  global _compiling
+  global _compiling, _finished_at
   if event == "/jax/compilation_cache/cache_hits":
     with _lock:
       _totals["from_cache"] += 1
-      _compiling = None  # loaded, not compiled
+      _compiling, _finished_at = None, time.time()  # loaded, not compiled
 
 
 def start(cache_dir: str) -> pathlib.Path | None:

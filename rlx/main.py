@@ -136,7 +136,11 @@ def run(config: RunConfig, workdir: pathlib.Path) -> int:
     status = JobStatus(workdir, config.mesh.role, job)
   from rlx.trainer import EXIT_STOPPED
 
-  with status or contextlib.nullcontext(), progress.Watchdog(config.trainer.hang_timeout_s):
+  # a multi-device CPU mesh: a program stuck at a collective ends the run before XLA's abort
+  programs_s = (COLLECTIVE_PATIENCE_S - 30
+                if jax.default_backend() == "cpu" and jax.local_device_count() > 1 else 0)
+  with status or contextlib.nullcontext(), progress.Watchdog(config.trainer.hang_timeout_s,
+                                                             programs_s=programs_s):
     try:
       summary = trainer.train(config, workdir, say)
     except CheckpointError:

@@ -6,16 +6,24 @@ beats (``rlx.trainer.deploy.jobstatus``).
     progress.tick()                         # a unit of work done (a decode chunk, an update)
     progress.waiting("the learner job")     # blocked on a peer, not on itself; cleared by either
     progress.snapshot()                     # {"doing", "progress_at", "waiting_on", "ticks"}
+    with progress.running("the update step"):   # a device program, dispatch to result
+      ...
 
 Work anywhere in the process ticks: every decode chunk of the engine's driver (rollouts,
 evaluations, episodes), every learner update, every reward scored, and a compile in flight
 (``rlx.compilation``) counts as progress while it runs. A stage that gets nothing done past a
 job's timeout while not waiting on its peer is a hang (a reward call or environment that never
 returns, a deadlocked collective).
+
+A device program that runs far longer than it ever took before (``running``) is a collective
+its devices wait at in different orders: on a multi-device CPU mesh XLA would end the process
+after ``rlx.main.COLLECTIVE_PATIENCE_S`` with a screen of rendezvous messages; the watchdog
+ends it first, with one line naming the program and the stage (``Watchdog(programs_s=...)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -29,6 +37,68 @@ _state = {"doing": "starting", "progress_at": time.time(), "waiting_on": None, "
 _stages: dict[str, str] = {}
 """Each thread's own stage (by thread name): a learner and a generator thread of one process
 each say what they are doing, and a hang names both."""
+
+
+_programs: dict[str, tuple[str, float]] = {}
+"""The device program each thread runs now (by thread name), and since when."""
+_longest: dict[str, float] = {}
+"""Each program's longest run without a compile in it, once it has run without one."""
+STUCK_FACTOR = 10.0
+"""A program is stuck past this many times its longest run before (and ``STUCK_FLOOR_S``)."""
+STUCK_FLOOR_S = 30.0
+"""...and past this many seconds, so that a loaded machine's slow step is never called stuck."""
+_seen: set[str] = set()
+"""The programs that have run once (a first run compiles, whatever the compile counts say)."""
+
+
+@contextlib.contextmanager
+def running(program: str):
+  """The calling thread runs the device program ``program`` (a short name: "the update step"),
+  from its dispatch to its result; how long it takes is remembered for the watchdog, unless a
+  compile ran meanwhile (its first run compiles)."""
+  from rlx import compilation
+
+  thread = threading.current_thread().name
+  started, compiled = time.time(), compilation.totals()["programs"]
+  with _lock:
+    _programs[thread] = (program, started)
+  try:
+    yield
+  finally:
+    took = time.time() - started
+    with _lock:
+      _programs.pop(thread, None)
+      if compilation.totals()["programs"] == compiled and program in _seen:
+        _longest[program] = max(_longest.get(program, 0.0), took)
+      _seen.add(program)
+
+
+
+def stuck_after(longest: float, ceiling_s: float) -> float:
+  """How long a program whose longest run took ``longest`` may run: ``STUCK_FACTOR`` times
+  that, but no longer than ``ceiling_s`` (the collective timeout's margin) unless that is under
+  three times it, and never under ``STUCK_FLOOR_S``."""
+  return max(min(STUCK_FACTOR * longest, ceiling_s), 3 * longest, STUCK_FLOOR_S)
+
+
+def stuck_program(now: float, ceiling_s: float) -> str | None:
+  """A line naming a device program that runs far past its longest run (``stuck_after``),
+  with its thread's stage; None when none does. A compile in flight is no one's hang, and a
+  program's time counts from the last compile's end (a new batch shape compiles mid-run)."""
+  from rlx import compilation
+
+  if compilation.compiling() is not None:
+    return None
+  compiled = compilation.finished_at()
+  with _lock:
+    for thread, (program, started) in _programs.items():
+      longest = _longest.get(program)
+      ran = now - max(started, compiled)
+      if longest is not None and ran > stuck_after(longest, ceiling_s):
+        where = _stages.get(thread, "")
+        return (f"{program} has run for {ran:.0f}s where it took at most {longest:.1f}s before"
+                + (f" ({where})" if where else ""))
+  return None
 
 
 def doing(what: str) -> None:
@@ -100,18 +170,33 @@ def _end_hung(message: str) -> None:
 class Watchdog:
   """A thread that ends the process (``on_hang``: by default a line naming the stage, every
   thread's stack, exit status ``EXIT_HUNG``) once it has got nothing done for ``timeout_s``
-  while not waiting on a peer. A context manager; ``timeout_s`` 0 watches nothing."""
+  while not waiting on a peer, or, with ``programs_s``, once a device program runs far past its
+  longest run (``stuck_program``: a collective deadlock on a multi-device CPU mesh, ended
+  before XLA's own abort; ``programs_s`` is how long XLA lets a collective wait, less a
+  margin). A context manager; ``timeout_s`` 0 watches nothing but programs."""
 
   def __init__(self, timeout_s: float, interval_s: float | None = None,
                on_hang: Callable[[str], None] = _end_hung,
-               clock: Callable[[], float] = time.time):
+               clock: Callable[[], float] = time.time, programs_s: float = 0.0):
     self.timeout_s, self.on_hang, self.clock = timeout_s, on_hang, clock
-    self.interval_s = min(30.0, max(0.1, timeout_s / 10)) if interval_s is None else interval_s
+    self.programs_s = programs_s
+    every = min(30.0, max(0.1, timeout_s / 10)) if timeout_s > 0 else 30.0
+    self.interval_s = (min(every, 5.0) if programs_s else every) if interval_s is None \
+        else interval_s
     self._stop = threading.Event()
     self._thread = None
 
   def check(self) -> bool:
     """Looks once; calls ``on_hang`` and returns True when the process hangs."""
+    if self.programs_s:
+      stuck = stuck_program(self.clock(), self.programs_s)
+      if stuck is not None:
+        self.on_hang(f"rlx: error: {stuck}: its devices wait at a collective they reached in "
+                     "different orders (a deadlock); ending the run. Every thread's stack "
+                     "follows; the newest checkpoint resumes it")
+        return True
+    if self.timeout_s <= 0:
+      return False
     record = snapshot()
     stalled = hung_for(record, self.clock())
     if stalled is None or stalled <= self.timeout_s:
@@ -128,7 +213,7 @@ class Watchdog:
         return
 
   def __enter__(self) -> Self:
-    if self.timeout_s > 0:
+    if self.timeout_s > 0 or self.programs_s:
       self._thread = threading.Thread(target=self._run, name="rlx-watchdog", daemon=True)
       self._thread.start()
     return self

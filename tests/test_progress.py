@@ -106,3 +106,50 @@ def test_a_reward_call_names_its_stage_beside_the_generating_thread_s():
   scorer.finish()
   assert "rlx-scorer: scoring the rewards of 1 sample(s)" in seen[0], seen
   assert "the main thread: sampling and scoring rollout 7" in seen[0], seen
+
+
+def test_a_program_far_past_its_longest_run_ends_the_run_in_one_line(monkeypatch):
+  import types
+
+  from rlx import compilation
+
+  now = [1000.0]
+  monkeypatch.setattr(progress, "time", types.SimpleNamespace(time=lambda: now[0]))
+  monkeypatch.setattr(compilation, "finished_at", lambda: 0.0)
+  compiling = [None]
+  monkeypatch.setattr(compilation, "compiling", lambda: compiling[0])
+  hangs = []
+  dog = progress.Watchdog(0, on_hang=hangs.append, clock=lambda: now[0], programs_s=150.0)
+  name = "the update step (test 1)"
+  for took in (40.0, 2.0, 1.5):  # the first run compiles: its time is not the program's
+    with progress.running(name):
+      now[0] += took
+  assert progress._longest[name] == 2.0
+  progress.doing("the update that makes policy version 7")
+  with progress.running(name):
+    now[0] += 29  # a loaded machine's slow step: under the floor
+    assert not dog.check()
+    now[0] += 2
+    compiling[0] = "jit_update"  # a new batch shape compiling: no one's hang
+    assert not dog.check()
+    compiling[0] = None
+    assert dog.check()
+  assert hangs == [f"rlx: error: {name} has run for 31s where it took at most 2.0s before "
+                   "(the update that makes policy version 7): its devices wait at a collective "
+                   "they reached in different orders (a deadlock); ending the run. Every "
+                   "thread's stack follows; the newest checkpoint resumes it"]
+  # a program never timed is never called stuck; and a watchdog without programs_s never looks
+  with progress.running("the warm-up step (test 1)"):
+    now[0] += 10_000
+    assert not dog.check()
+  with progress.running(name):
+    now[0] += 10_000
+    assert not progress.Watchdog(0, on_hang=hangs.append, clock=lambda: now[0]).check()
+  assert len(hangs) == 1
+
+
+def test_a_program_may_run_ten_times_its_longest_up_to_the_collective_timeout():
+  assert progress.stuck_after(2.0, 150.0) == 30.0  # the floor
+  assert progress.stuck_after(10.0, 150.0) == 100.0
+  assert progress.stuck_after(20.0, 150.0) == 150.0  # XLA's collective timeout, less a margin
+  assert progress.stuck_after(60.0, 150.0) == 180.0  # but never under three times its longest

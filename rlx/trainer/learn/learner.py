@@ -277,19 +277,20 @@ class Learner:
     plans, packed = (self._packing(sampled)
                      if config.trainer.pack_sequences or config.trainer.share_prefix
                      else ((None, None), {}))
-    batch = self.prepare_fn(self.policy_params(), self.ref_params,
-                            None if self.critic is None else self.critic.params, sampled,
-                            self.kl_coef, packing=plans[0])
-    metrics = dict(packed)
-    if self.critic is not None:
-      self.critic, critic_metrics = self.critic_step(self.critic, batch)
-      metrics.update(critic_metrics)
-    self.state, step_metrics = self.step_fn(
-        self.state, batch, self.kl_coef, clip_eps_high,
-        self.entropy_coef if self.entropy_below_target else 0.0, frozen=self.base,
-        packing=plans[1])
-    metrics.update(step_metrics)
-    metrics = distributed.to_host(metrics)  # replicated: the same values on every process
+    with progress.running("the update step"):
+      batch = self.prepare_fn(self.policy_params(), self.ref_params,
+                              None if self.critic is None else self.critic.params, sampled,
+                              self.kl_coef, packing=plans[0])
+      metrics = dict(packed)
+      if self.critic is not None:
+        self.critic, critic_metrics = self.critic_step(self.critic, batch)
+        metrics.update(critic_metrics)
+      self.state, step_metrics = self.step_fn(
+          self.state, batch, self.kl_coef, clip_eps_high,
+          self.entropy_coef if self.entropy_below_target else 0.0, frozen=self.base,
+          packing=plans[1])
+      metrics.update(step_metrics)
+      metrics = distributed.to_host(metrics)  # replicated: the same values on every process
     self.moved = bool(metrics.get("optim/update_ratio", 0.0) > 0
                       and metrics.get("train/skipped", 0) < metrics.get("train/updates", 1))
     self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)

@@ -138,9 +138,10 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
     probe = {key: probe[key] for key in ("tokens", "attention_mask", "response_mask")}
   for done in range(1, steps + 1):
     arrays = next(batches)
-    params, opt_state, loss = step(params, opt_state, arrays["tokens"], arrays["attention_mask"],
-                                   arrays["response_mask"])
-    losses.append(float(loss))
+    with progress.running("the warm-up step"):
+      params, opt_state, loss = step(params, opt_state, arrays["tokens"],
+                                     arrays["attention_mask"], arrays["response_mask"])
+      losses.append(float(loss))
     progress.tick()
     if distributed.any_process(cli.stopped_at_start()):  # a signal its exception missed
       cli.end_start_up()
