@@ -169,6 +169,9 @@ def main() -> None:
   parser.add_argument("--workdir", default="runs/tinker_cookbook_rl")
   parser.add_argument("--base-url", default=None, help="a running service (default: start one)")
   parser.add_argument("--service-python", default=sys.executable)
+  parser.add_argument("--evaluate", default=None, metavar="SAMPLER_PATH",
+                      help="only evaluate this sampler checkpoint (tinker://...) of the service "
+                           "in --workdir, and print its accuracy")
   args = parser.parse_args()
 
   import tinker
@@ -195,6 +198,11 @@ def main() -> None:
   try:
     renderer = renderers.get_renderer(RENDERER, get_tokenizer(MODEL_NAME))
     client = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    if args.evaluate:
+      sampler = client.create_sampling_client(model_path=args.evaluate).result()
+      accuracy = evaluate(client, sampler, renderer, args.task, args.eval_prompts, args.max_tokens)
+      print(json.dumps({"sampler": args.evaluate, "task": args.task, "accuracy": accuracy}))
+      return
     base = client.create_sampling_client(base_model=MODEL_NAME).result()
     before = evaluate(client, base, renderer, args.task, args.eval_prompts, args.max_tokens)
     print(f"held-out greedy accuracy before: {before:.3f}", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlx.config import LoraConfig
 from rlx.models import lora
 from rlx.tinker import wire
 from rlx.tinker.training import AdamHyper, Adapter, Base, BadInput
@@ -306,7 +307,9 @@ class Service:
     def save():
       snapshot = adapter.adapters  # immutable arrays: a step replaces them, never writes them
       directory = self._directory(path)
-      lora.save_peft(snapshot, adapter.base.model.arch, adapter.config, directory, None)
+      # the base's served name in the PEFT config: a restarted service finds the base again
+      lora.save_peft(snapshot, adapter.base.model.arch, adapter.config, directory,
+                     adapter.base.name)
       if for_sampler:
         self.samplers[path] = (adapter.base, snapshot, adapter.config.scale)
         if request.get("path") is None:  # an unnamed snapshot: a sampling session on it
@@ -347,14 +350,42 @@ class Service:
 
   # -- sampling --------------------------------------------------------------------------------
 
+  def sampler(self, path: str) -> tuple:
+    """(base, adapters, scale) of the sampler checkpoint ``path``: saved by this process, or
+    read from its directory (a checkpoint an earlier run of the service saved)."""
+    if path in self.samplers:
+      return self.samplers[path]
+    directory = self._directory(path)
+    if not (directory / lora.PEFT_CONFIG).is_file():
+      raise BadInput(f"model_path {path!r} is not a sampler checkpoint of this service "
+                     "(save_weights_for_sampler makes one)")
+    found = lora.read_peft_config(directory)
+    name = found.get("base_model_name_or_path") or (
+        next(iter(self.bases)) if len(self.bases) == 1 else None)
+    base = self.base(name)
+    targets = tuple(t for t, module in lora.HF_MODULES.items()
+                    if module.split(".")[1] in found["target_modules"])
+    config = LoraConfig(rank=int(found["r"]), alpha=float(found["lora_alpha"]), targets=targets)
+    self.samplers[path] = (base, lora.load_peft(directory, base.model.arch, config), config.scale)
+    return self.samplers[path]
+
+  def sampler_info(self, sampling_session_id: str) -> dict:
+    """The SDK's ``GetSamplerResponse`` of a sampling session."""
+    where = self.sampling_sessions.get(sampling_session_id)
+    if where is None:
+      raise BadInput(f"sampling session {sampling_session_id!r} is unknown")
+    if where.startswith("base:"):
+      return {"sampler_id": sampling_session_id, "base_model": where.removeprefix("base:")}
+    return {"sampler_id": sampling_session_id, "base_model": self.sampler(where)[0].name,
+            "model_path": where}
+
   def create_sampling_session(self, request: dict) -> str:
     self._session(request["session_id"])
     path = request.get("model_path")
     if path is None:
       self.base(request.get("base_model"))
-    elif path not in self.samplers:
-      raise BadInput(f"model_path {path!r} is not a sampler checkpoint of this service "
-                     "(save_weights_for_sampler makes one)")
+    else:
+      self.sampler(path)
     session_id = f"sampling-{uuid.uuid4().hex[:12]}"
     self.sampling_sessions[session_id] = path if path is not None else f"base:{request['base_model']}"
     return session_id
@@ -372,9 +403,7 @@ class Service:
     if where.startswith("base:"):
       base, params = self.base(where.removeprefix("base:")), None
     else:
-      if where not in self.samplers:
-        raise BadInput(f"model_path {where!r} is not a sampler checkpoint of this service")
-      base, snapshot, scale = self.samplers[where]
+      base, snapshot, scale = self.sampler(where)
       params = self._merged(where, base, snapshot, scale)
     prompt = np.concatenate([np.asarray(chunk["tokens"], np.int32)
                              for chunk in request["prompt"]["chunks"]])
@@ -514,6 +543,10 @@ def app(service: Service):
   async def create_sampling_session(request: fastapi.Request):
     return {"type": "create_sampling_session",
             "sampling_session_id": service.create_sampling_session(await body(request))}
+
+  @api.get("/api/v1/samplers/{sampling_session_id}")
+  async def sampler_info(sampling_session_id: str):
+    return service.sampler_info(sampling_session_id)
 
   @api.post("/api/v1/asample")
   async def asample(request: fastapi.Request):

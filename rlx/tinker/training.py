@@ -141,8 +141,11 @@ class Layout:
   the datum), ``group_ids`` (the datum that placed the shared prefix) and ``shared`` (a token
   of a shared prefix): ``Transformer.hidden_states``' packed arguments."""
   entries: dict[str, np.ndarray]
-  """[E] each: ``source`` (the slot of the flattened rows whose hidden state predicts the
-  entry), ``target_tokens``, ``valid``, and the loss's inputs."""
+  """[E] each: ``pair`` (the entry's (slot, target) pair), ``valid``, and the loss's inputs."""
+  pairs: dict[str, np.ndarray]
+  """[P] each, the distinct (slot, target) pairs of the entries (a shared prefix's tokens and
+  their targets, once for the group): ``source``, the slot of the flattened rows whose hidden
+  state predicts ``target_tokens``; only these go through the unembedding."""
   spans: list[slice]
   """Each datum's entries."""
 
@@ -180,7 +183,7 @@ def layout(sequences: Sequence[np.ndarray], inputs: dict[str, list[np.ndarray]])
           "positions": np.zeros(R * W, np.int32), "group_ids": np.full(R * W, -1, np.int32),
           "shared": np.zeros(R * W, bool)}
   E = _bucket(int(lengths.sum()), 16)
-  entries = {"source": np.zeros(E, np.int32), "valid": np.zeros(E, bool),
+  entries = {"source": np.zeros(E, np.int64), "valid": np.zeros(E, bool),
              **{name: np.zeros(E, np.int32 if name == "target_tokens" else np.float32)
                 for name in inputs}}
   spans, start = [], 0
@@ -200,17 +203,28 @@ def layout(sequences: Sequence[np.ndarray], inputs: dict[str, list[np.ndarray]])
       entries[name][span] = values[b]
     spans.append(span)
     start += n
-  return Layout({k: v.reshape(R, W) for k, v in rows.items()}, entries, spans)
+  # the distinct (slot, target) pairs: a group's shared prefix, with its targets, counts once
+  vocab = int(entries["target_tokens"].max()) + 1
+  keys = entries.pop("source")[:start] * vocab + entries.pop("target_tokens")[:start]
+  distinct, pair = np.unique(keys, return_inverse=True)
+  entries["pair"] = np.zeros(E, np.int32)
+  entries["pair"][:start] = pair
+  P = _bucket(len(distinct), 16)
+  pairs = {"source": np.zeros(P, np.int32), "target_tokens": np.zeros(P, np.int32)}
+  pairs["source"][:len(distinct)] = distinct // vocab
+  pairs["target_tokens"][:len(distinct)] = distinct % vocab
+  return Layout({k: v.reshape(R, W) for k, v in rows.items()}, entries, pairs, spans)
 
 
-def _loss(adapters, base_params, rows, entries, *, transformer, loss_fn, config):
+def _loss(adapters, base_params, rows, entries, pairs, *, transformer, loss_fn, config):
   """The summed loss, and each entry's target log-prob and loss [E] (``Layout``)."""
   params = lora.combine(base_params, adapters)
   hidden, _ = transformer.hidden_states(params, rows["tokens"], **{
       name: rows[name] for name in ("segment_ids", "positions", "group_ids", "shared")})
   R, W, D = hidden.shape
-  logprobs, _ = fused_logprobs(hidden.reshape(R * W, D)[entries["source"]],
-                               transformer.unembedding(params), entries["target_tokens"])
+  distinct, _ = fused_logprobs(hidden.reshape(R * W, D)[pairs["source"]],
+                               transformer.unembedding(params), pairs["target_tokens"])
+  logprobs = distinct[entries["pair"]]
   valid = entries["valid"]
   per_token = jnp.where(valid, losses.per_token(loss_fn, logprobs, entries, dict(config)), 0.0)
   return jnp.sum(per_token), (jnp.where(valid, logprobs, 0.0), per_token)
@@ -287,7 +301,7 @@ class Adapter:
     batch = layout([d.tokens for d in datums], self._check(datums, loss_fn))
     static = dict(transformer=self.transformer, loss_fn=loss_fn,
                   config=tuple(sorted(settings.items())))
-    args = (self.adapters, self.base.model.params, batch.rows, batch.entries)
+    args = (self.adapters, self.base.model.params, batch.rows, batch.entries, batch.pairs)
     if forward_only:
       loss, (logprobs, per_token) = _forward(*args, **static)
     else:

@@ -228,3 +228,23 @@ def test_closing_the_client_ends_its_session_and_releases_its_adapters(service_u
     assert training.model_id in service_url[1].adapters
   assert training.model_id not in service_url[1].adapters
   assert saved in service_url[1].samplers  # what it saved stays usable
+
+
+def test_a_sampler_checkpoint_serves_other_clients_and_a_restarted_service(client, service_url):
+  service = service_url[1]
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+  training.forward_backward([_datum([1, 5, 9, 13, 17])], "cross_entropy").result()
+  training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+  path = training.save_weights_for_sampler("shared").result().path
+  # another client's sampling client asks the service for the checkpoint's base model
+  other = tinker.ServiceClient(base_url=service_url[0], api_key="tml-test")
+  sampler = other.create_sampling_client(model_path=path).result()
+  drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), num_samples=2,
+                         sampling_params=tinker.SamplingParams(max_tokens=4, seed=5)).result()
+  assert len(drawn.sequences) == 2
+  # a service started again on the same directory finds it, bitwise
+  again = server_lib.Service({BASE: service.bases[BASE]}, service.workdir)
+  base, adapters, scale = again.sampler(path)
+  assert base is service.bases[BASE] and scale == service.samplers[path][2]
+  saved = _flat(service.samplers[path][1])
+  assert all(np.array_equal(np.asarray(saved[k]), np.asarray(v)) for k, v in _flat(adapters).items())
