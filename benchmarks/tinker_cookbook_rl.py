@@ -133,7 +133,10 @@ def build(args):
 
 
 def evaluate(service, sampler, renderer, task: str, count: int, max_tokens: int) -> float:
-  """Held-out greedy accuracy of ``sampler`` (every prompt sampled at once)."""
+  """Held-out greedy accuracy of ``sampler`` (every prompt sampled at once); None for no
+  prompts."""
+  if count == 0:
+    return None
   import tinker
   from tinker_cookbook import renderers
 
@@ -186,7 +189,8 @@ def main() -> None:
   workdir = pathlib.Path(args.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
-                      handlers=[logging.FileHandler(workdir / "cookbook.log", mode="w")])
+                      handlers=[logging.FileHandler(
+                          workdir / ("evaluate.log" if args.evaluate else "cookbook.log"), mode="w")])
   # the cookbook asks the Hugging Face hub for the tokenizer by the model's name: give it the
   # local one (Hugging Face's own class, as the cookbook expects)
   import transformers
@@ -205,7 +209,7 @@ def main() -> None:
       return
     base = client.create_sampling_client(base_model=MODEL_NAME).result()
     before = evaluate(client, base, renderer, args.task, args.eval_prompts, args.max_tokens)
-    print(f"held-out greedy accuracy before: {before:.3f}", file=sys.stderr, flush=True)
+    print(f"held-out greedy accuracy before: {before}", file=sys.stderr, flush=True)
 
     _, builder = build(args)
     log_path = workdir / "log"
@@ -225,7 +229,7 @@ def main() -> None:
     final = checkpoint_utils.get_last_checkpoint(str(log_path), required_key="sampler_path")
     after = evaluate(client, client.create_sampling_client(model_path=final.sampler_path).result(),
                      renderer, args.task, args.eval_prompts, args.max_tokens)
-    print(f"held-out greedy accuracy after: {after:.3f}", file=sys.stderr, flush=True)
+    print(f"held-out greedy accuracy after: {after}", file=sys.stderr, flush=True)
   finally:
     if service_process is not None:
       service_process.terminate()
@@ -236,8 +240,9 @@ def main() -> None:
   lines = (workdir / "cookbook.log").read_text().splitlines()
   print(json.dumps({
       "task": args.task, "steps": len(steps), "model": args.model,
-      "accuracy_before": round(before, 4), "accuracy_after": round(after, 4),
-      "gain_points": round(100 * (after - before), 1), "train_minutes": round(train_s / 60, 2),
+      "accuracy_before": before, "accuracy_after": after,
+      "gain_points": None if before is None else round(100 * (after - before), 1),
+      "train_minutes": round(train_s / 60, 2),
       "median_step_s": round(statistics.median(m["time/total"] for m in steps), 2) if steps else None,
       "reward_first_last": [steps[0].get("env/all/reward/total"), steps[-1].get("env/all/reward/total")]
       if steps else None,

@@ -46,6 +46,10 @@ POLL_S = 40.0
 own timeout for the call is 45 s; each "try again" is a warning line on its side)."""
 KEPT_FUTURES = 4096
 """Finished futures kept for ``retrieve_future`` (a retry may ask again); the oldest go first."""
+LINGER_S = 0.02
+MAX_LINGER_S = 0.25
+"""How long a sampling batch waits for more calls of its kind: ``LINGER_S`` after the last
+one came, and no longer than ``MAX_LINGER_S`` after the first was queued."""
 HEARTBEAT_TIMEOUT_S = 600.0
 """A session whose heartbeat stops this long releases its adapters."""
 REFUSED = {
@@ -77,6 +81,7 @@ class _Job:
   returns one result each."""
   payload: object = None
   run_batch: Callable[[list], list] | None = None
+  queued: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -123,18 +128,27 @@ class Service:
     return answer
 
   def _next(self) -> list[_Job]:
-    """The next job, with every later queued job of its batch key (taken out of the queue;
-    the others keep their order)."""
+    """The next job, with every queued job of its batch key (taken out of the queue; the others
+    keep their order). A batch waits while more of its jobs keep arriving (``LINGER_S`` each,
+    ``MAX_LINGER_S`` in all): a client that sends a group's calls one by one sends them
+    milliseconds apart, and the first should not decode alone."""
     with self._queued:
       while not self._work:
         self._queued.wait()
       job = self._work.popleft()
       if job.batch is None:
         return [job]
-      together = [j for j in self._work if j.batch == job.batch]
-      for j in together:
-        self._work.remove(j)
-      return [job, *together]
+      jobs, last = [job], time.monotonic()
+      while True:
+        together = [j for j in self._work if j.batch == job.batch]
+        for j in together:
+          self._work.remove(j)
+        jobs += together
+        now = time.monotonic()
+        last = now if together else last
+        if now - last >= LINGER_S or now - jobs[0].queued >= MAX_LINGER_S:
+          return jobs
+        self._queued.wait(LINGER_S - (now - last))
 
   def _run(self) -> None:
     while True:
@@ -434,8 +448,12 @@ class Service:
 
     def run_batch(payloads: list[tuple[list[int], bool]]) -> list[bytes]:
       # no seed: a fresh draw (calls that give none must not repeat each other's samples)
+      started = time.perf_counter()
       drawn = base.sample(params, [prompt for prompt, _ in payloads], **options,
                           seed=secrets.randbits(31) if seed is None else int(seed))
+      log.info("tinker: sampled %d call(s) x %d, %d tokens, %.2fs", len(payloads), n,
+               sum(len(c.response_tokens) for group in drawn for c in group),
+               time.perf_counter() - started)
       return [wire.sample_response(
           [(c.response_tokens, c.logprobs, "length" if c.finish_reason == "length" else "stop")
            for c in completions],

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import pathlib
+import time
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +44,8 @@ from rlx.models import Model, build_model, load_tokenizer, lora
 from rlx.tinker import losses
 from rlx.tinker.wire import Datum
 from rlx.update import packing, sequence_logprobs
+
+log = logging.getLogger(__name__)
 
 LORA_ALPHA = 32.0
 """The adapters' scale numerator (Tinker's): they add (32 / rank) x A B."""
@@ -128,8 +132,10 @@ class Base:
     return per_prompt
 
 
-WIDTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
-"""The packed rows' lengths tried (the one that needs the fewest token slots wins)."""
+WIDTHS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+"""The packed rows' lengths tried: the one whose slots and placed tokens (each placed token
+goes through the unembedding once) add up to the least wins; a wider row holds more of a
+group behind one copy of its prompt."""
 
 
 @dataclasses.dataclass
@@ -141,7 +147,8 @@ class Layout:
   the datum), ``group_ids`` (the datum that placed the shared prefix) and ``shared`` (a token
   of a shared prefix): ``Transformer.hidden_states``' packed arguments."""
   entries: dict[str, np.ndarray]
-  """[E] each: ``pair`` (the entry's (slot, target) pair), ``valid``, and the loss's inputs."""
+  """[E] each: ``pair`` (the entry's (slot, target) pair), ``valid``, ``datum`` (its datum's
+  index), and the loss's inputs."""
   pairs: dict[str, np.ndarray]
   """[P] each, the distinct (slot, target) pairs of the entries (a shared prefix's tokens and
   their targets, once for the group): ``source``, the slot of the flattened rows whose hidden
@@ -173,17 +180,20 @@ def layout(sequences: Sequence[np.ndarray], inputs: dict[str, list[np.ndarray]])
   for width in (w for w in WIDTHS if w >= lengths.max()):
     placed = packing.place(lengths, width, links)
     R = _bucket(placed[-1], 1)
-    if best is None or R * width < best[0] * best[1]:
-      best = (R, width, placed)
+    followers = placed[2] != np.arange(len(lengths))
+    cost = R * width + int(lengths.sum() - placed[3][followers].sum())
+    if best is None or cost < best[0]:
+      best = (cost, R, width, placed)
   if best is None:
     raise BadInput(f"a datum of {lengths.max()} tokens is longer than this service's longest "
                    f"row ({WIDTHS[-1]})")
-  R, W, (row, offset, lead, prefix, _) = best
+  _, R, W, (row, offset, lead, prefix, _) = best
   rows = {"tokens": np.zeros(R * W, np.int32), "segment_ids": np.full(R * W, -1, np.int32),
           "positions": np.zeros(R * W, np.int32), "group_ids": np.full(R * W, -1, np.int32),
           "shared": np.zeros(R * W, bool)}
   E = _bucket(int(lengths.sum()), 16)
   entries = {"source": np.zeros(E, np.int64), "valid": np.zeros(E, bool),
+             "datum": np.zeros(E, np.int32),
              **{name: np.zeros(E, np.int32 if name == "target_tokens" else np.float32)
                 for name in inputs}}
   spans, start = [], 0
@@ -198,7 +208,7 @@ def layout(sequences: Sequence[np.ndarray], inputs: dict[str, list[np.ndarray]])
     rows["group_ids"][slots[own:]] = l
     rows["shared"][slots[own:]] = (l == b) & (np.arange(own, n) < prefix[b])
     span = slice(start, start + n)
-    entries["source"][span], entries["valid"][span] = slots, True
+    entries["source"][span], entries["valid"][span], entries["datum"][span] = slots, True, b
     for name, values in inputs.items():
       entries[name][span] = values[b]
     spans.append(span)
@@ -273,8 +283,8 @@ class Adapter:
 
   def _check(self, datums: list[Datum], loss_fn: str) -> dict[str, list[np.ndarray]]:
     """Each datum's loss_fn inputs, one entry per input token; refuses what does not fit."""
-    needed = losses.INPUTS[loss_fn]
-    out = {name: [] for name in needed}
+    needed, optional = losses.INPUTS[loss_fn], losses.OPTIONAL.get(loss_fn, {})
+    out = {name: [] for name in (*needed, *optional)}
     for b, datum in enumerate(datums):
       n = len(datum.tokens)
       self.base.check_tokens(datum.tokens, f"datum {b}'s model_input")
@@ -282,8 +292,9 @@ class Adapter:
       if missing:
         raise BadInput(f"datum {b}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(needed)}; "
                        f"{missing} missing")
-      for name in needed:
-        value = np.asarray(datum.inputs[name]).reshape(-1)
+      for name in (*needed, *optional):
+        value = (np.asarray(datum.inputs[name]).reshape(-1) if name in datum.inputs
+                 else np.full(n, optional[name], np.float32))
         if value.size != n:
           raise BadInput(f"datum {b}: loss_fn_inputs[{name!r}] has {value.size} entries for "
                          f"{n} input tokens; each input takes one per token")
@@ -297,6 +308,7 @@ class Adapter:
     ``forward_only``, the gradient is added to the pending one."""
     if not datums:
       raise BadInput("forward_backward with no datums")
+    started = time.perf_counter()
     settings = losses.settings(loss_fn, config)
     batch = layout([d.tokens for d in datums], self._check(datums, loss_fn))
     static = dict(transformer=self.transformer, loss_fn=loss_fn,
@@ -309,6 +321,11 @@ class Adapter:
       self.pending = grads if self.pending is None else jax.tree.map(jnp.add, self.pending, grads)
       jax.block_until_ready(self.pending)  # the call's time is its own, and so are its errors
     logprobs, per_token = np.asarray(logprobs), np.asarray(per_token)
+    R, W = batch.rows["tokens"].shape
+    log.info("tinker: %s of %d datums, %d tokens: %d on %d x %d slots, %d target slots, "
+             "%.2fs", "forward" if forward_only else "forward_backward", len(datums),
+             batch.spans[-1].stop, int((batch.rows["segment_ids"] >= 0).sum()), R, W,
+             int(batch.pairs["source"].size), time.perf_counter() - started)
     outputs = [{"logprobs": logprobs[span], "elementwise_loss": per_token[span]}
                for span in batch.spans]
     return outputs, {"loss:sum": float(loss)}

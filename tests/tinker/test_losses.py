@@ -41,17 +41,22 @@ def _reference_loss(adapter, adapters, rows, loss_fn, config):
       total += jnp.sum(-inputs["weights"] * logprobs)
       continue
     ratio = jnp.exp(logprobs - inputs["logprobs"])
+    if loss_fn == "gspo":  # the datum's geometric-mean ratio, each token's own gradient
+      mask = inputs.get("sequence_ratio_mask", jnp.ones_like(logprobs))
+      fixed = jax.lax.stop_gradient(logprobs)
+      mean = jnp.sum(mask * (fixed - inputs["logprobs"])) / jnp.sum(mask)
+      ratio = jnp.exp(mean + logprobs - fixed)
     a = inputs["advantages"]
     if loss_fn == "importance_sampling":
       total += jnp.sum(-ratio * a)
-    elif loss_fn == "ppo":
+    elif loss_fn in ("ppo", "gspo"):
       total += jnp.sum(-jnp.minimum(ratio * a, jnp.clip(ratio, config[0], config[1]) * a))
     else:  # cispo
       total += jnp.sum(-jax.lax.stop_gradient(jnp.clip(ratio, config[0], config[1])) * a * logprobs)
   return total
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"])
 def test_each_loss_equals_the_plain_computation(base, loss_fn):
   rng = np.random.default_rng(7)
   adapter = _adapter(base, 3)
@@ -63,9 +68,12 @@ def test_each_loss_equals_the_plain_computation(base, loss_fn):
               # sampler log-probs near the policy's, so that ratios straddle the clip range
               "logprobs": (-np.log(base.vocab_size) + rng.normal(0, 0.3, length)).astype(np.float32),
               "advantages": rng.normal(0, 1, length).astype(np.float32)}
+    if length != 5:  # GSPO's ratio over the last tokens only; a datum without a mask: all
+      inputs["sequence_ratio_mask"] = (np.arange(length) >= 3).astype(np.float32)
     rows.append((jnp.asarray(tokens), {k: jnp.asarray(v) for k, v in inputs.items()}))
     datums.append(Datum(tokens, inputs))
-  config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn in ("ppo", "cispo") else {}
+  config = ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+            if loss_fn in ("ppo", "cispo", "gspo") else {})
   outputs, metrics = adapter.forward_backward(datums, loss_fn, config)
   bounds = (0.9, 1.1)
   value, grads = jax.value_and_grad(
@@ -119,14 +127,15 @@ def _grouped_datums(base, rng, next_targets, groups=3, per_group=4):
 
 
 @pytest.mark.parametrize("next_targets", [True, False])
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo"])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"])
 def test_shared_prompts_forwarded_once_equal_the_plain_computation(base, loss_fn, next_targets):
   from rlx.tinker.training import layout
 
   rng = np.random.default_rng(11)
   rows, datums = _grouped_datums(base, rng, next_targets)
   adapter = _adapter(base, 5)
-  config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn in ("ppo", "cispo") else {}
+  config = ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+            if loss_fn in ("ppo", "cispo", "gspo") else {})
   # each group's prompt is placed once
   placed = layout([d.tokens for d in datums], adapter._check(datums, loss_fn))
   real = int((placed.rows["segment_ids"] >= 0).sum())

@@ -248,3 +248,18 @@ def test_a_sampler_checkpoint_serves_other_clients_and_a_restarted_service(clien
   assert base is service.bases[BASE] and scale == service.samplers[path][2]
   saved = _flat(service.samplers[path][1])
   assert all(np.array_equal(np.asarray(saved[k]), np.asarray(v)) for k, v in _flat(adapters).items())
+
+
+def test_calls_that_come_milliseconds_apart_to_an_idle_service_decode_together(service_url,
+                                                                               monkeypatch):
+  service, base = service_url[1], service_url[1].bases[BASE]
+  calls = []
+  sample = base.sample
+  monkeypatch.setattr(base, "sample", lambda params, prompts, **kw: calls.append(len(prompts))
+                      or sample(params, prompts, **kw))
+  futures = []
+  for tokens in ([1, 2], [3, 4], [5, 6], [7, 8]):
+    futures.append(service.sample(_sample_request(tokens, max_tokens=3)))
+    time.sleep(0.005)  # a client's calls, one by one
+  assert all(isinstance(service.retrieve(f["request_id"]), bytes) for f in futures)
+  assert calls == [4]
