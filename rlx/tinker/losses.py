@@ -14,7 +14,9 @@ gradient) and the datums' ``loss_fn_inputs`` as arrays [B, T] (padding weighs 0 
   geometric mean of the ratios over the tokens ``sequence_ratio_mask`` marks (all of them when
   it is absent), with its own log-prob's gradient, ``s_t = sg(s) * exp(logprob - sg(logprob))``,
   and PPO's clipped objective on it: ``-min(s_t * A, clip(s_t, low, high) * A)`` (same
-  thresholds).
+  thresholds);
+- ``dro``: ``-(logprobs * A - beta / 2 * (logprobs - sampler's)^2)`` (``loss_fn_config``:
+  ``beta``, 0.05 here).
 
 The arrays are flat over a batch's tokens; ``inputs["datum"]`` numbers each token's datum
 (``gspo`` reduces over it).
@@ -31,6 +33,7 @@ INPUTS = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
 }
 """The loss_fn_inputs each loss needs (every one also needs the target tokens)."""
 OPTIONAL = {"gspo": {"sequence_ratio_mask": 1.0}}
@@ -38,7 +41,8 @@ OPTIONAL = {"gspo": {"sequence_ratio_mask": 1.0}}
 
 CONFIG = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
           "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-          "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
+          "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+          "dro": {"beta": 0.05}}
 """The loss_fn_config keys each loss takes, with their defaults (no other key is accepted)."""
 
 
@@ -48,6 +52,8 @@ def per_token(loss_fn: str, logprobs: jax.Array, inputs: dict[str, jax.Array],
   if loss_fn == "cross_entropy":
     return -inputs["weights"] * logprobs
   advantages = inputs["advantages"]
+  if loss_fn == "dro":
+    return -(logprobs * advantages - 0.5 * config["beta"] * (logprobs - inputs["logprobs"]) ** 2)
   if loss_fn == "gspo":
     ratio = _sequence_ratio(logprobs, inputs)
   else:

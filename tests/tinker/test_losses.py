@@ -29,34 +29,62 @@ def _adapter(base, seed):
   return adapter
 
 
-def _reference_loss(adapter, adapters, rows, loss_fn, config):
-  """The loss from full logits, one datum at a time, no padding."""
-  params = lora.combine(adapter.base.model.params, adapters)
-  total = 0.0
-  for tokens, inputs in rows:
-    hidden, _ = adapter.transformer.hidden_states(params, tokens[None], jnp.ones((1, len(tokens)), bool))
-    logits = adapter.transformer.logits(params, hidden[0])
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), inputs["target_tokens"][:, None], 1)[:, 0]
-    if loss_fn == "cross_entropy":
-      total += jnp.sum(-inputs["weights"] * logprobs)
-      continue
+CONFIGS = {**{name: {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+              for name in ("ppo", "cispo", "gspo")}, "dro": {"beta": 0.2}}
+"""The settings the tests give (the reference below uses the same numbers)."""
+
+
+def _plain(adapters, base_params, tokens, mask, inputs, *, transformer, loss_fn):
+  """The loss from full logits of datums each on its own row, right-padded (causal attention
+  never sees the padding), and each row's target log-probs."""
+  params = lora.combine(base_params, adapters)
+  hidden, _ = transformer.hidden_states(params, tokens, mask)
+  logits = transformer.logits(params, hidden)
+  logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), inputs["target_tokens"][..., None],
+                                 -1)[..., 0]
+  config = CONFIGS.get(loss_fn, {})
+  a = inputs["advantages"]
+  if loss_fn == "cross_entropy":
+    per_token = -inputs["weights"] * logprobs
+  elif loss_fn == "dro":
+    per_token = -(logprobs * a - 0.5 * config["beta"] * (logprobs - inputs["logprobs"]) ** 2)
+  else:
     ratio = jnp.exp(logprobs - inputs["logprobs"])
     if loss_fn == "gspo":  # the datum's geometric-mean ratio, each token's own gradient
-      mask = inputs.get("sequence_ratio_mask", jnp.ones_like(logprobs))
+      marked = inputs["sequence_ratio_mask"] * mask
       fixed = jax.lax.stop_gradient(logprobs)
-      mean = jnp.sum(mask * (fixed - inputs["logprobs"])) / jnp.sum(mask)
-      ratio = jnp.exp(mean + logprobs - fixed)
-    a = inputs["advantages"]
+      mean = jnp.sum(marked * (fixed - inputs["logprobs"]), 1) / jnp.sum(marked, 1)
+      ratio = jnp.exp(mean[:, None] + logprobs - fixed)
+    low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
     if loss_fn == "importance_sampling":
-      total += jnp.sum(-ratio * a)
+      per_token = -ratio * a
     elif loss_fn in ("ppo", "gspo"):
-      total += jnp.sum(-jnp.minimum(ratio * a, jnp.clip(ratio, config[0], config[1]) * a))
+      per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, low, high) * a)
     else:  # cispo
-      total += jnp.sum(-jax.lax.stop_gradient(jnp.clip(ratio, config[0], config[1])) * a * logprobs)
-  return total
+      per_token = -jax.lax.stop_gradient(jnp.clip(ratio, low, high)) * a * logprobs
+  return jnp.sum(jnp.where(mask, per_token, 0.0)), logprobs
 
 
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"])
+_plain_grad = jax.jit(jax.value_and_grad(_plain, has_aux=True),
+                      static_argnames=("transformer", "loss_fn"))
+
+
+def _reference(adapter, rows, loss_fn):
+  """``_plain``'s (loss, target log-probs of each datum), gradient for ``rows``: (tokens,
+  inputs) per datum."""
+  L = max(len(tokens) for tokens, _ in rows)
+  pad = lambda x: np.pad(np.asarray(x), (0, L - len(x)))
+  names = {"target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"}
+  inputs = {name: np.stack([pad(i[name] if name in i else np.ones(len(t), np.float32))
+                            for t, i in rows]) for name in names}
+  (loss, logprobs), grads = _plain_grad(
+      adapter.adapters, adapter.base.model.params, np.stack([pad(t) for t, _ in rows]),
+      np.stack([pad(np.ones(len(t), bool)) for t, _ in rows]), inputs,
+      transformer=adapter.transformer, loss_fn=loss_fn)
+  return loss, [np.asarray(logprobs)[b, :len(t)] for b, (t, _) in enumerate(rows)], grads
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dro"])
 def test_each_loss_equals_the_plain_computation(base, loss_fn):
   rng = np.random.default_rng(7)
   adapter = _adapter(base, 3)
@@ -70,18 +98,19 @@ def test_each_loss_equals_the_plain_computation(base, loss_fn):
               "advantages": rng.normal(0, 1, length).astype(np.float32)}
     if length != 5:  # GSPO's ratio over the last tokens only; a datum without a mask: all
       inputs["sequence_ratio_mask"] = (np.arange(length) >= 3).astype(np.float32)
-    rows.append((jnp.asarray(tokens), {k: jnp.asarray(v) for k, v in inputs.items()}))
+    rows.append((tokens, inputs))
     datums.append(Datum(tokens, inputs))
-  config = ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
-            if loss_fn in ("ppo", "cispo", "gspo") else {})
-  outputs, metrics = adapter.forward_backward(datums, loss_fn, config)
-  bounds = (0.9, 1.1)
-  value, grads = jax.value_and_grad(
-      lambda a: _reference_loss(adapter, a, rows, loss_fn, bounds))(adapter.adapters)
+  outputs, metrics = adapter.forward_backward(datums, loss_fn, CONFIGS.get(loss_fn, {}))
+  _check_against_the_plain_computation(adapter, rows, loss_fn, outputs, metrics)
+
+
+def _check_against_the_plain_computation(adapter, rows, loss_fn, outputs, metrics):
+  value, logprobs, grads = _reference(adapter, rows, loss_fn)
   np.testing.assert_allclose(metrics["loss:sum"], float(value), rtol=1e-4)
   for ours, theirs in zip(jax.tree.leaves(adapter.pending), jax.tree.leaves(grads)):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-3, atol=1e-5)
-  assert [len(o["logprobs"]) for o in outputs] == [5, 11, 8]
+  for output, expected in zip(outputs, logprobs, strict=True):
+    np.testing.assert_allclose(output["logprobs"], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_gradients_of_two_calls_add_up_to_one_call_of_both(base):
@@ -120,38 +149,27 @@ def _grouped_datums(base, rng, next_targets, groups=3, per_group=4):
                 "weights": rng.uniform(0, 1, n).astype(np.float32),
                 "logprobs": (-np.log(base.vocab_size) + rng.normal(0, 0.3, n)).astype(np.float32),
                 "advantages": rng.normal(0, 1, n).astype(np.float32)}
-      rows.append((jnp.asarray(sequence[:-1], jnp.int32),
-                   {k: jnp.asarray(v) for k, v in inputs.items()}))
+      rows.append((sequence[:-1].astype(np.int32), inputs))
       datums.append(Datum(sequence[:-1].astype(np.int32), inputs))
   return rows, datums
 
 
-@pytest.mark.parametrize("next_targets", [True, False])
-@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"])
+# the layout is the same for every loss: one per kind of input (weights; a ratio; a ratio over
+# the datum), with next-token and with arbitrary targets
+@pytest.mark.parametrize("loss_fn, next_targets", [
+    ("cross_entropy", True), ("importance_sampling", False), ("gspo", True), ("dro", False)])
 def test_shared_prompts_forwarded_once_equal_the_plain_computation(base, loss_fn, next_targets):
   from rlx.tinker.training import layout
 
   rng = np.random.default_rng(11)
   rows, datums = _grouped_datums(base, rng, next_targets)
   adapter = _adapter(base, 5)
-  config = ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
-            if loss_fn in ("ppo", "cispo", "gspo") else {})
   # each group's prompt is placed once
   placed = layout([d.tokens for d in datums], adapter._check(datums, loss_fn))
   real = int((placed.rows["segment_ids"] >= 0).sum())
   assert placed.rows["shared"].any() and real < sum(len(d.tokens) for d in datums)
-  outputs, metrics = adapter.forward_backward(datums, loss_fn, config)
-  value, grads = jax.value_and_grad(
-      lambda a: _reference_loss(adapter, a, rows, loss_fn, (0.9, 1.1)))(adapter.adapters)
-  np.testing.assert_allclose(metrics["loss:sum"], float(value), rtol=1e-4)
-  for ours, theirs in zip(jax.tree.leaves(adapter.pending), jax.tree.leaves(grads)):
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=2e-3, atol=1e-5)
-  params = lora.combine(base.model.params, adapter.adapters)
-  for output, (tokens, inputs) in zip(outputs, rows):
-    hidden, _ = adapter.transformer.hidden_states(params, tokens[None], jnp.ones((1, len(tokens)), bool))
-    expected = jnp.take_along_axis(jax.nn.log_softmax(adapter.transformer.logits(params, hidden[0])),
-                                   inputs["target_tokens"][:, None], 1)[:, 0]
-    np.testing.assert_allclose(output["logprobs"], np.asarray(expected), rtol=1e-4, atol=1e-4)
+  outputs, metrics = adapter.forward_backward(datums, loss_fn, CONFIGS.get(loss_fn, {}))
+  _check_against_the_plain_computation(adapter, rows, loss_fn, outputs, metrics)
 
 
 def test_links_leave_each_sequence_a_token_of_its_own():
