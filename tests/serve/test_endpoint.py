@@ -75,11 +75,36 @@ def test_chat_n_logprobs_seed_and_usage(served):
   assert client.models.list().data[0].id == "policy"
 
 
-def test_streaming_is_refused_and_the_model_must_exist(served):
+def test_streamed_answers_are_the_unstreamed_ones_token_by_token(served):
   client = _client(served)
-  with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
-    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
-                                   stream=True)
+  asked = dict(model="policy", messages=[{"role": "user", "content": "What is 2*3?"}],
+               max_tokens=12, n=2, logprobs=True, seed=9, temperature=1.0)
+  whole = client.chat.completions.create(**asked)
+  chunks = list(client.chat.completions.create(**asked, stream=True,
+                                               stream_options={"include_usage": True}))
+  for choice in whole.choices:
+    mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+    assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == choice.finish_reason
+    tokens = [c for c in mine if c.logprobs is not None]  # one chunk per sampled token
+    assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+    assert [e.logprob for c in tokens for e in c.logprobs.content] == [
+        e.logprob for e in choice.logprobs.content]
+  assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+      whole.usage.completion_tokens)
+  # completions stream their token ids, the same as unstreamed
+  plain = client.completions.create(model="policy", prompt=[9, 10], max_tokens=10, seed=4,
+                                    extra_body={"return_token_ids": True})
+  streamed = list(client.completions.create(model="policy", prompt=[9, 10], max_tokens=10,
+                                            seed=4, stream=True,
+                                            extra_body={"return_token_ids": True}))
+  pieces = [c.choices[0] for c in streamed]
+  assert "".join(p.text for p in pieces) == plain.choices[0].text
+  assert [t for p in pieces for t in (p.model_extra or {}).get("token_ids") or []] == (
+      plain.choices[0].model_extra["token_ids"])
+
+
+def test_the_model_must_exist(served):
+  client = _client(served)
   with pytest.raises(openai.NotFoundError, match="does not exist"):
     client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
 
@@ -187,7 +212,7 @@ MALFORMED = [
     (_chat(max_completion_tokens=0), 400), (_chat(seed=2 ** 70), 400), (_chat(seed=-(2 ** 64)), 400),
     (_chat(seed="1"), 400), (_chat(seed=1.5), 400), (_chat(stop=5), 400), (_chat(stop=[""]), 400),
     (_chat(stop=["a", "b", "c", "d", "e"]), 400), (_chat(stop=[1]), 400),
-    (_chat(stream="yes"), 400), (_chat(stream=True), 400), (_chat(logprobs="yes"), 400),
+    (_chat(stream="yes"), 400), (_chat(logprobs="yes"), 400),
     (_chat(logprobs=True, top_logprobs=21), 400), (_chat(top_logprobs=2), 400),
     # tools
     (_tools("x"), 400), (_tools([5]), 400), (_tools([{"type": "function", "function": "calc"}]), 400),
