@@ -1,5 +1,6 @@
 """The real ``tinker`` SDK drives rlx's Tinker-compatible service on a tiny model."""
 
+import json
 import socket
 import threading
 import time
@@ -263,3 +264,37 @@ def test_calls_that_come_milliseconds_apart_to_an_idle_service_decode_together(s
     time.sleep(0.005)  # a client's calls, one by one
   assert all(isinstance(service.retrieve(f["request_id"]), bytes) for f in futures)
   assert calls == [4]
+
+
+def test_one_clients_step_never_changes_anothers_samples(client):
+  one = client.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+  two = client.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+  two.forward_backward([_datum([2, 6, 10, 14])], "cross_entropy").result()
+  two.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+  sampler = two.save_weights_and_get_sampling_client().result()
+  prompt, params = tinker.ModelInput.from_ints([1, 5, 9]), tinker.SamplingParams(max_tokens=6,
+                                                                                  seed=8)
+  before = [s.tokens for s in sampler.sample(prompt, 3, params).result().sequences]
+  for _ in range(2):
+    one.forward_backward([_datum([1, 5, 9, 13, 17])], "cross_entropy").result()
+    one.optim_step(tinker.AdamParams(learning_rate=1e-1)).result()
+  after = [s.tokens for s in sampler.sample(prompt, 3, params).result().sequences]
+  assert after == before
+
+
+def test_a_client_gone_in_the_middle_of_a_call_leaves_the_service_serving(service_url):
+  body = json.dumps(_sample_request([1, 5, 9], max_tokens=6)).encode()
+  host, port = service_url[0].removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port))) as sock:  # sends half a request, then goes
+    sock.sendall(b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+  with socket.create_connection((host, int(port))) as sock:  # a whole one, unread
+    sock.sendall(b"POST /api/v1/asample HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+  rest = tinker.RestClient(base_url=service_url[0], api_key="tml-test")
+  assert [m.model_name for m in rest.get_server_capabilities().result().supported_models] == [BASE]
+  sampler = tinker.ServiceClient(base_url=service_url[0], api_key="tml-test").create_sampling_client(
+      base_model=BASE).result()
+  drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), 1,
+                         tinker.SamplingParams(max_tokens=4, seed=1)).result()
+  assert len(drawn.sequences) == 1
