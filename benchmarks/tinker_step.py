@@ -53,6 +53,7 @@ def main():
   import tinker  # noqa: PLC0415 - the tinker extra
   import uvicorn  # noqa: PLC0415
 
+  from rlx.tinker import routes  # noqa: PLC0415
   from rlx.tinker import server as server_lib  # noqa: PLC0415
   from rlx.tinker.training import Adapter, AdamHyper, Base  # noqa: PLC0415
   from rlx.tinker.wire import Datum  # noqa: PLC0415
@@ -62,7 +63,7 @@ def main():
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(server_lib.app(service), host="127.0.0.1", port=port,
+  server = uvicorn.Server(uvicorn.Config(routes.app(service), host="127.0.0.1", port=port,
                                          log_level="warning"))
   threading.Thread(target=server.run, daemon=True).start()
   while not server.started:

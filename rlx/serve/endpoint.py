@@ -41,7 +41,7 @@ import numpy as np
 
 from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.envs.render import Renderer
-from rlx.serve import protocol
+from rlx.serve import protocol, streaming
 from rlx.serve.batcher import Batcher, Generated, Request, ServingClosed
 from rlx.serve.protocol import ApiError
 from rlx.serve.trajectories import EpisodeLog
@@ -275,21 +275,6 @@ class Endpoint:
       text = text.split(generated.stop_text, 1)[0]
     return text
 
-  def _pieces(self, tokens: Sequence[int], text: str) -> list[str]:
-    """``text`` (the answer of ``tokens``, cut at a stop string) split into one piece per
-    token, as decoding the tokens one more at a time reveals it: a token that ends inside a
-    character, or after the stop string, gets an empty piece; the pieces add up to ``text``."""
-    pieces, emitted = [], 0
-    for t in range(1, len(tokens) + 1):
-      decoded = self.tokenizer.decode(list(tokens[:t]))
-      agree = next((i for i, (a, b) in enumerate(zip(decoded, text)) if a != b),
-                   min(len(decoded), len(text)))
-      pieces.append(text[emitted:agree] if agree > emitted else "")
-      emitted = max(emitted, agree)
-    if pieces:
-      pieces[-1] += text[emitted:]
-    return pieces
-
   def _decode_one(self, token: int) -> str:
     return self.tokenizer.decode([token], skip_special_tokens=False)
 
@@ -380,18 +365,7 @@ class Endpoint:
                                  sum(len(g.tokens) for g in generated))
     if not request.stream:
       return response
-    pieces = []
-    for choice, (g, message, text) in zip(choices, answers):
-      entries = (choice["logprobs"] or {}).get("content")
-      if message.get("tool_calls"):  # a call goes out whole, in one chunk
-        calls = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
-        pieces.append([{"delta": {"content": message["content"], "tool_calls": calls},
-                        "logprobs": {"content": entries} if entries else None}])
-        continue
-      pieces.append([{"delta": {"content": piece},
-                      "logprobs": {"content": [entries[t]]} if entries else None}
-                     for t, piece in enumerate(self._pieces(g.tokens, text))])
-    return protocol.stream_chunks(response, pieces, _include_usage(request))
+    return streaming.chat(response, answers, request, self._decode_all)
 
   async def completions(self, body, headers) -> dict:
     request = protocol.validate(protocol.CompletionRequest, body)
@@ -433,14 +407,9 @@ class Endpoint:
       response["prompt_token_ids"] = prompt
     if not request.stream:
       return response
-    pieces = [[{"text": piece, **({"token_ids": [token]} if request.return_token_ids else {})}
-               for token, piece in zip(g.tokens, self._pieces(g.tokens, self._text(g)))]
-              for g in generated]
-    if request.echo:  # the prompt's text before the first token's
-      for choice_pieces in pieces:
-        if choice_pieces:
-          choice_pieces[0]["text"] = self.tokenizer.decode(prompt) + choice_pieces[0]["text"]
-    return protocol.stream_chunks(response, pieces, _include_usage(request))
+    return streaming.completion(response, generated, [self._text(g) for g in generated],
+                                request, self._decode_all,
+                                self.tokenizer.decode(prompt) if request.echo else "")
 
   def reward(self, body, headers) -> dict:
     log = self._episode(headers)
@@ -496,8 +465,8 @@ class Endpoint:
           result = handler(await read(request) if body else None, request.headers)
           if asyncio.iscoroutine(result):
             result = await result
-          if isinstance(result, protocol.Stream):
-            return StreamingResponse(_events(result), media_type="text/event-stream")
+          if isinstance(result, streaming.Stream):
+            return StreamingResponse(streaming.events(result), media_type="text/event-stream")
           return JSONResponse(result)
         except ApiError as error:
           endpoint.counts["errors"] += 1
@@ -531,16 +500,3 @@ class Endpoint:
                                    f"{request.url.path}").body(), status_code=405)
 
     return app
-
-
-def _include_usage(request) -> bool:
-  """Whether a streamed response ends with the usage (``stream_options.include_usage``)."""
-  options = (request.model_extra or {}).get("stream_options")
-  return isinstance(options, dict) and options.get("include_usage") is True
-
-
-async def _events(chunks: protocol.Stream):
-  """Server-sent events: one ``data:`` line per chunk, then ``data: [DONE]``."""
-  for chunk in chunks:
-    yield f"data: {json.dumps(chunk)}\n\n"
-  yield "data: [DONE]\n\n"

@@ -243,37 +243,6 @@ def response(kind: str, model: str, choices: Sequence[dict], prompt_tokens: int,
                     "total_tokens": prompt_tokens + completion_tokens}}
 
 
-class Stream(list):
-  """The chunks of a streamed response (``stream_chunks``), sent as server-sent events."""
-
-
-def stream_chunks(response: dict, pieces: Sequence[Sequence[dict]], include_usage: bool
-                  ) -> Stream:
-  """A whole ``response`` as the chunks the OpenAI API streams: each choice's sampled tokens
-  one chunk each (``pieces[c][t]``: the fields of token t's chunk of choice c, ``delta`` for a
-  chat, ``text`` for a completion, and its ``logprobs`` / ``token_ids``), a chat's first chunk
-  with the role, the finish reason in a last chunk per choice, and the usage in a chunk of no
-  choices when ``include_usage``."""
-  chat = response["object"] == "chat.completion"
-  head = {"id": response["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-          "created": response["created"], "model": response["model"]}
-  chunk = lambda choices: {**head, "choices": choices, **({"usage": None} if include_usage else {})}
-  empty = {"delta": {}} if chat else {"text": ""}
-  out = Stream()
-  for choice, tokens in zip(response["choices"], pieces, strict=True):
-    index = choice["index"]
-    if chat:
-      out.append(chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}]))
-    for piece in tokens:
-      out.append(chunk([{"index": index, "logprobs": None, "finish_reason": None, **piece}]))
-    out.append(chunk([{"index": index, **empty, "logprobs": None,
-                       "finish_reason": choice["finish_reason"]}]))
-  if include_usage:
-    out.append({**head, "choices": [], "usage": response["usage"]})
-  return out
-
-
 def template_messages(messages: Sequence[dict]) -> list[dict]:
   """OpenAI messages as a Hugging Face chat template reads them: text content, tool-call
   arguments as dicts."""

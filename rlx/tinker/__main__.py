@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return 2
 
-  from rlx.tinker.server import HEARTBEAT_TIMEOUT_S, Service, app  # noqa: PLC0415
+  from rlx.tinker.routes import app  # noqa: PLC0415
+  from rlx.tinker.server import HEARTBEAT_TIMEOUT_S, Service  # noqa: PLC0415
   from rlx.tinker.training import Base  # noqa: PLC0415
 
   logging.basicConfig(level=logging.INFO, format="%(message)s")

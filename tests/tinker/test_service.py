@@ -11,6 +11,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 uvicorn = pytest.importorskip("uvicorn")
 
+from rlx.tinker import routes  # noqa: E402
 from rlx.tinker import server as server_lib  # noqa: E402
 from rlx.tinker.training import Base  # noqa: E402
 from tests.conftest import FIXTURES  # noqa: E402
@@ -25,7 +26,7 @@ def service_url(tmp_path_factory):
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-  config = uvicorn.Config(server_lib.app(service), host="127.0.0.1", port=port, log_level="warning")
+  config = uvicorn.Config(routes.app(service), host="127.0.0.1", port=port, log_level="warning")
   server = uvicorn.Server(config)
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()
