@@ -132,7 +132,19 @@ class Base:
     return per_prompt
 
 
-WIDTHS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+def _fine_bucket(n: int) -> int:
+  """The least of 16 and the sizes 4 to an octave (64, 80, 96, 112, 128, 160, ...) that holds
+  ``n``: the distinct target pairs go through the unembedding, the step's costliest product per
+  token, so they pad by a fifth at most."""
+  if n <= 64:
+    return max(16, 1 << max(n - 1, 0).bit_length())
+  octave = 1 << ((n - 1).bit_length() - 1)  # the power of two below n
+  step = octave // 4
+  return octave + -(-(n - octave) // step) * step
+
+
+WIDTHS = tuple(int(base * step) for base in (128, 256, 512, 1024, 2048, 4096)
+               for step in (1, 1.25, 1.5, 1.75)) + (8192,)
 """The packed rows' lengths tried: the one whose slots and placed tokens (each placed token
 goes through the unembedding once) add up to the least wins; a wider row holds more of a
 group behind one copy of its prompt."""
@@ -219,7 +231,7 @@ def layout(sequences: Sequence[np.ndarray], inputs: dict[str, list[np.ndarray]])
   distinct, pair = np.unique(keys, return_inverse=True)
   entries["pair"] = np.zeros(E, np.int32)
   entries["pair"][:start] = pair
-  P = _bucket(len(distinct), 16)
+  P = _fine_bucket(len(distinct))
   pairs = {"source": np.zeros(P, np.int32), "target_tokens": np.zeros(P, np.int32)}
   pairs["source"][:len(distinct)] = distinct // vocab
   pairs["target_tokens"][:len(distinct)] = distinct % vocab
