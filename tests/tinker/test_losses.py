@@ -135,6 +135,16 @@ def test_buckets_pad_by_a_third_at_most_with_two_shapes_an_octave():
              for n in range(1, 4097))
 
 
+def test_target_pairs_pad_by_a_quarter_at_most_with_four_shapes_an_octave():
+  from rlx.tinker.training import WIDTHS, _fine_bucket
+
+  sizes = {_fine_bucket(n) for n in range(1, 4097)}
+  assert sorted(sizes)[:9] == [16, 32, 64, 80, 96, 112, 128, 160, 192]
+  assert all(n <= _fine_bucket(n) and (n <= 64 or _fine_bucket(n) <= 1.25 * n)
+             for n in range(1, 4097))
+  assert [w for w in WIDTHS if 256 <= w <= 512] == [256, 320, 384, 448, 512]
+
+
 def _grouped_datums(base, rng, next_targets, groups=3, per_group=4):
   """GRPO-shaped datums: each group's samples share a prompt; targets the next tokens (input
   s[:-1], targets s[1:]) or any tokens."""
