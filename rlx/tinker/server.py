@@ -37,7 +37,7 @@ import numpy as np
 from rlx.config import LoraConfig
 from rlx.models import lora
 from rlx.tinker import wire
-from rlx.tinker.training import AdamHyper, Adapter, BadInput, Base
+from rlx.tinker.training import ATTENTION, LORA_ALPHA, MLP, AdamHyper, Adapter, BadInput, Base
 
 log = logging.getLogger(__name__)
 
@@ -338,29 +338,71 @@ class Service:
     return self.submit(save, model_id)
 
   def load_weights(self, request: dict) -> dict:
+    """Loads a saved state into a training client; without a ``model_id``, into a new one of
+    the request's session, shaped as the checkpoint (``create_training_client_from_state``)."""
+    path, with_optimizer = request["path"], bool(request.get("optimizer"))
+    if request.get("model_id") is None:
+      session = self._session(request.get("session_id"))
+      base, config, directory = self._checkpoint(path, request.get("base_model"))
+      model_id = f"{session.id}:train:{request.get('model_seq_id', 0)}"
+
+      def create_and_load():
+        adapter = Adapter(base, rank=config.rank,
+                          train_attn=any(t in config.targets for t in ATTENTION),
+                          train_mlp=any(t in config.targets for t in MLP))
+        if adapter.config.targets != config.targets or config.alpha != LORA_ALPHA:
+          raise BadInput(f"{path!r} adapts {list(config.targets)} with alpha {config.alpha:g}; "
+                         f"this service's adapters are the attention's, the MLP's or both, "
+                         f"alpha {LORA_ALPHA:g}")
+        self._load_into(adapter, directory, path, with_optimizer)
+        self.adapters[model_id] = adapter
+        session.adapters.append(model_id)
+        return {"type": "load_weights", "path": path}
+
+      return self.submit(create_and_load, request.get("model_id") or model_id)
     model_id = request["model_id"]
     adapter = self.adapter(model_id)
-    directory = self._directory(request["path"])
-    with_optimizer = bool(request.get("optimizer"))
+    directory = self._directory(path)
 
     def load():
-      if not directory.is_dir():
-        raise BadInput(f"no checkpoint at {request['path']!r}")
-      adapters = lora.load_peft(directory, adapter.base.model.arch, adapter.config)
-      state = None
-      if with_optimizer:
-        saved = directory / "optimizer.npz"
-        if not saved.is_file():
-          raise BadInput(f"{request['path']!r} holds no optimizer state (a sampler checkpoint)")
-        with np.load(saved) as arrays:
-          leaves = [jnp.asarray(arrays[f"arr_{i}"]) for i in range(len(arrays.files))]
-        state = jax.tree.unflatten(jax.tree.structure(adapter.opt_state), leaves)
-      adapter.adapters, adapter.pending = adapters, None
-      if state is not None:
-        adapter.opt_state = state
-      return {"type": "load_weights", "path": request["path"]}
+      self._load_into(adapter, directory, path, with_optimizer)
+      return {"type": "load_weights", "path": path}
 
     return self.submit(load, model_id)
+
+  def _load_into(self, adapter: Adapter, directory: pathlib.Path, path: str,
+                 with_optimizer: bool) -> None:
+    """``path``'s adapters (and Adam state) into ``adapter``, all or nothing."""
+    if not directory.is_dir():
+      raise BadInput(f"no checkpoint at {path!r}")
+    adapters = lora.load_peft(directory, adapter.base.model.arch, adapter.config)
+    state = None
+    if with_optimizer:
+      saved = directory / "optimizer.npz"
+      if not saved.is_file():
+        raise BadInput(f"{path!r} holds no optimizer state (a sampler checkpoint)")
+      with np.load(saved) as arrays:
+        leaves = [jnp.asarray(arrays[f"arr_{i}"]) for i in range(len(arrays.files))]
+      state = jax.tree.unflatten(jax.tree.structure(adapter.opt_state), leaves)
+    adapter.adapters, adapter.pending = adapters, None
+    if state is not None:
+      adapter.opt_state = state
+
+  def _checkpoint(self, path: str, base_model: str | None = None
+                  ) -> tuple[Base, LoraConfig, pathlib.Path]:
+    """The base, adapter shape and directory of a checkpoint this service wrote (its PEFT
+    config names the base; ``base_model`` overrides it)."""
+    directory = self._directory(path)
+    if not (directory / lora.PEFT_CONFIG).is_file():
+      raise BadInput(f"{path!r} is not a checkpoint of this service (save_weights and "
+                     "save_weights_for_sampler make them)")
+    found = lora.read_peft_config(directory)
+    name = base_model or found.get("base_model_name_or_path") or (
+        next(iter(self.bases)) if len(self.bases) == 1 else None)
+    targets = tuple(t for t, module in lora.HF_MODULES.items()
+                    if module.split(".")[1] in found["target_modules"])
+    config = LoraConfig(rank=int(found["r"]), alpha=float(found["lora_alpha"]), targets=targets)
+    return self.base(name), config, directory
 
   # -- sampling --------------------------------------------------------------------------------
 
@@ -369,17 +411,7 @@ class Service:
     read from its directory (a checkpoint an earlier run of the service saved)."""
     if path in self.samplers:
       return self.samplers[path]
-    directory = self._directory(path)
-    if not (directory / lora.PEFT_CONFIG).is_file():
-      raise BadInput(f"model_path {path!r} is not a sampler checkpoint of this service "
-                     "(save_weights_for_sampler makes one)")
-    found = lora.read_peft_config(directory)
-    name = found.get("base_model_name_or_path") or (
-        next(iter(self.bases)) if len(self.bases) == 1 else None)
-    base = self.base(name)
-    targets = tuple(t for t, module in lora.HF_MODULES.items()
-                    if module.split(".")[1] in found["target_modules"])
-    config = LoraConfig(rank=int(found["r"]), alpha=float(found["lora_alpha"]), targets=targets)
+    base, config, directory = self._checkpoint(path)
     self.samplers[path] = (base, lora.load_peft(directory, base.model.arch, config), config.scale)
     return self.samplers[path]
 

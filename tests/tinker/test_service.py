@@ -5,6 +5,7 @@ import socket
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -299,3 +300,27 @@ def test_a_client_gone_in_the_middle_of_a_call_leaves_the_service_serving(servic
   drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), 1,
                          tinker.SamplingParams(max_tokens=4, seed=1)).result()
   assert len(drawn.sequences) == 1
+
+
+def test_a_new_training_client_from_a_saved_state_with_and_without_its_optimizer(client,
+                                                                               service_url):
+  service = service_url[1]
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+  for _ in range(2):
+    training.forward_backward([_datum([3, 7, 11, 15])], "cross_entropy").result()
+    training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+  path = training.save_state("resume-me").result().path
+  saved = service.adapters[training.model_id]
+  resumed = client.create_training_client_from_state_with_optimizer(path).result()
+  fresh = client.create_training_client_from_state(path).result()
+  for new in (resumed, fresh):
+    assert new.model_id != training.model_id and new.get_info().lora_rank == 4
+    loaded = service.adapters[new.model_id]
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+               zip(_flat(saved.adapters).values(), _flat(loaded.adapters).values()))
+  same_state = lambda a, b: all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
+      jax.tree.leaves(a.opt_state), jax.tree.leaves(b.opt_state)))
+  assert same_state(saved, service.adapters[resumed.model_id])
+  assert not same_state(saved, service.adapters[fresh.model_id])  # a fresh Adam state
+  with pytest.raises(Exception, match="not a checkpoint of this service"):
+    client.create_training_client_from_state("tinker://nowhere/weights/none").result()
