@@ -37,15 +37,7 @@ import numpy as np
 from rlx.config import LoraConfig
 from rlx.models import lora
 from rlx.tinker import wire
-from rlx.tinker.training import (
-  ATTENTION,
-  LORA_ALPHA,
-  MLP,
-  AdamHyper,
-  Adapter,
-  BadInput,
-  Base,
-)
+from rlx.tinker.training import ATTENTION, LORA_ALPHA, MLP, AdamHyper, Adapter, BadInput, Base
 
 log = logging.getLogger(__name__)
 
