@@ -40,7 +40,9 @@ def service_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(service_url):
-  return tinker.ServiceClient(base_url=service_url[0], api_key="tml-test")
+  # closed before the service stops: its heartbeat thread would warn about the gone service
+  with tinker.ServiceClient(base_url=service_url[0], api_key="tml-test") as client:
+    yield client
 
 
 def _datum(tokens, weights=None):
@@ -240,10 +242,10 @@ def test_a_sampler_checkpoint_serves_other_clients_and_a_restarted_service(clien
   training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
   path = training.save_weights_for_sampler("shared").result().path
   # another client's sampling client asks the service for the checkpoint's base model
-  other = tinker.ServiceClient(base_url=service_url[0], api_key="tml-test")
-  sampler = other.create_sampling_client(model_path=path).result()
-  drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), num_samples=2,
-                         sampling_params=tinker.SamplingParams(max_tokens=4, seed=5)).result()
+  with tinker.ServiceClient(base_url=service_url[0], api_key="tml-test") as other:
+    sampler = other.create_sampling_client(model_path=path).result()
+    drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), num_samples=2,
+                           sampling_params=tinker.SamplingParams(max_tokens=4, seed=5)).result()
   assert len(drawn.sequences) == 2
   # a service started again on the same directory finds it, bitwise
   again = server_lib.Service({BASE: service.bases[BASE]}, service.workdir)
@@ -295,10 +297,10 @@ def test_a_client_gone_in_the_middle_of_a_call_leaves_the_service_serving(servic
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
   rest = tinker.RestClient(base_url=service_url[0], api_key="tml-test")
   assert [m.model_name for m in rest.get_server_capabilities().result().supported_models] == [BASE]
-  sampler = tinker.ServiceClient(base_url=service_url[0], api_key="tml-test").create_sampling_client(
-      base_model=BASE).result()
-  drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), 1,
-                         tinker.SamplingParams(max_tokens=4, seed=1)).result()
+  with tinker.ServiceClient(base_url=service_url[0], api_key="tml-test") as fresh:
+    sampler = fresh.create_sampling_client(base_model=BASE).result()
+    drawn = sampler.sample(tinker.ModelInput.from_ints([1, 5, 9]), 1,
+                           tinker.SamplingParams(max_tokens=4, seed=1)).result()
   assert len(drawn.sequences) == 1
 
 
