@@ -46,8 +46,9 @@ def main() -> None:
   config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, mode="colocated"))
   run = prepare(config, args.workdir, say=lambda message: print(message, file=sys.stderr))
   e = config.env
-  run.tools = ToolRunner(num_workers=e.tool_workers, timeout_s=e.tool_timeout_s,
-                         memory_mb=e.tool_memory_mb, max_chars=e.max_observation_chars)
+  run = dataclasses.replace(run, tools=ToolRunner(
+      num_workers=e.tool_workers, timeout_s=e.tool_timeout_s, memory_mb=e.tool_memory_mb,
+      max_chars=e.max_observation_chars))
   arms = {"environment": dataclasses.replace(config, env=dataclasses.replace(e, name="calc",
                                                                              agent="")),
           "agent_program": config}
@@ -56,10 +57,10 @@ def main() -> None:
   for batch in range(args.batches):
     rows = next(run.stream)[:args.prompts]
     for arm, arm_config in arms.items():
-      run.config = arm_config
       started = time.perf_counter()
-      completions, scored = generate_and_score(run, params, rows, n=args.group, temperature=1.0,
-                                               seed=batch, version=0)
+      completions, scored = generate_and_score(
+          dataclasses.replace(run, config=arm_config), params, rows, n=args.group,
+          temperature=1.0, seed=batch, version=0)
       seconds = time.perf_counter() - started
       counts = scored.counts
       episodes = max(counts.get("agent:episodes", 0), 1)

@@ -49,8 +49,9 @@ def export(workdir: str | pathlib.Path, step: int | None = None,
   from rlx.models.tokenizer import builtin_tokenizer, load_tokenizer  # noqa: PLC0415
   from rlx.mesh import make_meshes  # noqa: PLC0415
   from rlx.models import build_model  # noqa: PLC0415
-  from rlx.trainer.learn.learner import initial_adapters, write_policy  # noqa: PLC0415
-  from rlx.trainer.setup.run import base_reference, warms_up  # noqa: PLC0415
+  from rlx.trainer.setup.policy_files import initial_adapters, write_policy  # noqa: PLC0415
+  from rlx.trainer.setup.run import base_reference  # noqa: PLC0415
+  from rlx.trainer.setup.warmup import warms_up  # noqa: PLC0415
 
   checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
   steps = checkpointer.all_steps()

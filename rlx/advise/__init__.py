@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.default_backend()} devices; plan for all of them, or hide some "
           "(CUDA_VISIBLE_DEVICES / TPU_VISIBLE_CHIPS)", file=sys.stderr)
     return 2
-  from rlx.trainer.setup.run import warms_up
+  from rlx.trainer.setup.warmup import warms_up
 
   root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="rlx-advise-"))
   started = time.perf_counter()

@@ -73,20 +73,23 @@ def train_state_shardings(params: Params, optimizer: optax.GradientTransformatio
 
 
 def init_train_state(params: Params, optimizer: optax.GradientTransformation,
-                     key: jax.Array) -> TrainState:
+                     key: jax.Array, donate: bool = False) -> TrainState:
   """A fresh train state, created in its shardings by one jitted program
   (``train_state_shardings``): the optimizer state is never materialised replicated, and the
   state is laid out exactly as ``update_step`` returns it, so that the second step hits the
   first step's compilation. (Params that are not placed with ``NamedSharding`` keep JAX's
-  default placement.)"""
+  default placement.) ``donate``: the state takes ``params``' buffers (deleted for the
+  caller), so that the two never stand whole at once."""
   def init(params, key):
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params), key=key,
                       policy_version=jnp.zeros((), jnp.int32))
 
+  donated = (0,) if donate else ()
   if replicated_like(params) is None:
-    return jax.jit(init)(params, key)
-  return jax.jit(init, out_shardings=train_state_shardings(params, optimizer))(params, key)
+    return jax.jit(init, donate_argnums=donated)(params, key)
+  return jax.jit(init, out_shardings=train_state_shardings(params, optimizer),
+                 donate_argnums=donated)(params, key)
 
 
 def batch_sharding(mesh: Mesh, rules, batch_size: int) -> NamedSharding:

@@ -50,11 +50,11 @@ def test_a_field_the_first_row_lacks_points_at_the_config_not_at_skipping(tmp_pa
 
 
 def test_a_missing_file_names_the_config_field_that_gave_it(tmp_path):
-  from rlx.trainer.setup.run import _named
+  from rlx.trainer.setup.prompts import named
 
   for field in ("data.source", "data.eval_source"):
     with pytest.raises(DataError, match=f"config.{field}=.*missing.jsonl.*does not exist"):
-      _named(open_source, field, str(tmp_path / "missing.jsonl"))
+      named(open_source, field, str(tmp_path / "missing.jsonl"))
 
 
 def test_parquet(tmp_path):

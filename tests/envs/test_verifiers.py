@@ -15,6 +15,7 @@ from rlx.config import ConfigError  # noqa: E402
 from rlx.envs import load_agent  # noqa: E402
 from rlx.envs.verifiers import TaskRows  # noqa: E402
 from rlx.rewards import Scored  # noqa: E402
+from rlx.trainer.produce.tally import Tally  # noqa: E402
 from rlx.trainer.produce.agent_programs import run_agent_programs  # noqa: E402
 from rlx.trainer.setup.run import prepare  # noqa: E402
 from tests.trainer import tiny  # noqa: E402
@@ -43,12 +44,13 @@ def test_tasks_are_rows_and_episodes_are_recorded_and_scored_by_the_environment(
   rows = TaskRows(TASKSET)
   assert len(rows) == 6 and rows[2]["prompt"] == "What is 2*7?" and rows[2]["verifiers_task"] == 2
   picked = [rows[1], rows[5], rows[3]]  # task 5's harness fails
+  tally = Tally(2)
   completions, scored = run_agent_programs(run, run.model.params, picked, n=2, temperature=1.0,
-                                           seed=3, version=4)
+                                           seed=3, version=4, tally=tally)
   assert sorted(c.prompt_index for c in completions) == [0, 0, 2, 2]  # task 5's group dropped
   counts = scored.counts
   assert counts["agent:program_errors"] == 2 and counts["agent:failed_groups"] == 1
-  assert "the harness broke" in run.agent_error
+  assert "the harness broke" in tally.first_error
   assert counts["agent:requests"] == 8  # two turns, through verifiers' interception proxy
   for c, reward in zip(completions, scored.rewards):
     assert c.turns == 2 and c.policy_version == 4

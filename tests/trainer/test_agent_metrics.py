@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlx.trainer.produce.agents import agent_metrics
+from rlx.trainer.produce.tally import agent_metrics
 
 
 def test_means_fractions_and_latency_percentiles():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rlx.rewards import Scored
+from rlx.trainer.produce.tally import Tally
 from rlx.trainer.produce.agent_programs import run_agent_programs
 from rlx.trainer.draw import layout
 from rlx.update import sequence_logprobs
@@ -73,16 +74,17 @@ def test_failing_programs_are_counted_and_drop_their_groups(run):
   run.config = dataclasses.replace(
       run.config, env=dataclasses.replace(run.config.env, agent_timeout_s=8.0))
   started = time.monotonic()
+  tally = Tally(2)
   completions, scored = run_agent_programs(run, run.model.params, rows, n=2, temperature=1.0,
-                                           seed=2, version=0)
+                                           seed=2, version=0, tally=tally)
   assert time.monotonic() - started < 30  # the hanging group waited its timeout (8 s), no more
-  assert sorted({c.prompt_index for c in completions}) == [1, 5], ({k: v for k, v in scored.counts.items() if v}, run.agent_error)
+  assert sorted({c.prompt_index for c in completions}) == [1, 5], ({k: v for k, v in scored.counts.items() if v}, tally.first_error)
   counts = scored.counts
   # the blocking program (time.sleep past its timeout) fails its own group only: the others
   # ran beside it
   assert counts["agent:program_errors"] == 4 and counts["agent:program_timeouts"] == 4
   assert counts["agent:silent_episodes"] == 2 and counts["agent:failed_groups"] == 5
-  assert "the agent broke" in run.agent_error
+  assert "the agent broke" in tally.first_error
   # the rewriting episodes: two segments each, the last one trained on
   assert counts["agent:history_rewrites"] == 2 and counts["agent:dropped_tokens"] > 0
   last = [c for c in completions if c.prompt_index == 5]

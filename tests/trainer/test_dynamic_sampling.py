@@ -1,6 +1,8 @@
 """DAPO's dynamic sampling in the loop: only groups of varied rewards are kept, the batch is
 refilled, and a run whose groups never vary stops with an error that says what to change."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,8 @@ def _run(tmp_path, verifier, max_draws=16, *overrides):
   config = tiny.config("dapo_split", "--config.rollout.group_size=4",
                        f"--config.algorithm.dynamic_sampling_max_draws={max_draws}", *overrides)
   run = prepare(config, tmp_path, say=lambda message: None)
-  run.pool = RewardPool(verifier, num_workers=0)
+  run.pool.close()
+  run = dataclasses.replace(run, pool=RewardPool(verifier, num_workers=0))
   run.sync.publish(run.model.params, 0)  # the generation layout
   return run
 
@@ -52,7 +55,8 @@ def _raises(response: str, reference: str) -> float:
 def test_a_raising_reward_scores_zero_is_counted_and_the_run_goes_on(tmp_path):
   config = tiny.config("grpo_colocated", "--config.rollout.group_size=4")
   run = prepare(config, tmp_path, say=lambda message: None)
-  run.pool = RewardPool(_raises, num_workers=0)
+  run.pool.close()
+  run = dataclasses.replace(run, pool=RewardPool(_raises, num_workers=0))
   run.sync.publish(run.model.params, 0)
   draw = collect(run, run.sync.latest, seed=0)
   assert np.all(draw.rewards == 0) and draw.counts["reward/errors"] == 2 * 4

@@ -89,10 +89,6 @@ class FakeLearner:
   def release_generation_copy(self):
     self.released = True
 
-  def checkpoint_due(self, step, stopping):
-    every = self.config.checkpoint.every_steps
-    return stopping or bool(every and step % every == 0)
-
   def save(self, step, data_state, **meta):
     self.saved_step = step
     self.saves[step] = {"data_state": data_state, **meta}
@@ -111,9 +107,7 @@ def _run(config, workdir):
       config=config, workdir=workdir, stream=stream, eval_rows=[], close=lambda: None,
       model=None,  # nothing to export at the end
       pool=types.SimpleNamespace(first_error="KeyError: 'anwser'"),
-      source=types.SimpleNamespace(skipped=0, fingerprint=lambda: "fake-data"),
-      seconds={"warm-up": 0.0, "evals": 0.0, "loop started": time.perf_counter(),
-               "evals before loop": 0.0})
+      source=types.SimpleNamespace(skipped=0, fingerprint=lambda: "fake-data"))
 
 
 def _no_eval(run, params):

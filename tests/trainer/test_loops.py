@@ -141,14 +141,14 @@ def test_the_warm_up_of_an_agent_run_sees_the_episodes_prompts():
   # was warmed up on prompts the episodes never show
   from rlx.data import PromptStream, TaskSource
   from rlx.models import builtin_tokenizer
-  from rlx.trainer.setup.run import _episode_prompted, prompt_encoder
+  from rlx.trainer.setup.prompts import episode_prompted, prompt_encoder
 
   config = tiny.config("agent_calc", "--config.env.name=tests/trainer/flaky_env.py:make_verbose_env",
                        "--config.env.max_tokens=8", "--config.rollout.max_prompt_len=512")
   tokenizer = builtin_tokenizer()
   plain = PromptStream(TaskSource("calc"), batch_size=2, seed=0,
                        encode=prompt_encoder(config, tokenizer))
-  batch = next(iter(_episode_prompted(config, tokenizer, iter([next(plain)]))))
+  batch = next(iter(episode_prompted(config, tokenizer, iter([next(plain)]))))
   for row in batch:
     text = tokenizer.decode(row["prompt_tokens"])
     assert text.startswith("Think step by step.") and row["prompt"] in text
@@ -174,8 +174,7 @@ def test_the_watchdog_names_each_stage_of_the_start(tmp_path, monkeypatch):
 
   monkeypatch.setattr(lifecycle.Learner, "publish", publish)
   config = tiny.config("grpo_colocated", "--config.trainer.warmup_sft_steps=0")
-  run, learner, _, _ = lifecycle.begin(config, tmp_path, say=lambda line: None,
-                                       evaluate=evaluation)
+  run = lifecycle.begin(config, tmp_path, say=lambda line: None, evaluate=evaluation).run
   try:
     assert "the held-out evaluation before RL" in seen["evaluation"], seen
     assert "publishing the first policy version" in seen["publish"], seen

@@ -15,7 +15,7 @@ from rlx.models import lora
 from rlx.sync import BaseMismatch, LoraSync, ReshardSync
 from rlx.mesh import single_device_mesh
 from rlx.trainer import train
-from rlx.trainer.learn.learner import initial_adapters
+from rlx.trainer.setup.policy_files import initial_adapters
 from tests.trainer import tiny
 
 LORA = ("--config.model.lora.rank=4", "--config.trainer.warmup_sft=never",

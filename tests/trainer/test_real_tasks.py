@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rlx.trainer import prepare
-from rlx.trainer.setup.run import warms_up
+from rlx.trainer.setup.warmup import warms_up
 from tests.trainer import tiny
 
 QWEN2 = "tests/fixtures/hf/qwen2"

@@ -2,7 +2,7 @@
 changed warm-up setting redoes it (the old one kept aside), never a silent reuse."""
 
 from rlx.trainer import prepare
-from rlx.trainer.setup.run import FINGERPRINT
+from rlx.trainer.setup.warmup import FINGERPRINT
 from tests.trainer import tiny
 
 

@@ -11,6 +11,7 @@ import jax
 from rlx import cli
 from rlx.models import builtin_tokenizer, init_model
 from rlx.rollout import Engine
+from rlx.trainer.setup.run import agent_endpoint
 
 ROOT = pathlib.Path(__file__).parent.parent.parent
 
@@ -52,11 +53,12 @@ def metrics(workdir) -> list[dict]:
 
 def agent_run(config, pool, workdir):
   """What ``run_agent_programs`` reads of a run, at a tiny size: the config's random model, an
-  engine of 4 slots, the built-in tokenizer and ``pool`` as the reward; its endpoint starts on
-  first use (stop it with ``run.endpoint.stop()``)."""
+  engine of 4 slots, the built-in tokenizer and ``pool`` as the reward; its endpoint started
+  (stop it with ``run.endpoint.stop()``)."""
   model = init_model(config.model.arch, jax.random.key(0))
   engine = Engine(model.transformer, max_slots=4, max_len=160, max_prompt_len=159,
                   decode_steps=4)
-  return types.SimpleNamespace(config=config, engine=engine, tokenizer=builtin_tokenizer(),
-                               pool=pool, endpoint=None, agent_error=None, samples_written=0.0,
+  tokenizer = builtin_tokenizer()
+  return types.SimpleNamespace(config=config, engine=engine, tokenizer=tokenizer, pool=pool,
+                               endpoint=agent_endpoint(config, engine, tokenizer),
                                workdir=workdir, model=model)

@@ -19,13 +19,11 @@ from __future__ import annotations
 import pathlib
 
 from rlx.trainer import control
-from rlx.trainer.learn.buffer import buffered
 from rlx.trainer.produce.collect import collect
 from rlx.trainer.common import Say
 from rlx.trainer.setup.run import Run
-from rlx.trainer.learn.lifecycle import begin
 from rlx.trainer.produce.evaluate import evaluate
-from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_run
 
 
 class InlineSource(BatchSource):
@@ -50,10 +48,7 @@ class InlineSource(BatchSource):
 
 def train_colocated(config, workdir: str | pathlib.Path, say: Say = print) -> Summary:
   """Runs (or resumes) a colocated run; returns its summary."""
-  run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
-  controller = control.Controller.from_config(config)  # the entropy floor (data is never stale)
-  controller.restore(learner.restored_meta.get("control"))
-  source = buffered(InlineSource(run, start or 0, controller.temperature), config, controller,
-                    learner.restored_meta, run.stream.get_state())
-  return learn_loop(run, learner, source, controller, start=start, evaluate=evaluate,
-                    accuracy_before=accuracy_before, say=say)
+  # the controller keeps the entropy floor (the data is never stale)
+  return learn_run(config, workdir, say, evaluate,
+                   lambda run, learner, start, controller: InlineSource(
+                       run, start or 0, controller.temperature))

@@ -57,15 +57,13 @@ from rlx.config import RunConfig
 from rlx.data import prompts_drawn
 from rlx.trainer import control
 from rlx.trainer.deploy import jobstatus
-from rlx.trainer.learn.buffer import buffered
 from rlx.trainer.draw import Draw
 from rlx.trainer.learn.experience import make_mismatch
 from rlx.trainer.common import Say, TrainingError
 from rlx.trainer.setup.run import Run, prepare
 from rlx.trainer.deploy.exchange import RolloutFiles
-from rlx.trainer.learn.lifecycle import begin
 from rlx.trainer.produce.evaluate import evaluate
-from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_run
 from rlx.trainer.produce.loop import Opened, Produced, Weights, produce
 from rlx.trainer.produce.stream import stream_produce
 
@@ -178,14 +176,16 @@ class FileSource(BatchSource):
 
 def train_learner(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) -> Summary:
   """The learner job: trains on rollout files as they come, publishes every version."""
-  run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
-  controller = control.Controller.from_config(config)
-  controller.restore(learner.restored_meta.get("control"))
-  files = FileSource(run, learner.restored_meta, learner.version, say)
-  files.retune(controller)  # the generator jobs follow the restored knobs
-  source = buffered(files, config, controller, learner.restored_meta, run.stream.get_state())
-  summary = learn_loop(run, learner, source, controller, start=start, evaluate=evaluate,
-                       accuracy_before=accuracy_before, say=say)
+  sources: list[FileSource] = []
+
+  def make_source(run, learner, start, controller) -> FileSource:
+    files = FileSource(run, learner.restored_meta, learner.version, say)
+    files.retune(controller)  # the generator jobs follow the restored knobs
+    sources.append(files)
+    return files
+
+  summary = learn_run(config, workdir, say, evaluate, make_source)
+  files = sources[0]
   if not summary.stopped and distributed.lead():
     files.files.mark_done()  # the generator job exits; a stopped learner's generator waits
   return summary

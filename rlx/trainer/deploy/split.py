@@ -39,14 +39,12 @@ import time
 from rlx.config import ConfigError, RunConfig
 from rlx.metrics import BusyWindow
 from rlx.trainer import control
-from rlx.trainer.learn.buffer import buffered
 from rlx.trainer.produce.collect import collect
 from rlx.trainer.common import Say
 from rlx.trainer.learn.experience import make_mismatch
 from rlx.trainer.setup.run import Run
-from rlx.trainer.learn.lifecycle import begin
 from rlx.trainer.produce.evaluate import evaluate
-from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_loop
+from rlx.trainer.learn.loop import Batch, BatchSource, Summary, learn_run
 from rlx.trainer.produce.loop import Opened, Produced, Weights, produce
 from rlx.trainer.produce.stream import stream_produce
 
@@ -213,15 +211,16 @@ def train_split(config: RunConfig, workdir: str | pathlib.Path, say: Say = print
     raise ConfigError(
         "config.mesh.mode=split runs generation in a thread of one controller and does not "
         "span processes yet (config.mesh.multihost=true)")
-  run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
-  controller = control.Controller.from_config(config)
-  controller.restore(learner.restored_meta.get("control"))
   every = config.logging.mismatch_every
-  generator = Generator(run, first_step=start or 0, delay_s=generator_delay_s, mismatch_every=every, mismatch=make_mismatch(
-                            config, run.model.transformer, run.tokenizer.pad_id) if every else None)
-  source = ThreadSource(generator)
-  source.retune(controller)
-  source = buffered(source, config, controller, learner.restored_meta, run.stream.get_state())
-  generator.start()
-  return learn_loop(run, learner, source, controller, start=start, evaluate=evaluate,
-                    accuracy_before=accuracy_before, say=say, learner_delay_s=learner_delay_s)
+
+  def make_source(run, learner, start, controller) -> ThreadSource:
+    generator = Generator(run, first_step=start or 0, delay_s=generator_delay_s,
+                          mismatch_every=every, mismatch=make_mismatch(
+                              config, run.model.transformer, run.tokenizer.pad_id)
+                          if every else None)
+    source = ThreadSource(generator)
+    source.retune(controller)
+    generator.start()
+    return source
+
+  return learn_run(config, workdir, say, evaluate, make_source, learner_delay_s=learner_delay_s)

@@ -47,7 +47,7 @@ from rlx.rollout import Completion
 from rlx.trainer import control
 from rlx.trainer.draw import Draw
 from rlx.trainer.draw import decode, encode
-from rlx.trainer.learn.loop import Batch, BatchSource
+from rlx.trainer.learn.source import Batch, BatchSource
 
 
 @dataclasses.dataclass

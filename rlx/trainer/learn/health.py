@@ -6,7 +6,8 @@ to change.
       say(line)
 
 A symptom is reported once it has held for ``logging.warn_after_steps`` steps in a row, and
-again only after it has cleared and come back.
+again only after it has cleared and come back. ``skip_cause`` names the likely cause of an
+update the learner skipped (a non-finite loss, gradient or update).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
+
 from rlx.config import RunConfig
+from rlx.trainer.draw import Draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +104,21 @@ def describe_sample(row: dict, width: int = 300) -> str:
           f"{'correct' if row['correct'] else 'wrong'}, {row['finish_reason']}):\n"
           f"  prompt:   {cut(row['prompt'], keep_end=True)!r}\n"
           f"  response: {cut(row['response'])!r}")
+
+
+def skip_cause(metrics: dict, draw: Draw, config: RunConfig) -> str:
+  """The likely cause of a skipped update, from what the step observed, with the fix."""
+  if not np.all(np.isfinite(draw.rewards)):
+    return "some rewards are not finite; check the reward function"
+  if not np.isfinite(metrics.get("advantage/std", 0.0)):
+    return "the advantages are not finite; check the rewards' scale"
+  if metrics.get("train/skipped_update", 0):
+    return (f"the loss and gradient were finite but the update made the weights non-finite, "
+            f"or moved them by more than config.optimizer.max_update_ratio="
+            f"{config.optimizer.max_update_ratio:g} of their norm: lower "
+            f"config.optimizer.learning_rate (now {config.optimizer.learning_rate:g})")
+  if not np.isfinite(metrics.get("loss", 0.0)):
+    return ("the loss is not finite; lower config.optimizer.learning_rate, or check the "
+            "rewards and config.algorithm's coefficients")
+  return ("the gradient norm is not finite; lower config.optimizer.learning_rate or "
+          "config.optimizer.max_grad_norm")

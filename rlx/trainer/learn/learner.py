@@ -11,7 +11,6 @@ data is beyond what each rollout's policy version says.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 
 import jax
@@ -28,8 +27,10 @@ from rlx.update import packing
 from rlx.trainer import control
 from rlx.trainer.draw import Draw
 from rlx.trainer.common import NonFiniteError, Say
-from rlx.trainer.setup.run import Run, base_reference, save_adapter, save_hf
+from rlx.trainer.setup.policy_files import initial_adapters, write_policy
+from rlx.trainer.setup.run import Run, base_reference
 from rlx.trainer.learn.experience import make_prepare, sample_arrays
+from rlx.trainer.learn.health import skip_cause
 
 
 class Learner:
@@ -38,9 +39,11 @@ class Learner:
 
   def __init__(self, config: RunConfig, model: Model, learning_mesh, sync: WeightSync, *,
                pad_id: int, directory: pathlib.Path, say: Say = print,
-               base_reference: dict | None = None):
-    """``model``: the policy to start from (its params on ``learning_mesh``); ``sync``: where
-    new versions are published; ``directory``: the checkpoints' home."""
+               base_reference: dict | None = None, owned: bool = False):
+    """``model``: the policy to start from (its params on ``learning_mesh``; ``owned``: the
+    learner takes them, and without LoRA the train state holds them in their place: they are
+    deleted for the caller); ``sync``: where new versions are published; ``directory``: the
+    checkpoints' home."""
     self.config = config
     self.say = say
     self.sync, self.pad_id = sync, pad_id
@@ -65,18 +68,20 @@ class Learner:
     trainable = model.params
     if config.model.lora.enabled:
       self.base, trainable = model.params, initial_adapters(config, model, learning_mesh)
+    # the reference is the starting policy: with fresh LoRA adapters (adding 0) the base itself
+    self.ref_params = None
+    if algo.uses_reference and self.base is None:
+      self.ref_params = jax.tree.map(jnp.copy, model.params)
+    critic_params = (jax.tree.map(jnp.copy, model.params) if algo.uses_critic else None)
     self.state = update.init_train_state(trainable, optimizer,
-                                         jax.random.key(config.trainer.seed))
+                                         jax.random.key(config.trainer.seed),
+                                         donate=owned and self.base is None)
     self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
     if self.base is None:  # its params are the state's now; what reads them reads those
       self.model = model.replace(params=None)
     base_shardings = (None if self.base is None
                       else jax.tree.map(lambda x: x.sharding, self.base))
-    # the reference is the starting policy: with fresh LoRA adapters (adding 0) the base itself
-    self.ref_params = None
-    if algo.uses_reference and self.base is None:
-      self.ref_params = jax.tree.map(jnp.copy, model.params)
-    elif algo.uses_reference:
+    if algo.uses_reference and self.base is not None:
       self.ref_params = self.base if config.model.lora.path is None else lora.combine(
           self.base, jax.tree.map(jnp.copy, self.state.params))
     self.critic = self.critic_step = None
@@ -85,7 +90,7 @@ class Learner:
       critic_optimizer, _ = update.make_optimizer(
           config.optimizer, total_steps=updates,
           peak=config.optimizer.critic_learning_rate)
-      critic_params = update.init_critic_params(jax.tree.map(jnp.copy, model.params),
+      critic_params = update.init_critic_params(critic_params,
                                                 jax.random.key(config.trainer.seed + 1))
       self.critic = update.init_train_state(critic_params, critic_optimizer,
                                             jax.random.key(config.trainer.seed + 1))
@@ -137,14 +142,11 @@ class Learner:
     """The learner of ``run``: its model, learning mesh, weight sync and checkpoints."""
     reference = (base_reference(run.config, run.workdir) if run.config.model.lora.enabled
                  else None)
-    learner = cls(run.config, run.model, run.meshes.learning, run.sync,
-                  pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say,
-                  base_reference=reference)
-    if learner.base is None and run.model is not None:
-      # the train state holds the weights from here on: the run's copy would be a second one
-      # for the whole run (0.5 GB on a 135M model)
-      run.model = learner.model
-    return learner
+    # the train state takes the run's weights: a copy beside it would be a second one for the
+    # whole run (0.5 GB on a 135M model)
+    return cls(run.config, run.model, run.meshes.learning, run.sync,
+               pad_id=run.tokenizer.pad_id, directory=run.workdir / "checkpoints", say=say,
+               base_reference=reference, owned=True)
 
   @property
   def version(self) -> int:
@@ -217,10 +219,6 @@ class Learner:
                                  "entropy_coef": self.entropy_coef,
                                  "skipped_steps": self.skipped_steps,
                                  "skipped_in_a_row": self.skipped_in_a_row, **meta})
-
-  def checkpoint_due(self, step: int, stopping: bool) -> bool:
-    every = self.config.checkpoint.every_steps
-    return stopping or bool(every and step % every == 0)
 
   def publish(self) -> float:
     """Hands the current params to the generator; returns the sync's seconds. The sync refuses
@@ -383,55 +381,9 @@ class Learner:
                if last is not None else "no checkpoint was saved yet")
       raise NonFiniteError(
           f"{self.skipped_in_a_row} updates in a row were skipped, non-finite (config.trainer."
-          f"max_skipped_steps={limit}): {_cause(metrics, draw, self.config)}; {saved}")
+          f"max_skipped_steps={limit}): {skip_cause(metrics, draw, self.config)}; {saved}")
 
   def close(self) -> None:
     self.checkpointer.close()
 
-
-def write_policy(config: RunConfig, model: Model, trainable, tokenizer, directory: pathlib.Path,
-                 *, base=None, merged: bool = False) -> list[pathlib.Path]:
-  """Writes a policy in Hugging Face format: ``trainable`` as ``model``'s params, or with LoRA
-  (``base`` given) the adapters ``trainable`` as a PEFT adapter in ``directory`` and, when
-  ``merged``, merged into ``base`` as a whole model in ``directory`` + ``_merged``."""
-  if base is None:
-    return [save_hf(dataclasses.replace(model, params=trainable), tokenizer, directory)]
-  lora_config = config.model.lora
-  written = [save_adapter(trainable, model.arch, lora_config, tokenizer, directory,
-                          base_path=config.model.path)]
-  if merged:
-    params = jax.jit(functools.partial(lora.merge, scale=lora_config.scale))(base, trainable)
-    written.append(save_hf(dataclasses.replace(model, params=params), tokenizer,
-                           directory.with_name(directory.name + "_merged")))
-  return written
-
-
-def initial_adapters(config: RunConfig, model: Model, mesh):
-  """The LoRA adapters a run starts from, on the learning ``mesh``: read from the PEFT
-  directory ``model.lora.path``, or fresh (A random, B zero: the policy starts as the base)."""
-  lora_config, rules = config.model.lora, config.mesh.logical_axis_rules
-  shardings = lora.adapter_shardings(model.arch, lora_config, mesh, rules)
-  if lora_config.path:
-    return lora.load_peft(lora_config.path, model.arch, lora_config, shardings)
-  init = functools.partial(lora.init_adapters, model.arch, lora_config)
-  return jax.jit(init, out_shardings=shardings)(
-      jax.random.fold_in(jax.random.key(config.trainer.seed), 0x10a))
-
-
-def _cause(metrics: dict, draw: Draw, config: RunConfig) -> str:
-  """The likely cause of a skipped update, from what the step observed, with the fix."""
-  if not np.all(np.isfinite(draw.rewards)):
-    return "some rewards are not finite; check the reward function"
-  if not np.isfinite(metrics.get("advantage/std", 0.0)):
-    return "the advantages are not finite; check the rewards' scale"
-  if metrics.get("train/skipped_update", 0):
-    return (f"the loss and gradient were finite but the update made the weights non-finite, "
-            f"or moved them by more than config.optimizer.max_update_ratio="
-            f"{config.optimizer.max_update_ratio:g} of their norm: lower "
-            f"config.optimizer.learning_rate (now {config.optimizer.learning_rate:g})")
-  if not np.isfinite(metrics.get("loss", 0.0)):
-    return ("the loss is not finite; lower config.optimizer.learning_rate, or check the "
-            "rewards and config.algorithm's coefficients")
-  return ("the gradient norm is not finite; lower config.optimizer.learning_rate or "
-          "config.optimizer.max_grad_norm")
 

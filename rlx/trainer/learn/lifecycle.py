@@ -1,16 +1,21 @@
 """A run's start and end around its learner, shared by every loop.
 
-    run, learner, start, accuracy_before = begin(config, workdir, say, evaluate)
+    summary = learn_run(config, workdir, say, evaluate, make_source)   # every deployment
+
+    started = begin(config, workdir, say, evaluate)
     ...                                                # the loop: learner.learn(draw) per step
-    ended = finish(run, learner, start=start, step=step, stop=stop, ...)
+    ended = finish(run, learner, start=start, step=step, stop=stop, seconds=..., ...)
 
 ``begin`` builds the run, resumes from the newest checkpoint, publishes the first weights and
 measures the held-out accuracy before RL; ``finish`` saves the last step, exports the final
-policy and evaluates it.
+policy and evaluates it. ``learn_run`` is the one start sequence of every deployment: ``begin``,
+the controller restored, the deployment's batch source (behind the replay buffer when asked),
+the learn loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -23,14 +28,24 @@ from rlx.trainer.learn.learner import Learner
 from rlx.trainer.setup.run import Run, prepare
 
 
+@dataclasses.dataclass(frozen=True)
+class Started:
+  """A run begun: built, resumed, its first weights published."""
+
+  run: Run
+  learner: Learner
+  step: int | None
+  """The step it resumed from (None: a fresh run)."""
+  accuracy_before: float | None
+  seconds: dict[str, float]
+  """Where its time went so far: ``warm-up``, ``start-up`` and ``evals``."""
+
+
 def begin(config: RunConfig, workdir: str | pathlib.Path, say: Say,
-          evaluate: Evaluate) -> tuple[Run, Learner, int | None, float | None]:
+          evaluate: Evaluate) -> Started:
   """Builds a run and its learner, resumes from the newest checkpoint if there is one (the
   data stream continues from the checkpoint's position), publishes the first weights and (on
-  a fresh run) measures the held-out accuracy before RL with ``evaluate``.
-
-  Returns ``(run, learner, resumed_step or None, accuracy_before or None)``.
-  """
+  a fresh run) measures the held-out accuracy before RL with ``evaluate``."""
   started = time.perf_counter()
   progress.doing("building the run (model, data, rewards)")
   run = prepare(config, workdir, say)
@@ -58,7 +73,9 @@ def begin(config: RunConfig, workdir: str | pathlib.Path, say: Say,
   progress.doing("publishing the first policy version")
   learner.publish()
   progress.doing("the held-out evaluation before RL")
+  evaluated = time.perf_counter()
   initial = evaluate(run, learner.generation_params()) if start is None else {}
+  evals = time.perf_counter() - evaluated
   accuracy_before = initial.get("eval/accuracy")
   if initial and distributed.lead():  # the baseline a report draws at step 0
     (run.workdir / "eval_initial.json").write_text(json.dumps(dict(initial, step=0), indent=1))
@@ -66,10 +83,20 @@ def begin(config: RunConfig, workdir: str | pathlib.Path, say: Say,
     say(f"rlx: held-out accuracy before RL: {accuracy_before:.1%}")
   elif start is not None:  # resumed: the run's first start measured it
     accuracy_before = _initial_accuracy(run.workdir)
-  evals = run.seconds.setdefault("evals", 0.0)
-  run.seconds["start-up"] = time.perf_counter() - started - run.seconds["warm-up"] - evals
-  run.seconds["loop started"], run.seconds["evals before loop"] = time.perf_counter(), evals
-  return run, learner, start, accuracy_before
+  seconds = {"warm-up": run.warmup_s, "evals": evals,
+             "start-up": time.perf_counter() - started - run.warmup_s - evals}
+  return Started(run, learner, start, accuracy_before, seconds)
+
+
+def timed(evaluate: Evaluate, seconds: dict[str, float]) -> Evaluate:
+  """``evaluate``, its time added to ``seconds["evals"]``."""
+  def evaluate_timed(run, params) -> dict:
+    started = time.perf_counter()
+    try:
+      return evaluate(run, params)
+    finally:
+      seconds["evals"] = seconds.get("evals", 0.0) + time.perf_counter() - started
+  return evaluate_timed
 
 
 def _initial_accuracy(workdir: pathlib.Path) -> float | None:
@@ -95,19 +122,20 @@ def _what_changed(run: Run) -> str:
 
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
-           say: Say, evaluate: Evaluate, save_meta: dict | None = None, final: dict | None = None) -> dict:
+           say: Say, evaluate: Evaluate, seconds: dict[str, float], loop_started: float,
+           loop_evals: dict[str, float], save_meta: dict | None = None, final: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
   after RL, "final": the final evaluation's figures}`` (skipped after a stop signal, so that
   a stop takes seconds). ``final``: that evaluation, when the loop's last step ran it (the
   same weights are not evaluated twice). The final evaluation's every figure (pass@k with ``trainer.eval_samples``) goes to
   ``WORKDIR/eval_final.json``, and the final policy to ``WORKDIR/hf/final`` (Hugging Face
-  format, what ``python -m rlx.serve --model`` and ``transformers`` load)."""
+  format, what ``python -m rlx.serve --model`` and ``transformers`` load). ``seconds``: where
+  the time went before the loop (``begin``'s), ``loop_evals["evals"]``: the evaluations' since
+  ``loop_started`` (``time.perf_counter()``), ``evaluate`` adding to it (``timed``)."""
   if final is not None:  # nothing samples again: the save and the export take the memory of
     learner.release_generation_copy()  # the generator's copy
-  seconds = run.seconds
-  seconds["RL loop"] = (time.perf_counter() - seconds.pop("loop started")
-                        - (seconds["evals"] - seconds.pop("evals before loop")))
+  loop_seconds = time.perf_counter() - loop_started - loop_evals.get("evals", 0.0)
   if step != (start or 0) and learner.saved_step != step:
     learner.save(step, data_state, **(save_meta or {}))
   learner.close()  # waits for every started save
@@ -136,4 +164,6 @@ def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, da
               if name.startswith("eval/pass@")}
     if passes:
       say("rlx: held-out after RL, sampled: " + ", ".join(f"{k} {v:.1%}" for k, v in passes.items()))
-  return {"seconds": dict(seconds), "eval_accuracy_after": accuracy_after, "final": final}
+  seconds = dict(seconds, **{"RL loop": loop_seconds,
+                             "evals": seconds.get("evals", 0.0) + loop_evals.get("evals", 0.0)})
+  return {"seconds": seconds, "eval_accuracy_after": accuracy_after, "final": final}

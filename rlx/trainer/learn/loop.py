@@ -1,6 +1,7 @@
 """The one learner loop, for every deployment: colocated, split in one process, and the
 learner job of a split run as jobs.
 
+    summary = learn_run(config, workdir, say, evaluate, make_source)   # begin, then the loop
     summary = learn_loop(run, learner, source, controller, start=..., accuracy_before=..., say=say)
 
 Deployments differ only in where batches come from, a ``BatchSource``:
@@ -28,10 +29,12 @@ Stopping always goes through the cross-process agreement (``StopSignal.agree``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import time
 import zlib
+from collections.abc import Callable
 
 import jax
 
@@ -41,58 +44,15 @@ from rlx.config import RunConfig
 from rlx.data import DataError
 from rlx.metrics import MetricsSink, ProfileWindow
 from rlx.trainer import control
-from rlx.trainer.draw import Draw
 from rlx.trainer.common import Evaluate, RewardFailedError, Say, device_memory, throughput
 from rlx.trainer.learn.health import Health, describe_sample, sample_rows
 from rlx.trainer.setup.run import Run
 from rlx.trainer.learn.learner import Learner
-from rlx.trainer.learn.lifecycle import finish
-
-
-@dataclasses.dataclass
-class Batch:
-  """A batch as a source hands it to the loop."""
-
-  draw: Draw
-  data_state: dict
-  """The data position a checkpoint taken after this batch resumes from."""
-  current: bool = True
-  """Whether it was started under the controller's current k: only such batches tell the
-  controller about that k."""
-  metrics: dict = dataclasses.field(default_factory=dict)
-  """The source's own metrics of this batch (deployment-specific keys)."""
-  policy_versions: list[int] | None = None
-  """The policy version of every rollout of the whole batch, where ``draw`` holds only this
-  process's share of it (None: the draw's own): the lag is the same on every process."""
-
-
-class BatchSource:
-  """Where the learner's batches come from (see the module docstring). A source overrides
-  ``next`` and whichever of the rest it has something to do in; the defaults do nothing."""
-
-  def next(self, version: int, wait: bool = True) -> Batch | None:
-    """The next batch for a learner at policy ``version``, or None when none is ready (after
-    waiting a short while when ``wait``: the loop checks for a stop and asks again). Raises
-    ``StopIteration`` when the data ran out, and what a producer raised."""
-    raise NotImplementedError
-
-  def settle(self, batch: Batch, verdict: str, version: int) -> None:
-    """The loop is done with ``batch``: trained on (after its weights were published),
-    dropped or expired; ``version``: the learner's policy version now."""
-
-  def retune(self, controller: control.Controller) -> None:
-    """The controller changed a knob: sample with its k and temperature from now on."""
-
-  def metrics(self, learn_seconds: float) -> dict:
-    """The source's own metrics after a step whose learning took ``learn_seconds``."""
-    return {}
-
-  def state(self) -> dict:
-    """What a checkpoint keeps of the source, beside the data position."""
-    return {}
-
-  def close(self) -> None:
-    """Stops producers; never raises for a producer that already failed."""
+from rlx.trainer.draw import Draw
+from rlx.trainer.learn.buffer import buffered
+from rlx.trainer.learn.hooks import AfterStep, Hook, run_hooks
+from rlx.trainer.learn.source import Batch, BatchSource
+from rlx.trainer.learn.lifecycle import begin, finish, timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,20 +74,36 @@ class Summary:
   """The step it resumed from (0: a fresh run): this process ran the steps after it."""
 
 
-def evaluation_due(config: RunConfig, step: int, stopping: bool) -> bool:
-  """Whether the loop evaluates after ``step`` (never once the run is stopping)."""
-  every = config.trainer.eval_every
-  return bool(every and step % every == 0 and not stopping)
+def learn_run(config: RunConfig, workdir: str | pathlib.Path, say: Say, evaluate: Evaluate,
+              make_source: Callable[[Run, Learner, int | None, control.Controller], BatchSource],
+              learner_delay_s: float = 0.0) -> Summary:
+  """The start sequence of every deployment, then the loop: the run begun (``begin``), its
+  controller restored from the checkpoint, the deployment's batch source
+  (``make_source(run, learner, resumed_step, controller)``) behind the replay buffer when
+  ``buffer.enabled``, and ``learn_loop`` until the run ends."""
+  started = begin(config, workdir, say, evaluate)
+  run, learner = started.run, started.learner
+  controller = control.Controller.from_config(config)
+  controller.restore(learner.restored_meta.get("control"))
+  source = buffered(make_source(run, learner, started.step, controller), config, controller,
+                    learner.restored_meta, run.stream.get_state())
+  return learn_loop(run, learner, source, controller, start=started.step,
+                    accuracy_before=started.accuracy_before, say=say, evaluate=evaluate,
+                    seconds=started.seconds, learner_delay_s=learner_delay_s)
 
 
 def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: control.Controller,
                *, start: int | None, accuracy_before: float | None, say: Say,
-               evaluate: Evaluate, learner_delay_s: float = 0.0) -> Summary:
+               evaluate: Evaluate, seconds: dict[str, float] | None = None,
+               learner_delay_s: float = 0.0) -> Summary:
   """Trains until ``trainer.steps`` (or a stop signal, or the data runs out); returns the
   summary. ``evaluate``: the held-out evaluation (the producing side's), run every
-  ``trainer.eval_every`` steps and at the end. ``learner_delay_s`` slows the learner down on purpose (tests and benchmarks of
-  the staleness control)."""
+  ``trainer.eval_every`` steps and at the end; ``seconds``: where the time went before the
+  loop (``begin``'s). ``learner_delay_s`` slows the learner down on purpose (tests and
+  benchmarks of the staleness control)."""
   config = run.config
+  loop_started, loop_evals = time.perf_counter(), {"evals": 0.0}
+  evaluate = timed(evaluate, loop_evals)
   step = start or 0
   counts = {control.DROP: 0, control.EXPIRE: 0}
   sink = MetricsSink(run.workdir, config.logging, total_steps=config.trainer.steps,
@@ -135,14 +111,12 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
                      run_config=json.loads(cli.to_json(config)))
   data_state = run.stream.get_state()
   final = None  # the final evaluation, when the last step ran it
-  learned_tokens, learning_seconds = 0.0, 0.0
+  learning = {"tokens": 0.0, "seconds": 0.0}  # every process's tokens learned, over the run
   failing = 0  # steps in a row on which every reward call failed
   health = Health(config)  # a warning line when the run is not learning
 
-  def meta() -> dict:  # what a checkpoint keeps beside the train state and data position
-    return {"control": controller.state(), "data_fingerprint": run.source.fingerprint(),
-            **source.state()}
-
+  meta = functools.partial(_meta, run, controller, source)
+  hooks = _hooks(run, learner, sink, evaluate, meta, say)
   try:
     with StopSignal(say=say, grace_s=config.checkpoint.stop_grace_s,
                     pending=cli.take_stop_at_start()) as stop, sink, ProfileWindow(
@@ -165,8 +139,8 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           draw = batch.draw
           failing = failing + 1 if draw.counts.get("reward/error_frac", 0.0) >= 1.0 else 0
           if failing >= config.reward.max_error_steps:
-            _save_before_failing(learner, step, start, data_state, meta(), "a reward that never "
-                                 "works", say)
+            _save_before_failing(learner, step, start, data_state, meta(),
+                                 "a reward that never works", say)
             raise _reward_failed(run, failing)
           verdict, lag_mean = _judge(batch, learner, controller, source, counts, step, say)
           if verdict != control.TRAIN:
@@ -185,60 +159,93 @@ def learn_loop(run: Run, learner: Learner, source: BatchSource, controller: cont
           _retune(controller.observe(step, lag_mean=lag_mean if batch.current else None,
                                      is_clip_frac=metrics["policy/is_clip_frac"],
                                      entropy=metrics["policy/entropy"]), controller, source, say)
-          metrics.update(controller.metrics(), **_counted(run, controller, counts))
-          metrics.update({
-              "time/step_s": elapsed, "time/wait_for_data_s": received - since,
-              "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
-              "time/sync_s": sync_seconds, "sync/bytes": learner.sync_bytes,
-              "sync/verified": learner.sync_verified, **throughput(draw, elapsed), **device_memory(),
-              **batch.metrics, **source.metrics(finished - received)})
-          learned_tokens += metrics["throughput/tokens_per_s"] * elapsed  # every process's
-          learning_seconds += finished - received
-          metrics["throughput/learning_tokens_per_s"] = learned_tokens / learning_seconds
+          metrics.update(controller.metrics(), **_counted(run, controller, counts),
+                         **_step_times(draw, learner, since, received, learned, finished,
+                                       sync_seconds),
+                         **throughput(draw, elapsed), **device_memory(), **batch.metrics,
+                         **source.metrics(finished - received))
+          learning["tokens"] += metrics["throughput/tokens_per_s"] * elapsed
+          learning["seconds"] += finished - received
+          metrics["throughput/learning_tokens_per_s"] = learning["tokens"] / learning["seconds"]
           for line in health.check(metrics):
             say(line)
-          _write_samples(run, step, draw, say)
           since = finished
           stopping = stop.agree()  # every process stops after the same step
           _check_agreement(config, step, learner, data_state)
-          last = step == config.trainer.steps and not stopping
-          evaluated = _close_step(run, learner, sink, evaluate, metrics, step, stopping, last,
-                                  data_state, meta)
-          final = evaluated if last else final
+          after = AfterStep(step, draw, metrics, data_state, stopping,
+                            last=step == config.trainer.steps and not stopping)
+          run_hooks(hooks, after)
+          final = after.evaluated if after.last else final
       finally:
         source.close()
       ended = finish(run, learner, start=start, step=step, stop=stop, data_state=data_state,
-                     say=say, evaluate=evaluate, save_meta=meta(), final=final)
+                     say=say, evaluate=evaluate, seconds=seconds or {},
+                     loop_started=loop_started, loop_evals=loop_evals, save_meta=meta(),
+                     final=final)
       if final is None and ended["final"]:  # the loop ended early: the final evaluation too
         sink.write(step, ended["final"], force=True)
   finally:
     run.close()
   return Summary(steps=step, stopped=stop.agreed, seconds=ended["seconds"],
                  eval_accuracy_before=accuracy_before,
-                 eval_accuracy_after=ended["eval_accuracy_after"],
-                 metrics=str(sink.jsonl_path), checkpoints=str(learner.checkpointer.directory),
-                 dropped_batches=counts[control.DROP], expired_batches=counts[control.EXPIRE],
-                 control_events=tuple(str(event) for event in controller.events),
+                 eval_accuracy_after=ended["eval_accuracy_after"], metrics=str(sink.jsonl_path),
+                 checkpoints=str(learner.checkpointer.directory), **_tallied(controller, counts),
                  first_step=start or 0)
 
 
-def _close_step(run: Run, learner: Learner, sink: MetricsSink, evaluate: Evaluate,
-                metrics: dict, step: int, stopping: bool, last: bool, data_state: dict,
-                meta) -> dict | None:
-  """After ``step``: its evaluation when due (the ``last`` step's is the final one, logged
-  with its step and run once), its metrics, its checkpoint when due, its export; returns the
-  evaluation's figures (None when none ran)."""
-  evaluated = None
-  if evaluation_due(run.config, step, stopping) or last:
-    progress.doing(f"evaluating after step {step}")
-    evaluated = evaluate(run, learner.generation_params())
-    metrics.update(evaluated)
-  sink.write(step, metrics, force=last)
-  if learner.checkpoint_due(step, stopping):
-    progress.doing(f"saving the checkpoint of step {step}")
-    learner.save(step, data_state, **meta())
-  _export(run, learner, step)
-  return evaluated
+def _meta(run: Run, controller: control.Controller, source: BatchSource) -> dict:
+  """What a checkpoint keeps beside the train state and the data position."""
+  return {"control": controller.state(), "data_fingerprint": run.source.fingerprint(),
+          **source.state()}
+
+
+def _tallied(controller: control.Controller, counts: dict) -> dict:
+  """The summary's count of the batches not trained on and the controller's events."""
+  return {"dropped_batches": counts[control.DROP], "expired_batches": counts[control.EXPIRE],
+          "control_events": tuple(str(event) for event in controller.events)}
+
+
+def _hooks(run: Run, learner: Learner, sink: MetricsSink, evaluate: Evaluate, meta,
+           say: Say) -> list[Hook]:
+  """The side work after each step, in order: samples to ``samples.jsonl``, the held-out
+  evaluation (the last step's is the final one, logged with its step and run once), the
+  step's metrics, the checkpoint (always at a stop) and the Hugging Face export."""
+  config = run.config
+
+  def samples(after: AfterStep) -> None:
+    _write_samples(run, after.step, after.draw, say)
+
+  def evaluation(after: AfterStep) -> None:
+    progress.doing(f"evaluating after step {after.step}")
+    after.evaluated = evaluate(run, learner.generation_params())
+    after.metrics.update(after.evaluated)
+
+  def metrics(after: AfterStep) -> None:
+    sink.write(after.step, after.metrics, force=after.last)
+
+  def checkpoint(after: AfterStep) -> None:
+    progress.doing(f"saving the checkpoint of step {after.step}")
+    learner.save(after.step, after.data_state, **meta())
+
+  def export(after: AfterStep) -> None:  # WORKDIR/hf/step_N
+    learner.export(run.workdir / "hf" / f"step_{after.step}", run.tokenizer)
+
+  return [Hook("samples", config.logging.samples_every, samples),
+          Hook("evaluation", config.trainer.eval_every, evaluation, at_last=True, on_stop=False),
+          Hook("metrics", 1, metrics),
+          Hook("checkpoint", config.checkpoint.every_steps, checkpoint, on_stop=True),
+          Hook("export", config.checkpoint.export_hf_every, export)]
+
+
+def _step_times(draw: Draw, learner: Learner, since: float, received: float, learned: float,
+                finished: float, sync_seconds: float) -> dict[str, float]:
+  """Where a step's time went, from its clock readings (``time.perf_counter()``): since the
+  last step, the batch received, learned on, the weights published and the step finished;
+  and what the publish sent."""
+  return {"time/step_s": finished - since, "time/wait_for_data_s": received - since,
+          "time/generate_s": draw.generate_seconds, "time/learn_s": learned - received,
+          "time/sync_s": sync_seconds, "sync/bytes": learner.sync_bytes,
+          "sync/verified": learner.sync_verified}
 
 
 def _judge(batch: Batch, learner: Learner, controller: control.Controller, source: BatchSource,
@@ -287,9 +294,9 @@ def _counted(run: Run, controller: control.Controller, counts: dict) -> dict[str
 
 
 def _write_samples(run: Run, step: int, draw, say: Say) -> None:
-  """Every ``logging.samples_every`` steps, a few groups' samples to samples.jsonl (process 0)."""
+  """A few groups' samples to samples.jsonl (process 0)."""
   logging = run.config.logging
-  if not (logging.samples_every and step % logging.samples_every == 0 and distributed.lead()):
+  if not distributed.lead():
     return
   rows = sample_rows(step, draw, run.tokenizer, logging.samples_groups,
                      run.config.rollout.group_size)
@@ -328,12 +335,3 @@ def _retune(events: list[control.Event], controller: control.Controller, source:
     say(f"rlx: control: {event}")
   if events:
     source.retune(controller)
-
-
-def _export(run: Run, learner: Learner, step: int) -> pathlib.Path | None:
-  """Writes the policy as a Hugging Face directory ``WORKDIR/hf/step_N`` every
-  ``checkpoint.export_hf_every`` steps; returns where, or None."""
-  every = run.config.checkpoint.export_hf_every
-  if not every or step % every:
-    return None
-  return learner.export(run.workdir / "hf" / f"step_{step}", run.tokenizer)[0]

@@ -36,19 +36,12 @@ from rlx.rollout import Completion
 from rlx.serve.endpoint import Endpoint, Forced
 from rlx.serve.trajectories import EpisodeLog
 from rlx.trainer.produce.agents import write_samples
+from rlx.trainer.produce.tally import Tally, merge_rewards
 
 _GRACE_S = 10.0  # past the episodes' timeout, a program that blocks its event loop is abandoned
 
 
-def endpoint_of(run) -> Endpoint:
-  """The run's endpoint, started on first use (it serves every batch of the run)."""
-  if run.endpoint is None:
-    e = run.config.env
-    run.endpoint = Endpoint(run.engine, run.tokenizer, None, host=e.endpoint_host,
-                            port=e.endpoint_port, episodes=True,
-                            tool_format=None if e.tool_format == "auto" else e.tool_format,
-                            max_n=max(16, run.config.rollout.group_size)).start()
-  return run.endpoint
+
 
 
 def _drive(agent, base_url: str, logs: list[EpisodeLog], timeout_s: float,
@@ -106,17 +99,19 @@ def _reward_of(outcome) -> tuple[float | None, bool | None, str | None]:
 
 
 def run_agent_programs(run, params, rows: list[dict], *, n: int, temperature: float, seed: int,
-                       version: int, first_prompt_index: int = 0
+                       version: int, first_prompt_index: int = 0, tally: Tally | None = None
                        ) -> tuple[list[Completion], Scored]:
   """``n`` episodes of each row by the agent program, and their rewards and statistics (groups
-  with a failed episode left out)."""
-  endpoint = endpoint_of(run)
+  with a failed episode left out; ``tally``: the batch's books, told the first error a
+  program raised)."""
+  endpoint = run.endpoint
   with endpoint.in_use:  # one batch at a time (a split run's eval and generator share it)
-    return _run(run, endpoint, params, rows, n, temperature, seed, version, first_prompt_index)
+    return _run(run, endpoint, params, rows, n, temperature, seed, version, first_prompt_index,
+                tally if tally is not None else Tally(n))
 
 
 def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
-         first_prompt_index) -> tuple[list[Completion], Scored]:
+         first_prompt_index, tally: Tally) -> tuple[list[Completion], Scored]:
   config = run.config
   e, r = config.env, config.rollout
   agent = load_agent(e.agent, e.verifiers_config)
@@ -153,7 +148,7 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
                         "malformed_calls", "program_errors", "program_timeouts",
                         "silent_episodes", "failed_groups", "dropped_episodes",
                         "history_rewrites", "dropped_tokens", "sampled_tokens"), 0.0)
-  completions, rewards, correct, unrewarded = [], [], [], []
+  completions, given = [], []  # given: a program's (reward, correct), or None
   for p, group in enumerate(logs):
     chosen, failed = [], False
     for s, log in enumerate(group):
@@ -167,8 +162,8 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
       if status != "ok":
         sums[{"error": "program_errors", "timeout": "program_timeouts",
               "silent": "silent_episodes"}[status]] += 1
-        if status == "error" and run.agent_error is None:
-          run.agent_error = value
+        if status == "error" and tally.first_error is None:
+          tally.first_error = value
         failed = True
         continue
       if reward is None and log.posted is not None:
@@ -189,25 +184,18 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
       sums["history_rewrites"] += log.segments - 1
       sums["dropped_tokens"] += dropped
       sums["sampled_tokens"] += sampled
-      if reward is None:
-        unrewarded.append(len(completions))
       completions.append((Completion(
           prompt_tokens=node.prompt_tokens, response_tokens=node.response_tokens,
           logprobs=node.logprobs, policy_logprobs=node.policy_logprobs,
           finish_reason="length" if node.finish_reason == "length" else "stop",
           policy_version=node.policy_version, prompt_index=p, sample_index=s,
           sampled_mask=node.sampled_mask, turns=node.turns), node, rows[p]))
-      rewards.append(0.0 if reward is None else reward)
-      correct.append(bool(reward is not None and reward >= 1.0) if right is None else right)
-  scored = run.pool.score([completions[i][1].text for i in unrewarded],
-                          [dict(completions[i][2], messages=completions[i][1].conversation)
-                           for i in unrewarded])
-  rewards, correct = np.asarray(rewards, np.float32), np.asarray(correct, bool)
-  if unrewarded:
-    rewards[unrewarded], correct[unrewarded] = scored.rewards, scored.correct
-  components = {name: np.full(len(completions), np.nan, np.float32) for name in scored.components}
-  for name, values in scored.components.items():
-    components[name][unrewarded] = values
+      given.append(None if reward is None else
+                   (reward, bool(reward >= 1.0) if right is None else right))
+  scored = merge_rewards(
+      run.pool, given,
+      lambda i: (completions[i][1].text, dict(completions[i][2],
+                                              messages=completions[i][1].conversation)))
   counts = dict(scored.counts)
   sums["slot_steps"] = endpoint.batcher.stats["slot_steps"] - before["slot_steps"]
   sums["busy_steps"] = endpoint.batcher.stats["busy_steps"] - before["busy_steps"]
@@ -215,5 +203,5 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
   counts.update({f"agent:{key}": value for key, value in sums.items()})
   completions = [c for c, _, _ in completions]
   if jax.process_index() == 0 and temperature > 0 and completions:
-    write_samples(run, completions, rewards)
-  return completions, Scored(rewards, correct, counts, components)
+    write_samples(run, completions, scored.rewards)
+  return completions, scored._replace(counts=counts)

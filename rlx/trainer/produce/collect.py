@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from rlx import algorithms, distributed, progress, rollout
+from rlx import distributed, progress, rollout
 from rlx.rewards import Scored
 from rlx.rollout import Completion
-from rlx.trainer.produce.agents import agent_metrics, run_episodes
+from rlx.trainer.produce.agents import run_episodes
+from rlx.trainer.produce.tally import Tally, merge_rewards
 from rlx.trainer.common import DynamicSamplingError, EpisodesFailedError, RewardFailedError
 from rlx.trainer.draw import Draw
 from rlx.trainer.setup.run import Run
@@ -26,8 +26,8 @@ from rlx.trainer.setup.run import Run
 
 def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperature: float,
                        seed: int, version: int, first_prompt_index: int = 0,
-                       inflight: rollout.driver.Weights | None = None
-                       ) -> tuple[list[Completion], Scored]:
+                       inflight: rollout.driver.Weights | None = None,
+                       tally: Tally | None = None) -> tuple[list[Completion], Scored]:
   """``n`` samples of each row's prompt, and their rewards and verdicts from the host pool
   (``first_prompt_index``: where ``rows`` start in the batch the processes share). Each
   completion is scored as soon as it finishes, while the others are still decoding.
@@ -37,11 +37,12 @@ def generate_and_score(run: Run, params, rows: list[dict], *, n: int, temperatur
     from rlx.trainer.produce.agent_programs import run_agent_programs  # noqa: PLC0415 - needs rlx[serve]
 
     return run_agent_programs(run, params, rows, n=n, temperature=temperature, seed=seed,
-                              version=version, first_prompt_index=first_prompt_index)
+                              version=version, first_prompt_index=first_prompt_index,
+                              tally=tally)
   if run.config.env.enabled:
     return run_episodes(run, params, rows, n=n, temperature=temperature, seed=seed,
                         version=version, first_prompt_index=first_prompt_index,
-                        inflight=inflight)
+                        inflight=inflight, tally=tally)
   r = run.config.rollout
   scorer = _Scorer(run, rows)
 
@@ -101,26 +102,11 @@ class _Scorer:
         self.error = error
 
   def _score(self, batch: list[Completion]) -> Scored:
-    given = [None if self.direct is None else self.direct(c) for c in batch]
-    asked = [i for i, g in enumerate(given) if g is None]
-    described = [self.describe(batch[i]) if self.describe is not None else
-                 (self.run.tokenizer.decode(batch[i].response_tokens),
-                  self.rows[batch[i].prompt_index]) for i in asked]
-    if len(asked) == len(batch):
-      return self.run.pool.score([t for t, _ in described], [r for _, r in described])
-    rewards, correct = np.zeros(len(batch), np.float32), np.zeros(len(batch), bool)
-    for i, g in enumerate(given):
-      if g is not None:
-        rewards[i], correct[i] = g
-    counts: dict = {"reward/errors": 0, "reward/timeouts": 0}
-    components: dict = {}
-    if asked:
-      scored = self.run.pool.score([t for t, _ in described], [r for _, r in described])
-      rewards[asked], correct[asked] = scored.rewards, scored.correct
-      counts = dict(scored.counts)
-      for name, values in scored.components.items():
-        components.setdefault(name, np.full(len(batch), np.nan, np.float32))[asked] = values
-    return Scored(rewards, correct, counts, components)
+    return merge_rewards(
+        self.run.pool, [None if self.direct is None else self.direct(c) for c in batch],
+        lambda i: (self.describe(batch[i]) if self.describe is not None else
+                   (self.run.tokenizer.decode(batch[i].response_tokens),
+                    self.rows[batch[i].prompt_index])))
 
   def finish(self) -> list[tuple[list[Completion], Scored]]:
     self.queue.put(None)
@@ -148,32 +134,25 @@ def _in_order(completions: list[Completion],
   return Scored(rewards, correct, counts, components)
 
 
-def _component_key(name: str) -> str:
-  """The metric of a reward's named component (never one of the loop's own reward metrics)."""
-  own = ("mean", "accuracy", "errors", "timeouts")
-  return f"reward/{name}" if name not in own else f"reward/component_{name}"
-
-
-def exhausted(run: Run, draws: int, kept: int, counts: dict, sampled: int,
-              agent: dict | None = None) -> Exception:
+def exhausted(run: Run, draws: int, kept: int, tally: Tally) -> Exception:
   """Why ``draws`` draws kept only ``kept`` groups of a batch: every agent episode failed,
-  every reward call failed, or dynamic sampling found almost no group with varied rewards;
-  ``counts``: the draws' reward counts, ``sampled``: the samples they drew."""
-  config = run.config
+  every reward call failed, or dynamic sampling found almost no group with varied rewards
+  (``tally``: the draws' books)."""
+  config, agent, counts = run.config, tally.agent, tally.counts
   wanted = config.data.prompts_per_step // jax.process_count()
   if agent and not config.env.agent and not distributed.any_process(
-      agent.get("agent:episodes", 0) > 0):
+      agent.get("episodes", 0) > 0):
     return EpisodesFailedError(run.env_errors.none_started(
-        config, int(agent.get("agent:env_errors", 0)), f"of {draws} draws"))
-  if agent and not distributed.any_process(agent.get("agent:episodes", 0) > 0):
+        config, int(agent.get("env_errors", 0)), f"of {draws} draws"))
+  if agent and not distributed.any_process(agent.get("episodes", 0) > 0):
     return EpisodesFailedError(
         f"every episode of the agent program (config.env.agent={config.env.agent!r}) failed "
-        f"in {draws} draws: {int(agent.get('agent:program_errors', 0))} raised, "
-        f"{int(agent.get('agent:program_timeouts', 0))} ran past env.agent_timeout_s, "
-        f"{int(agent.get('agent:silent_episodes', 0))} never called the endpoint; the first "
-        f"error: {run.agent_error}")
+        f"in {draws} draws: {int(agent.get('program_errors', 0))} raised, "
+        f"{int(agent.get('program_timeouts', 0))} ran past env.agent_timeout_s, "
+        f"{int(agent.get('silent_episodes', 0))} never called the endpoint; the first "
+        f"error: {tally.first_error}")
   failed = counts.get("reward/errors", 0) + counts.get("reward/timeouts", 0)
-  if failed >= sampled:
+  if failed >= tally.samples:
     return RewardFailedError(
         f"every reward call of {draws} draws failed, so no group has varied rewards; the "
         f"first error: {run.pool.first_error}. Fix the reward function "
@@ -207,70 +186,32 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
   config, group = run.config, run.config.rollout.group_size
   max_draws = config.algorithm.dynamic_sampling_max_draws
   wanted = config.data.prompts_per_step * group // jax.process_count()
-  completions, rewards, correct, draws, dropped, alike = [], [], [], 0, 0, 0
-  counts: dict[str, int] = {}
-  agent: dict[str, float] = {}  # multi-turn episodes' statistics, summed
-  sampled_reward, sampled_correct, sampled = 0.0, 0.0, 0  # every group drawn, kept or not
-  parts: dict[str, list[float]] = {}  # a reward's named components: [sum, count]
+  completions, rewards, correct, draws = [], [], [], 0
+  tally = Tally(group)  # every group drawn, kept or not
   started, born = time.perf_counter(), time.time()
   temperature = config.rollout.temperature if temperature is None else temperature
   while distributed.any_process(len(completions) < wanted):
     if draws == max_draws:
-      raise exhausted(run, draws, len(completions) // group, counts, sampled, agent)
+      raise exhausted(run, draws, len(completions) // group, tally)
     rows, first = distributed.local_share(next(run.stream), "prompts per step")
     params, version = params_fn()
     drawn, scored = generate_and_score(
         run, params, rows, n=group, temperature=temperature, seed=seed * max_draws + draws,
-        version=version, first_prompt_index=first, inflight=inflight)
-    scores = scored.rewards
-    sampled_reward += float(np.sum(scores))
-    sampled_correct += float(np.sum(scored.correct))
-    sampled += len(scores)
-    for key, value in scored.counts.items():
-      if key.startswith("agent:"):
-        agent[key] = agent.get(key, 0.0) + value
-      else:
-        counts[key] = counts.get(key, 0) + value
-    for name, values in scored.components.items():
-      given = values[~np.isnan(values)]
-      part = parts.setdefault(name, [0.0, 0])
-      part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
-    varied = np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(scores), group))
-    alike += int((~varied).sum()) // group  # groups with a zero group-relative advantage
-    keep = varied if config.algorithm.dynamic else np.ones(len(scores), bool)
-    dropped += int((~keep).sum()) // group
-    completions += [drawn[i] for i in np.flatnonzero(keep)]
-    rewards += [scores[i] for i in np.flatnonzero(keep)]
-    correct += [scored.correct[i] for i in np.flatnonzero(keep)]
+        version=version, first_prompt_index=first, inflight=inflight, tally=tally)
+    tally.count(scored.counts)
+    keep = np.flatnonzero(tally.add(scored, dynamic=config.algorithm.dynamic))
+    completions += [drawn[i] for i in keep]
+    rewards += [scored.rewards[i] for i in keep]
+    correct += [scored.correct[i] for i in keep]
     draws += 1
-  names = distributed.union_over_processes(parts)  # components may differ between processes
+  names = distributed.union_over_processes(tally.parts)  # components may differ by process
   kept = completions[:wanted]
   totals = distributed.sums_over_processes({
-      "kept": len(kept), "mixed": sum(c.newest_version != c.policy_version for c in kept),
-      "reward": sampled_reward, "correct": sampled_correct, "sampled": sampled,
-      "dropped": dropped, "alike": alike,
-      **{f"count:{key}": value for key, value in counts.items()},  # the same keys everywhere
-      **agent,
-      **{f"part_sum:{name}": parts.get(name, (0.0, 0))[0] for name in names},
-      **{f"part_count:{name}": parts.get(name, (0.0, 0))[1] for name in names}})
-  counts = {key: int(totals[f"count:{key}"]) for key in counts}
+      **tally.sums(names),  # the same keys everywhere
+      "kept": len(kept), "mixed": sum(c.newest_version != c.policy_version for c in kept)})
+  counts = tally.metrics(totals, draws=draws)
   if inflight is not None:
     counts["rollout/mixed_version_frac"] = totals["mixed"] / max(totals["kept"], 1)
-  if agent:
-    latencies, run.tool_latencies[:] = list(run.tool_latencies), []
-    counts.update(agent_metrics({key.split(":", 1)[1]: totals[key] for key in agent}, latencies))
-  for name in names:
-    if totals[f"part_count:{name}"]:
-      counts[_component_key(name)] = totals[f"part_sum:{name}"] / totals[f"part_count:{name}"]
-  counts.update({"rollout/dropped_groups": int(totals["dropped"]), "rollout/draws": draws,
-                 # what the sampling policy produced, before dynamic sampling dropped any group
-                 "reward/mean": totals["reward"] / totals["sampled"],
-                 "reward/accuracy": totals["correct"] / totals["sampled"],
-                 # of every group drawn: samples that all scored alike give no gradient
-                 "advantage/zero_groups_frac": totals["alike"] * group / totals["sampled"],
-                 # samples whose reward call failed (raised, timed out, not finite)
-                 "reward/error_frac": (counts.get("reward/errors", 0)
-                                       + counts.get("reward/timeouts", 0)) / totals["sampled"]})
   return Draw(kept, np.array(rewards[:wanted], np.float32),
               np.array(correct[:wanted], bool), counts,
               time.perf_counter() - started, run.stream.get_state(), temperature, born)

@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
 import numpy as np
 
@@ -46,7 +44,6 @@ def evaluate(run: Run, params) -> dict[str, float]:
   are over all of them."""
   if not run.eval_rows:
     return {}
-  started = time.perf_counter()
   count, index = jax.process_count(), jax.process_index()
   rows = run.eval_rows[index::count]
   n = run.config.trainer.eval_samples
@@ -68,7 +65,6 @@ def evaluate(run: Run, params) -> dict[str, float]:
       totals[4] = right.sum()
       totals[5:] = [pass_at_k(n, right, k).sum() for k in ks]
   totals = distributed.sum_over_processes(totals)
-  run.seconds["evals"] = run.seconds.get("evals", 0.0) + time.perf_counter() - started
   prompts = len(run.eval_rows)
   metrics = {"eval/accuracy": float(totals[0] / prompts)}
   if totals[1]:

@@ -63,15 +63,16 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
-from rlx import algorithms, rollout
+from rlx import rollout
 from rlx.envs.calls import turn_stop_ids
+from rlx.rewards import Scored
 from rlx.rollout import Completion
 from rlx.trainer.episodes import Episodes, tool_format
-from rlx.trainer.produce.agents import agent_metrics, episode_sums, slot_metrics, write_samples
-from rlx.trainer.produce.collect import _component_key, _Scorer, exhausted
+from rlx.trainer.produce.agents import episode_sums, write_samples
+from rlx.trainer.produce.collect import _Scorer, exhausted
+from rlx.trainer.produce.tally import Tally, slot_metrics
 from rlx.trainer import control
 from rlx.trainer.draw import Draw
 from rlx.trainer.produce.loop import Produced
@@ -97,18 +98,6 @@ class _Group:
   scored: int = 0
 
 
-class _Tally:
-  """What the groups completed since the last hand-over showed (every one, kept or not)."""
-
-  def __init__(self):
-    self.groups = self.dropped = self.alike = 0
-    self.samples, self.reward, self.correct = 0, 0.0, 0.0
-    self.counts: dict[str, int] = {}
-    self.parts: dict[str, list[float]] = {}
-    self.agent: dict[str, float] = {}  # episodes' statistics, summed (agents.episode_sums)
-    self.latencies: list = []  # their tool calls' (name, seconds)
-
-
 class Streamer:
   """The producer loop with continuous admission (see the module docstring)."""
 
@@ -126,7 +115,7 @@ class Streamer:
     self.rows: list[tuple[int, dict]] = []  # (serial, row) drawn from the data, not admitted
     self.flight: dict[int, _Group] = {}  # admitted, not complete
     self.ready: list[_Group] = []  # complete and kept, in completion order
-    self.tally = _Tally()
+    self.tally = Tally(self.size)  # the groups completed since the last hand-over
     self.halted = False
     self.temperature = config.rollout.temperature
     self.retemper: float | None = None  # the temperature the next stream runs at
@@ -257,7 +246,7 @@ class Streamer:
       else:
         started = self.episodes.add([row])
         if not started:  # its environment's reset failed: skipped, counted
-          self.tally.agent["env_errors"] = self.tally.agent.get("env_errors", 0.0) + 1
+          self.tally.count({"agent:env_errors": 1})
           continue
         prompt = started[0]
       self.flight[local] = _Group(
@@ -285,8 +274,7 @@ class Streamer:
         group.scored += 1
         if group.scored == self.size:
           self._complete(self.flight.pop(completion.prompt_index))
-      for key, value in scored.counts.items():
-        self.tally.counts[key] = self.tally.counts.get(key, 0) + value
+      self.tally.count(scored.counts)
 
   def _complete(self, group: _Group) -> None:
     tally = self.tally
@@ -299,23 +287,12 @@ class Streamer:
       for key, value in sums.items():
         tally.agent[key] = tally.agent.get(key, 0.0) + value
       tally.latencies += [call for e in episodes for call in e.tool_seconds]
-    tally.groups += 1
-    tally.samples += self.size
-    tally.reward += float(group.rewards.sum())
-    tally.correct += float(group.correct.sum())
-    for name, values in group.components.items():
-      given = values[~np.isnan(values)]
-      part = tally.parts.setdefault(name, [0.0, 0])
-      part[0], part[1] = part[0] + float(given.sum()), part[1] + given.size
-    varied = bool(np.asarray(algorithms.dynamic_sampling_keep(jnp.asarray(group.rewards),
-                                                              self.size)).all())
-    tally.alike += not varied
-    if self.config.algorithm.dynamic and not varied:
-      tally.dropped += 1
+    kept = tally.add(Scored(group.rewards, group.correct, {}, group.components),
+                     dynamic=self.config.algorithm.dynamic).all()
+    if not kept:
       limit = self.config.algorithm.dynamic_sampling_max_draws * self.per_batch
       if tally.dropped >= limit:  # as many groups as that many draws of a batch, all alike
-        raise exhausted(self.run, tally.groups // self.per_batch, len(self.ready),
-                        tally.counts, tally.samples)
+        raise exhausted(self.run, tally.groups // self.per_batch, len(self.ready), tally)
       return
     self.ready.append(group)
     self._hand_over_ready()
@@ -327,7 +304,7 @@ class Streamer:
       self.index += self.stride
 
   def _produced(self, groups: list[_Group]) -> Produced:
-    tally, self.tally = self.tally, _Tally()
+    tally, self.tally = self.tally, Tally(self.size)
     completions = [c for g in groups for c in g.completions]
     spans = [c.newest_version - c.policy_version for c in completions]
     slots = {key: value - self.slots_then.get(key, 0) for key, value in self.slots.items()}
@@ -335,27 +312,16 @@ class Streamer:
       self.slots_then = dict(self.slots)
     else:  # its groups were all decoded before the last hand-over: the stream's so far
       slots = dict(self.slots)
-    counts = {key: int(value) for key, value in tally.counts.items()}
-    for name, (total, count) in tally.parts.items():
-      if count:
-        counts[_component_key(name)] = total / count
-    sampled = max(tally.samples, 1)
+    counts = tally.metrics(tally.sums(), draws=1, slots=slots)
     counts.update({
-        "rollout/dropped_groups": tally.dropped, "rollout/draws": 1,
-        "reward/mean": tally.reward / sampled, "reward/accuracy": tally.correct / sampled,
-        "advantage/zero_groups_frac": tally.alike / max(tally.groups, 1),
-        "reward/error_frac": (counts.get("reward/errors", 0)
-                              + counts.get("reward/timeouts", 0)) / sampled,
         "rollout/mixed_version_frac": float(np.mean([s > 0 for s in spans])),
         "rollout/version_span_max": int(max(spans)),
         "rollout/version_span_mean": float(np.mean(spans)),
         "rollout/groups_in_flight": len(self.flight),
         **slot_metrics(slots),
     })
-    if self.episodes is not None:
-      counts.update(agent_metrics({**tally.agent, **slots}, tally.latencies))
-      if self.temperature > 0:
-        write_samples(self.run, completions, np.concatenate([g.rewards for g in groups]))
+    if self.episodes is not None and self.temperature > 0:
+      write_samples(self.run, completions, np.concatenate([g.rewards for g in groups]))
     now = time.perf_counter()
     busy, self.since = now - self.since - self.waited, now
     draw = Draw(completions, np.concatenate([g.rewards for g in groups]),

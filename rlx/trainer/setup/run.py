@@ -9,18 +9,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import json
-import math
 import pathlib
-import shutil
 import time
 
 import jax
 
 from rlx import distributed, rollout
 from rlx.config import ConfigError, RunConfig
-from rlx.envs import Renderer, ToolRunner, load_agent, load_factory, verifiers
-from rlx.data import TASKS, DataError, PromptStream, TaskSource, hold_out, open_source
+from rlx.envs import ToolRunner, load_agent, load_factory
+from rlx.data import DataError, PromptStream
 from rlx.mesh import Meshes, make_meshes
 from rlx.models import (
   Model,
@@ -29,7 +26,6 @@ from rlx.models import (
   builtin_tokenizer,
   load_tokenizer,
   param_shardings,
-  save_pretrained,
 )
 from rlx.rewards import RewardPool, check, from_config
 from rlx.rewards.limits import _PROCESSES_WITHOUT_CGROUP
@@ -38,15 +34,16 @@ from rlx.models import lora
 from rlx.sync import LoraSync, OrbaxSync, ReshardSync, WeightSync
 from rlx.versions import DeltaSync
 from rlx.trainer import control
-from rlx.trainer.common import EpisodesFailedError, NonFiniteError, Say
-from rlx.trainer.episodes import EnvErrors, Episodes, tool_format
-from rlx.update import all_finite, batch_sharding
-from rlx.trainer.setup.warmup import sft_batches, warm_up
+from rlx.trainer.setup.prompts import check_episode_prompts, prompt_encoder, sources
+from rlx.trainer.setup.warmup import warmed_up, warms_up, warmup_fingerprint
+from rlx.trainer.common import Say
+from rlx.trainer.episodes import EnvErrors
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Run:
-  """A run's parts, built once from its config."""
+  """A run's parts, built once from its config; no part is replaced afterwards (the learner
+  takes the model's weights: ``Learner.for_run``)."""
 
   config: RunConfig
   meshes: Meshes
@@ -60,18 +57,13 @@ class Run:
   stream: PromptStream
   eval_rows: list[dict]
   workdir: pathlib.Path
-  seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-  """Where the run's time went: start-up, warm-up, RL loop, evals (the closing summary)."""
+  warmup_s: float = 0.0
+  """Seconds the supervised warm-up took (0 without one)."""
   tools: ToolRunner | None = None
   """The tool workers of a multi-turn run (config.env)."""
-  tool_latencies: list[tuple[str, float]] = dataclasses.field(default_factory=list)
-  """(tool name, seconds) of each tool call since the metrics last took them."""
-  samples_written: float = 0.0
-  """When sample episodes were last written (``time.time()``)."""
   endpoint: object = None
-  """The OpenAI-compatible endpoint agent programs call (config.env.agent), once started."""
-  agent_error: str | None = None
-  """The first error an agent program raised (for the message when no group survives)."""
+  """The OpenAI-compatible endpoint agent programs call (config.env.agent), serving every batch
+  of the run."""
   env_errors: EnvErrors = dataclasses.field(default_factory=EnvErrors)
   """The rows whose environment could not start, and the first error (config.env)."""
 
@@ -147,7 +139,7 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
   if tokenizer.vocab_size > model.arch.vocab_size:
     raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab is "
                       f"{model.arch.vocab_size}; the tokenizer belongs to another model")
-  source, eval_rows = _sources(config, tokenizer, say)
+  source, eval_rows = sources(config, tokenizer, say)
   if sandbox:
     _check_code_rows(config, source, eval_rows)
   stream = PromptStream(source, batch_size=config.data.prompts_per_step,
@@ -174,24 +166,34 @@ def prepare(config: RunConfig, workdir: str | pathlib.Path, say: Say = print) ->
                     timeout_s=config.reward.timeout_s, memory_mb=config.reward.memory_mb,
                     batch_size=config.reward.batch_size, log_path=workdir / "reward.log")
   if config.env.name:  # before minutes of warm-up: the episodes' first prompts must fit
-    _check_episode_prompts(config, source, tokenizer)
+    check_episode_prompts(config, source, tokenizer)
   warmup_started = time.perf_counter()
   if warms_up(config) and config.mesh.role != "generator":  # it gets the learner's
     if config.model.path:
       say(f"rlx: supervised warm-up of {config.model.path}: "
           f"{config.trainer.warmup_sft_steps} steps at lr {config.trainer.warmup_sft_learning_rate} "
           "before RL (config.trainer.warmup_sft=always)")
-    model = _warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
+    model = warmed_up(config, model, source, tokenizer, meshes, workdir / "warmup", say)
   sync = make_sync(config, model, meshes, workdir, prepare=engine.decode_params)
   tools = None
   if config.env.name:
     e = config.env
     tools = ToolRunner(num_workers=e.tool_workers, timeout_s=e.tool_timeout_s,
                        memory_mb=e.tool_memory_mb, max_chars=e.max_observation_chars)
-  run = Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
-            workdir, tools=tools)
-  run.seconds["warm-up"] = time.perf_counter() - warmup_started
-  return run
+  endpoint = agent_endpoint(config, engine, tokenizer) if config.env.agent else None
+  return Run(config, meshes, tokenizer, model, engine, sync, pool, source, stream, eval_rows,
+             workdir, warmup_s=time.perf_counter() - warmup_started, tools=tools,
+             endpoint=endpoint)
+
+
+def agent_endpoint(config: RunConfig, engine: rollout.Engine, tokenizer: Tokenizer):
+  """The OpenAI-compatible endpoint a run's agent programs call, started."""
+  from rlx.serve.endpoint import Endpoint  # noqa: PLC0415 - needs rlx[serve]
+
+  e = config.env
+  return Endpoint(engine, tokenizer, None, host=e.endpoint_host, port=e.endpoint_port,
+                  episodes=True, tool_format=None if e.tool_format == "auto" else e.tool_format,
+                  max_n=max(16, config.rollout.group_size)).start()
 
 
 def make_sync(config: RunConfig, model: Model, meshes: Meshes, workdir: pathlib.Path,
@@ -256,243 +258,3 @@ def base_reference(config: RunConfig, workdir: pathlib.Path) -> dict:
                                                 warmup_fingerprint(config) if warmed else None)}
 
 
-def _named(open_source, field: str, path: str, **options):
-  """``open_source(path)``, its refusal naming the config field that gave the path."""
-  try:
-    return open_source(path, **options)
-  except DataError as error:
-    if f"config.{field}" in str(error):
-      raise
-    raise DataError(f"config.{field}={path!r}: {error}") from None
-
-
-def _sources(config: RunConfig, tokenizer: Tokenizer, say: Say) -> tuple[object, list[dict]]:
-  """The training source and the held-out rows (tokenized): a built-in task's eval split, the
-  rows of data.eval_source, or data.eval_fraction of the data file, held out."""
-  data, wanted = config.data, config.trainer.eval_prompts
-  options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field,
-                 answer_format=data.answer_format, on_bad_row=data.on_bad_row,
-                 seed=data.shuffle_seed,
-                 eval_fraction=data.eval_fraction)
-  taskset = verifiers.taskset_id(config.env.agent)
-  if taskset is not None:  # a verifiers environment: its tasks are the prompts
-    source = verifiers.TaskRows(taskset, config.env.verifiers_config)
-    say(f"rlx: data: the {len(source)} tasks of the verifiers taskset {source.taskset} are the "
-        f"prompts (config.data.source={data.source!r} is not read)")
-    data = dataclasses.replace(data, eval_source="")
-  else:
-    source = _named(open_source, "data.source", data.source, **options)
-  if source.skipped:
-    say(f"rlx: data: skipped {source.skipped} malformed row(s) (config.data.on_bad_row=skip); "
-        f"the first: {source.first_skipped}")
-  held = None
-  if wanted and data.eval_source:
-    held = _named(open_source, "data.eval_source", data.eval_source, **dict(options, split="eval"))
-  elif wanted and isinstance(source, TaskSource):
-    held = TaskSource(source.task, seed=data.shuffle_seed, split="eval",
-                      eval_fraction=source.eval_fraction)
-  elif wanted:
-    total = len(source)
-    source, held = hold_out(source, data.eval_fraction)
-    say(f"rlx: data: {len(held)} of the {total} rows of {data.source} are held out for "
-        f"evaluation, never trained on (data.eval_fraction={data.eval_fraction}); give "
-        "data.eval_source, or set trainer.eval_prompts=0 to train on every row")
-  eval_rows, too_long = [], 0
-  for i in range(min(wanted, len(held)) if held is not None else 0):
-    row = held[i]
-    try:
-      tokens = prompt_encoder(config, tokenizer)(row["prompt"])
-    except ValueError as error:
-      raise DataError(f"{row['where']}: {error}") from None
-    if len(tokens) > config.rollout.max_prompt_len:
-      too_long += 1
-      continue
-    eval_rows.append(dict(row, prompt_tokens=tokens))
-  if too_long:
-    say(f"rlx: eval: {too_long} held-out prompt(s) are longer than config.rollout.max_prompt_len="
-        f"{config.rollout.max_prompt_len} and are left out; {len(eval_rows)} are scored")
-  if held is not None and not eval_rows:
-    raise DataError(f"no held-out prompt fits config.rollout.max_prompt_len="
-                    f"{config.rollout.max_prompt_len}; raise it")
-  return source, eval_rows
-
-
-def _episode_prompted(config: RunConfig, tokenizer: Tokenizer, batches):
-  """Warm-up batches whose prompts are what the episodes will see: each row's environment's
-  first messages with the tools' schemas (a row whose reset fails is left out)."""
-  episodes = Episodes(config, tokenizer, [], 1)
-  try:
-    for batch in batches:
-      first = len(episodes.prompts)
-      episodes.add(batch)
-      yield [dict(row, prompt_tokens=prompt) for row, prompt in
-             zip(episodes.rows[first:], episodes.prompts[first:])]
-      for p in range(first, len(episodes.prompts)):
-        episodes.forget(p)
-  finally:
-    episodes.close()
-
-
-def _check_episode_prompts(config: RunConfig, source, tokenizer: Tokenizer, rows: int = 8) -> None:
-  """Starts the environments of the first ``rows`` rows once, as the episodes will (their
-  first messages with the tools' schemas), and refuses a prompt past rollout.max_prompt_len
-  now rather than at the first draw. Every row's reset failing ends the run here, in one
-  ``env.step_timeout_s``: their resets run at once."""
-  probe = PromptStream(source, batch_size=min(rows, len(source)), seed=config.data.shuffle_seed,
-                       encode=prompt_encoder(config, tokenizer), on_bad_row="skip")
-  rows = next(probe)
-  episodes = Episodes(config, tokenizer, rows, 1)
-  episodes.close()
-  if rows and episodes.failed_rows == len(rows):
-    raise EpisodesFailedError(episodes.errors.none_started(config, len(rows), "tried at start"))
-
-
-def prompt_encoder(config: RunConfig, tokenizer: Tokenizer):
-  """``encode(prompt) -> ids``: a row's prompt rendered as the run renders every prompt, with
-  ``data.system_prompt`` and ``data.chat_template_kwargs``."""
-  return functools.partial(tokenizer.encode_prompt, system=config.data.system_prompt,
-                           template_kwargs=config.data.template_kwargs)
-
-
-def warms_up(config: RunConfig) -> bool:
-  """Whether the run starts with the supervised warm-up: by default only the built-in model on
-  a built-in task (a real checkpoint already knows how to answer; see trainer.warmup_sft)."""
-  trainer = config.trainer
-  if not trainer.warmup_sft_steps or trainer.warmup_sft == "never":
-    return False
-  return trainer.warmup_sft == "always" or (config.model.path is None
-                                            and config.data.source in TASKS)
-
-
-PROBE_ROWS = 256
-"""The prompts ``trainer.warmup_sft_until`` is judged on."""
-
-FINGERPRINT = "rlx_warmup.json"
-"""The settings a saved warm-up was made with, beside its weights."""
-
-
-def warmup_fingerprint(config: RunConfig) -> dict:
-  """What the supervised warm-up's result depends on: a saved warm-up is reused only when
-  every one of these is the same."""
-  t = config.trainer
-  return json.loads(json.dumps({"model.path": config.model.path, "model.seed": config.model.seed,
-          "model.arch": dataclasses.asdict(config.model.arch),
-          "data.source": config.data.source, "data.shuffle_seed": config.data.shuffle_seed,
-          "data.system_prompt": config.data.system_prompt,
-          "data.chat_template_kwargs": config.data.chat_template_kwargs,
-          "rollout.max_prompt_len": config.rollout.max_prompt_len,
-          "env.enabled": config.env.enabled,
-          # an environment's first messages (tool schemas) are the warm-up's prompts
-          **({"env.name": config.env.name} if config.env.name else {}),
-          "trainer.warmup_sft_steps": t.warmup_sft_steps,
-          "trainer.warmup_sft_learning_rate": t.warmup_sft_learning_rate,
-          "trainer.warmup_sft_batch": t.warmup_sft_batch,
-          **({"trainer.warmup_sft_until": t.warmup_sft_until} if t.warmup_sft_until else {})
-          }))  # as it reads back
-
-
-def _read_fingerprint(directory: pathlib.Path) -> dict | None:
-  try:
-    return json.loads((directory / FINGERPRINT).read_text())
-  except (OSError, ValueError):
-    return None
-
-
-def _warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
-               directory: pathlib.Path, say: Say) -> Model:
-  """The model after the supervised warm-up, saved with its tokenizer in Hugging Face format
-  under ``directory`` (a resumed run loads it from there instead of training it again; any run
-  can start from it with ``--config.model.path``)."""
-  wanted = warmup_fingerprint(config)
-  made = _read_fingerprint(directory)
-  # every process takes the lead's view of the files: one decision, one warm-up or none
-  stale = distributed.agree((directory / "config.json").is_file() and made != wanted)
-  if stale:
-    aside = directory.with_name(f"{directory.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
-    changed = sorted(k for k in wanted if (made or {}).get(k) != wanted[k])
-    if jax.process_index() == 0:
-      directory.rename(aside)
-    say("rlx: supervised warm-up: the one in the workdir was made with other settings ("
-        + (", ".join(f"{k}: {made.get(k)!r} -> {wanted[k]!r}" for k in changed) if made
-           else "an older rlx that did not record them")
-        + f"); moved it to {aside} and warming up again")
-  if (directory / "config.json").is_file():
-    say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
-    loaded = build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
-                         config.mesh.logical_axis_rules)
-    if _finite(loaded.params):
-      return loaded
-    aside = directory.with_name(f"{directory.name}.nonfinite-{time.strftime('%Y%m%d-%H%M%S')}")
-    if jax.process_index() == 0:
-      directory.rename(aside)
-    say(f"rlx: supervised warm-up: the saved model holds NaN or inf (written by an earlier "
-        f"version); moved it to {aside} and warming up again")
-  trainer = config.trainer
-  stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
-                        seed=config.data.shuffle_seed + 1,
-                        encode=prompt_encoder(config, tokenizer),
-                        max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
-  started = time.perf_counter()
-  rows = _episode_prompted(config, tokenizer, stream) if config.env.name else stream
-  renderer = None
-  if config.env.enabled:  # the targets' tool calls and results as the episodes write them
-    renderer = Renderer(tokenizer, tool_format(config, tokenizer))
-  probe = None
-  if trainer.warmup_sft_until:  # a fixed sample of the prompts, in another order
-    sample = PromptStream(source, batch_size=PROBE_ROWS, seed=config.data.shuffle_seed + 2,
-                          encode=prompt_encoder(config, tokenizer),
-                          max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
-    probe = next(sft_batches(_episode_prompted(config, tokenizer, sample) if config.env.name
-                             else sample, tokenizer, renderer))
-  model, losses = warm_up(model, rows, tokenizer, steps=trainer.warmup_sft_steps,
-                          learning_rate=trainer.warmup_sft_learning_rate,
-                          renderer=renderer, say=say,
-                          until=trainer.warmup_sft_until, probe=probe,
-                          row_sharding=batch_sharding(meshes.learning, config.mesh.logical_axis_rules,
-                                              trainer.warmup_sft_batch))
-  if not (all(map(math.isfinite, losses)) and _finite(model.params)):
-    bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
-    raise NonFiniteError(
-        "the supervised warm-up made the weights NaN or inf" + (
-            f" (its loss was {losses[bad]} at step {bad + 1})" if bad is not None else
-            " although its loss stayed finite") + f"; nothing was saved. Lower "
-        f"config.trainer.warmup_sft_learning_rate={trainer.warmup_sft_learning_rate}")
-  save_hf(model, tokenizer, directory)
-  if jax.process_index() == 0:
-    (directory / FINGERPRINT).write_text(json.dumps(wanted, indent=1))
-  say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
-      f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
-  return model
-
-
-def _finite(params) -> bool:
-  return bool(jax.jit(all_finite)(params))
-
-
-def save_hf(model: Model, tokenizer: Tokenizer, directory: pathlib.Path) -> pathlib.Path:
-  """Writes ``model`` and ``tokenizer`` in Hugging Face format under a temporary name and
-  renames it to ``directory`` when complete, so that a kill mid-write never leaves a
-  half-written model where a later start would load it."""
-  return _written_whole(directory, tokenizer, functools.partial(save_pretrained, model))
-
-
-def save_adapter(adapters, arch, lora_config, tokenizer: Tokenizer, directory: pathlib.Path,
-                 base_path: str | None = None) -> pathlib.Path:
-  """Writes LoRA ``adapters`` in the PEFT format, with the tokenizer, as ``save_hf`` writes a
-  model (whole or not at all)."""
-  return _written_whole(directory, tokenizer, functools.partial(
-      lora.save_peft, adapters, arch, lora_config, base_path=base_path))
-
-
-def _written_whole(directory: pathlib.Path, tokenizer: Tokenizer, write) -> pathlib.Path:
-  """``write(path)`` and the tokenizer into a temporary directory, renamed to ``directory``."""
-  partial = directory.with_name(directory.name + ".partial")
-  if jax.process_index() == 0 and partial.exists():
-    shutil.rmtree(partial)
-  write(partial)
-  if jax.process_index() == 0:
-    tokenizer.save_pretrained(partial)
-    if directory.exists():
-      shutil.rmtree(directory)
-    partial.rename(directory)
-  return directory

@@ -1,4 +1,5 @@
-"""Supervised warm-up: next-token cross-entropy on (prompt, reference answer) pairs, so that a
+"""Supervised warm-up: whether a run warms up, the saved warm-up it reuses (``warmed_up``), and
+the warm-up itself: next-token cross-entropy on (prompt, reference answer) pairs, so that a
 freshly initialised model learns the answer format before RL improves its answers.
 
 The response a row is trained on is its ``sft_target`` (the built-in tasks give one), else
@@ -11,7 +12,11 @@ template's increments), the environment's parts context and not trained on; or o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import math
+import pathlib
 import time
 from collections.abc import Iterator
 
@@ -21,11 +26,18 @@ import numpy as np
 import optax
 
 from rlx import cli, distributed, progress
-from rlx.data import DataError
-from rlx.models import Model, Tokenizer
+from rlx.config import RunConfig
+from rlx.data import TASKS, DataError, PromptStream
+from rlx.envs import Renderer
+from rlx.mesh import Meshes
+from rlx.models import Model, Tokenizer, build_model
 from rlx.rollout import Completion
+from rlx.trainer.common import NonFiniteError, Say
 from rlx.trainer.draw import layout
-from rlx.update import sequence_logprobs
+from rlx.trainer.episodes import tool_format
+from rlx.trainer.setup.policy_files import save_hf
+from rlx.trainer.setup.prompts import episode_prompted, prompt_encoder
+from rlx.update import all_finite, batch_sharding, sequence_logprobs
 
 
 def target_text(row: dict) -> str:
@@ -161,3 +173,119 @@ def warm_up(model: Model, rows: Iterator[list[dict]], tokenizer: Tokenizer, *, s
       say(f"rlx: supervised warm-up: step {done}/{steps}, loss per token {losses[-1]:.3f} "
           f"({now - started:.0f}s, about {left:.0f}s left)")
   return model.replace(params=params), losses
+
+
+def warms_up(config: RunConfig) -> bool:
+  """Whether the run starts with the supervised warm-up: by default only the built-in model on
+  a built-in task (a real checkpoint already knows how to answer; see trainer.warmup_sft)."""
+  trainer = config.trainer
+  if not trainer.warmup_sft_steps or trainer.warmup_sft == "never":
+    return False
+  return trainer.warmup_sft == "always" or (config.model.path is None
+                                            and config.data.source in TASKS)
+
+
+PROBE_ROWS = 256
+"""The prompts ``trainer.warmup_sft_until`` is judged on."""
+
+
+FINGERPRINT = "rlx_warmup.json"
+"""The settings a saved warm-up was made with, beside its weights."""
+
+
+def warmup_fingerprint(config: RunConfig) -> dict:
+  """What the supervised warm-up's result depends on: a saved warm-up is reused only when
+  every one of these is the same."""
+  t = config.trainer
+  return json.loads(json.dumps({"model.path": config.model.path, "model.seed": config.model.seed,
+          "model.arch": dataclasses.asdict(config.model.arch),
+          "data.source": config.data.source, "data.shuffle_seed": config.data.shuffle_seed,
+          "data.system_prompt": config.data.system_prompt,
+          "data.chat_template_kwargs": config.data.chat_template_kwargs,
+          "rollout.max_prompt_len": config.rollout.max_prompt_len,
+          "env.enabled": config.env.enabled,
+          # an environment's first messages (tool schemas) are the warm-up's prompts
+          **({"env.name": config.env.name} if config.env.name else {}),
+          "trainer.warmup_sft_steps": t.warmup_sft_steps,
+          "trainer.warmup_sft_learning_rate": t.warmup_sft_learning_rate,
+          "trainer.warmup_sft_batch": t.warmup_sft_batch,
+          **({"trainer.warmup_sft_until": t.warmup_sft_until} if t.warmup_sft_until else {})
+          }))  # as it reads back
+
+
+def _read_fingerprint(directory: pathlib.Path) -> dict | None:
+  try:
+    return json.loads((directory / FINGERPRINT).read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, meshes: Meshes,
+               directory: pathlib.Path, say: Say) -> Model:
+  """The model after the supervised warm-up, saved with its tokenizer in Hugging Face format
+  under ``directory`` (a resumed run loads it from there instead of training it again; any run
+  can start from it with ``--config.model.path``)."""
+  wanted = warmup_fingerprint(config)
+  made = _read_fingerprint(directory)
+  # every process takes the lead's view of the files: one decision, one warm-up or none
+  stale = distributed.agree((directory / "config.json").is_file() and made != wanted)
+  if stale:
+    aside = directory.with_name(f"{directory.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+    changed = sorted(k for k in wanted if (made or {}).get(k) != wanted[k])
+    if jax.process_index() == 0:
+      directory.rename(aside)
+    say("rlx: supervised warm-up: the one in the workdir was made with other settings ("
+        + (", ".join(f"{k}: {made.get(k)!r} -> {wanted[k]!r}" for k in changed) if made
+           else "an older rlx that did not record them")
+        + f"); moved it to {aside} and warming up again")
+  if (directory / "config.json").is_file():
+    say(f"rlx: supervised warm-up: loading the warmed-up model from {directory}")
+    loaded = build_model(dataclasses.replace(config.model, path=str(directory)), meshes.learning,
+                         config.mesh.logical_axis_rules)
+    if _finite(loaded.params):
+      return loaded
+    aside = directory.with_name(f"{directory.name}.nonfinite-{time.strftime('%Y%m%d-%H%M%S')}")
+    if jax.process_index() == 0:
+      directory.rename(aside)
+    say(f"rlx: supervised warm-up: the saved model holds NaN or inf (written by an earlier "
+        f"version); moved it to {aside} and warming up again")
+  trainer = config.trainer
+  stream = PromptStream(source, batch_size=trainer.warmup_sft_batch,
+                        seed=config.data.shuffle_seed + 1,
+                        encode=prompt_encoder(config, tokenizer),
+                        max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
+  started = time.perf_counter()
+  rows = episode_prompted(config, tokenizer, stream) if config.env.name else stream
+  renderer = None
+  if config.env.enabled:  # the targets' tool calls and results as the episodes write them
+    renderer = Renderer(tokenizer, tool_format(config, tokenizer))
+  probe = None
+  if trainer.warmup_sft_until:  # a fixed sample of the prompts, in another order
+    sample = PromptStream(source, batch_size=PROBE_ROWS, seed=config.data.shuffle_seed + 2,
+                          encode=prompt_encoder(config, tokenizer),
+                          max_prompt_tokens=config.rollout.max_prompt_len, on_bad_row="skip")
+    probe = next(sft_batches(episode_prompted(config, tokenizer, sample) if config.env.name
+                             else sample, tokenizer, renderer))
+  model, losses = warm_up(model, rows, tokenizer, steps=trainer.warmup_sft_steps,
+                          learning_rate=trainer.warmup_sft_learning_rate,
+                          renderer=renderer, say=say,
+                          until=trainer.warmup_sft_until, probe=probe,
+                          row_sharding=batch_sharding(meshes.learning, config.mesh.logical_axis_rules,
+                                              trainer.warmup_sft_batch))
+  if not (all(map(math.isfinite, losses)) and _finite(model.params)):
+    bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    raise NonFiniteError(
+        "the supervised warm-up made the weights NaN or inf" + (
+            f" (its loss was {losses[bad]} at step {bad + 1})" if bad is not None else
+            " although its loss stayed finite") + f"; nothing was saved. Lower "
+        f"config.trainer.warmup_sft_learning_rate={trainer.warmup_sft_learning_rate}")
+  save_hf(model, tokenizer, directory)
+  if jax.process_index() == 0:
+    (directory / FINGERPRINT).write_text(json.dumps(wanted, indent=1))
+  say(f"rlx: supervised warm-up: {len(losses)} steps in {time.perf_counter() - started:.0f}s, "
+      f"loss per token {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {directory}")
+  return model
+
+
+def _finite(params) -> bool:
+  return bool(jax.jit(all_finite)(params))
