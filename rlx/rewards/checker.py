@@ -18,6 +18,12 @@ trainer's own process:
    loop, a comprehension...) runs, with the values written in as literals, in a second
    sandbox that holds no line of the program (``render``).
 
+Before that, HumanEval's ``def check(candidate)`` called with the entry point is inlined
+(``_inline_checks``); an object the program makes and the test keeps (``c = Counter()``,
+then ``c.inc()``) stays in the sandbox, every use of it a probe there in order (``_held``);
+a call made for its effect alone has no value to judge; and a test that captures printed
+output is refused (input/output pairs judge that).
+
 A program can therefore pass a test only by producing the right values: reaching the
 harness, patching builtins or the assert machinery, objects with a custom ``__eq__``, or
 printing what a passing run would print all leave the verdict where it was.
@@ -27,12 +33,15 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
+import inspect
 import dataclasses
 import json
 import sys
 
 from rlx.rewards.evaluator import PROBE, TRUSTED_MODULES, Evaluator, NeedsSandbox, Raised
 from rlx.rewards.evaluator import evaluate as evaluate_module
+from rlx.rewards.evaluator import into as evaluator_into
 from rlx.rewards.plain import (_ALIAS_IMPORTS, LITERAL_MODULES, Iterated, decode,  # noqa: F401
                                exception_class, literal)
 
@@ -132,11 +141,98 @@ def _is_constant(node: ast.AST) -> bool:
   return False
 
 
+def _inline_checks(module: ast.Module) -> ast.Module:
+  """HumanEval's form, ``def check(candidate): assert candidate(...) == ...`` then
+  ``check(entry_point)``: each such function called once, alone, with a name, is replaced by
+  its body at the call, ``candidate`` named by that name, so that its asserts are judged as
+  if written there. A function that returns, yields, rebinds its parameter or is used
+  otherwise stays as it is."""
+  defs = {n.name: n for n in module.body
+          if isinstance(n, ast.FunctionDef) and not n.decorator_list and len(n.args.args) == 1
+          and not (n.args.posonlyargs or n.args.kwonlyargs or n.args.vararg or n.args.kwarg
+                   or n.args.defaults)}
+  calls: dict[str, list[int]] = {}
+  for index, node in enumerate(module.body):
+    if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name) and node.value.func.id in defs
+        and len(node.value.args) == 1 and isinstance(node.value.args[0], ast.Name)
+        and not node.value.keywords):
+      calls.setdefault(node.value.func.id, []).append(index)
+  uses = [n.id for n in ast.walk(module) if isinstance(n, ast.Name)]
+  inlined = {}
+  for name, where in calls.items():
+    function, parameter = defs[name], defs[name].args.args[0].arg
+    inner = list(ast.walk(ast.Module(body=function.body, type_ignores=[])))
+    if (len(where) == 1 and uses.count(name) == 1
+        and not any(isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom, ast.Global,
+                                   ast.Nonlocal, ast.FunctionDef, ast.Lambda, ast.ClassDef))
+                    for n in inner)
+        and not any(isinstance(n, ast.Name) and n.id == parameter
+                    and not isinstance(n.ctx, ast.Load) for n in inner)):
+      inlined[where[0]] = (function, parameter, module.body[where[0]].value.args[0].id)
+
+  class Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str):
+      self.old, self.new = old, new
+
+    def visit_Name(self, node):
+      return ast.copy_location(ast.Name(self.new, node.ctx), node) if node.id == self.old \
+          else node
+
+  gone = {id(function) for function, _, _ in inlined.values()}
+  body = []
+  for index, node in enumerate(module.body):
+    if id(node) in gone:
+      continue
+    if index in inlined:
+      function, parameter, target = inlined[index]
+      body += [Rename(parameter, target).visit(copy.deepcopy(statement))
+               for statement in function.body]
+    else:
+      body.append(node)
+  return ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
+
+
+def _refuse_captured_output(module: ast.Module) -> None:
+  """A test that captures what the program prints (``contextlib.redirect_stdout``) is
+  refused: printed text is judged by input/output tests, never inside an assert's process."""
+  for node in ast.walk(module):
+    if isinstance(node, ast.Name) and node.id in ("redirect_stdout", "redirect_stderr") or (
+        isinstance(node, ast.Attribute) and node.attr in ("redirect_stdout", "redirect_stderr",
+                                                          "stdout", "stderr")):
+      raise UnsupportedTest(
+          "the test captures what the program prints (redirect_stdout, sys.stdout): write "
+          "it as an input/output pair ({\"input\": ..., \"output\": ...}), which runs the "
+          "program and compares its output, or assert on a value it returns")
+
+
+def _held(module: ast.Module, top: dict[str, list[int]], is_program) -> dict[str, int]:
+  """Names the test binds once, at the top, to the program's value and then uses through
+  their attributes or methods (``c = Counter()`` then ``c.inc()``, ``c.n``): the object
+  stays in the program's process, every use of it is a probe there, in the test's order, and
+  only plain values come back. -> the statement that binds each."""
+  held = {}
+  for name, where in top.items():
+    node = module.body[where[0]]
+    if (len(where) == 1 and isinstance(node, ast.Assign) and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name) and isinstance(_root(node.value), ast.Name)
+        and _root(node.value) is not node.value and is_program(_root(node.value).id)):
+      used = any(isinstance(n, (ast.Attribute, ast.Call)) and _root(n) is not n
+                 and isinstance(_root(n), ast.Name) and _root(n).id == name
+                 for n in ast.walk(module))
+      if used:
+        held[name] = where[0]
+  return held
+
+
 def plan_asserts(test: str) -> AssertPlan:
   """Splits an assert test into probes and the trusted check; raises ``UnsupportedTest``
   when a probe needs something that cannot be sent to the program as plain data (a name the
-  test binds inside a loop or function, a helper function passed to the program), and
-  ``SyntaxError`` for a test that does not parse."""
+  test binds inside a loop or function, a helper function passed to the program, printed
+  output captured), and ``SyntaxError`` for a test that does not parse."""
+  module = _inline_checks(ast.parse(test))
+  _refuse_captured_output(module)
+  test = ast.unparse(module)
   module = ast.parse(test)
   top = _bound_at_top(module)
   inside = _bound_inside(module)
@@ -150,8 +246,11 @@ def plan_asserts(test: str) -> AssertPlan:
              and isinstance(n.value, ast.Name) and n.value.id in _STDLIB} - set(top) - inside
 
   def is_program(name: str) -> bool:  # builtins and modules are never the program's
-    return not (name in top or name in inside or name in _BUILTINS or name in TRUSTED_MODULES
-                or name in modules)
+    return name in held or not (name in top or name in inside or name in _BUILTINS
+                                or name in TRUSTED_MODULES or name in modules)
+
+  held: dict[str, int] = {}
+  held = _held(module, top, is_program)
 
   def needs_program(node: ast.AST) -> bool:
     return any(is_program(name) for name in _names(node))
@@ -226,6 +325,15 @@ def plan_asserts(test: str) -> AssertPlan:
       return super().generic_visit(node)
 
   body = [Replace(index).visit(statement) for index, statement in enumerate(module.body)]
+  for name, index in held.items():  # bound where the program runs: a statement of its own
+    k = int(body[index].value.id[len(PROBE):])
+    probes[k] = f"({name} := {probes[k]})"
+    body[index] = ast.Expr(ast.Name(f"{PROBE}{k}", ast.Load()))
+  for statement in body:  # a call for its effect: its value is not the test's business
+    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Name) and (
+        statement.value.id.startswith(PROBE)):
+      k = int(statement.value.id[len(PROBE):])
+      probes[k] = f"({probes[k]}, None)[1]"
   # a name a probe takes is bound by the test's data (setup), or by one probe's value alone
   aliases: dict[str, int] = {}
   for _, statement, taken in uses:
@@ -278,6 +386,9 @@ def _rlx_raise(names):
 '''
 
 
+_INTO = inspect.getsource(evaluator_into).replace("def into(", "def _rlx_into(")
+
+
 def render(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> str:
   """The test with each probe written in as its value's literal (a probe that raised as the
   same raise), and each name a probe took set to its value after the call: code that holds
@@ -294,7 +405,7 @@ def render(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> 
       return node
 
   # values are written as source, never through ast (an int past 4,300 digits has no repr)
-  head = [_ALIAS_IMPORTS + _RAISE] + [f"import {name}" for name in plan.imports]
+  head = [_ALIAS_IMPORTS + _RAISE + _INTO] + [f"import {name}" for name in plan.imports]
   head += [f"{PROBE}{k} = {literal(value)}" for k, value in enumerate(values)
            if not isinstance(value, Raised)]
   body = []
@@ -303,7 +414,8 @@ def render(plan: AssertPlan, values: list, afters: list[dict] | None = None) -> 
                     if isinstance(n, ast.Name) and n.id.startswith(PROBE))
     body.append(ast.unparse(Fill().visit(statement)))
     for k in probed:
-      body.extend(f"{name} = {literal(after)}" for name, after in afters[k].items())
+      body.extend(f"{name} = _rlx_into(globals().get({name!r}), {literal(after)})"
+                  for name, after in afters[k].items())
   return "\n".join(head + body)
 
 
@@ -314,7 +426,7 @@ def records(results: bytes) -> dict[tuple[str, int | None], dict]:
   for line in results.decode(errors="replace").splitlines():
     try:
       record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # a forged, deeply nested line: no record
       continue
     if not isinstance(record, dict):
       continue

@@ -91,6 +91,20 @@ def _unpack(target: ast.AST, value, names: dict) -> None:
     raise NeedsSandbox("an assignment to a subscript or attribute")
 
 
+def into(old, new):
+  """``new``, the value after a call of a name the program took, written into ``old`` where
+  both are the same kind of mutable container (the call changed that object, and every other
+  name for it sees the change, as in Python); else ``new`` itself."""
+  if type(old) is type(new) and isinstance(new, (list, bytearray)):
+    old[:] = new
+    return old
+  if type(old) is type(new) and isinstance(new, (dict, set)):
+    old.clear()
+    old.update(new)
+    return old
+  return new
+
+
 class Evaluator:
   """Runs a test's statements (asserts, assignments, expressions) over built-in values,
   ``PROBE<k>`` standing for the k-th probe's value and ``names`` for what the test bound."""
@@ -124,7 +138,8 @@ class Evaluator:
     if isinstance(node, ast.Name):
       if node.id in self.probes:  # the program's value; the names it took, as it left them
         value, after = self.probes[node.id]
-        self.names.update(after)
+        for name, new in after.items():
+          self.names[name] = into(self.names.get(name), new)
         if isinstance(value, Raised):
           raise ValueError(f"the program raised {value.error}")
         return value

@@ -44,6 +44,11 @@ HACKS = {
                            {"test": i, "values": [{"value": {"bool": True}}] * 4}):
                 os.write(3, (json.dumps(record) + "\\n").encode())
         """) + WRONG,
+    # a line nested past the parser's recursion limit, first on the channel
+    "forge_a_deeply_nested_line": textwrap.dedent("""\
+        import os
+        os.write(3, b'[' * 200000 + b'\\n' + b'{"test": 0, ' * 100000 + b'\\n')
+        """) + WRONG,
     "forge_then_exit": textwrap.dedent("""\
         import os
         os.write(3, b'{"ran": true}\\n{"test": 0, "values": [{"value": {"bool": true}}]}\\n'
@@ -269,6 +274,17 @@ HONEST_PROGRAM = textwrap.dedent("""\
     def square(x): return x * x
     def double_all(xs): return [2 * x for x in xs]
     def hog(mb): return len(bytearray(mb * 2**20))
+    def add(a, b): return a + b
+    def push(xs, v): xs.append(v)
+    class Counter:
+        def __init__(self, start=0):
+            self.n = start
+        def inc(self):
+            self.n += 1
+            return self.n
+        def chain(self):
+            self.n *= 10
+            return self
     if __name__ == "__main__":
         n = int(input())
         print(square(n))
@@ -296,6 +312,14 @@ HONEST_TESTS = [
     "def inputs():\n    return [1, 2, 3]\nassert double_all(inputs()) == [2, 4, 6]",
     "assert double_all([v for v in range(3)]) == [0, 2, 4]",
     "assert hog(64) == 64 * 2**20",
+    # HumanEval's form: the checks in a function, called with the entry point
+    "METADATA = {'author': 'x'}\n\ndef check(candidate):\n    assert candidate(1, 2) == 3\n"
+    "    assert candidate(-1, 1) == 0\n\ncheck(add)",
+    # a class with state, its methods called in sequence (one returns the object itself)
+    "c = Counter(2)\nc.inc()\nc.chain()\nassert c.inc() == 31\nassert c.n == 31",
+    # the program mutates its argument; the test reads it through another name
+    "xs = [1]\nys = xs\npush(xs, 2)\nassert ys == [1, 2] and xs is ys",
+    "xs = [1]\nys = xs\npush(xs, 2)\nassert all(v > 0 for v in ys) and len(ys) == 2",
 ]
 
 
@@ -304,6 +328,22 @@ def test_honest_programs_in_every_form_a_test_takes_score_one(available):
                              timeout_s=10.0)
   failed = [test for test, ok in zip(HONEST_TESTS, result.passed) if not ok]
   assert not failed, failed
+
+
+def test_a_wrong_program_fails_the_new_forms(available):
+  """The forms above judge: a program that gets them wrong scores 0 on each."""
+  wrong = (HONEST_PROGRAM.replace("return a + b", "return a - b")
+           .replace("self.n += 1", "self.n += 2").replace("xs.append(v)", "xs = xs + [v]"))
+  tests = HONEST_TESTS[-4:]
+  result = sandbox.run_tests(wrong, sandbox.normalize_tests(tests), timeout_s=10.0)
+  assert not any(result.passed), list(zip(tests, result.passed))
+
+
+def test_a_test_that_captures_printed_output_is_refused_at_start_with_the_reason():
+  test = ("import io, contextlib\nbuf = io.StringIO()\nwith contextlib.redirect_stdout(buf):\n"
+          "    greet('bob')\nassert buf.getvalue() == 'hello bob\\n'")
+  with pytest.raises(ValueError, match="captures what the program prints.*input/output pair"):
+    sandbox.check_rows([{"tests": [test], "where": "row 3"}], CodeOptions())
 
 
 def test_an_honest_program_passes_the_same_tests(available):
