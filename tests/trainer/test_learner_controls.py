@@ -41,3 +41,24 @@ def test_the_entropy_bonus_applies_only_below_algorithm_entropy_target(tmp_path,
     assert learner.entropy_coef == pytest.approx(0.02 if below else 0.0)
   finally:
     run.close()
+
+
+def test_the_mismatch_has_one_figure_a_batch_the_producer_s_where_it_measured_one(tmp_path):
+  """``rollout/mismatch_kl``: the learner's, from the rows the current weights sampled, unless
+  the draw carries the producer's measure from its hand-over."""
+  config = tiny.config("dapo_split", "--config.mesh.mode=colocated",
+                       "--config.trainer.warmup_sft_steps=0", "--config.data.prompts_per_step=4")
+  draw = batch_of_4_groups()  # sampled by version 0: the current weights' rows
+  run = prepare(config, tmp_path, say=lambda line: None)
+  try:
+    learner = Learner.for_run(run, say=lambda line: None)
+    learner.publish()
+    own = learner.learn(draw)["rollout/mismatch_kl"]
+    assert own > 0  # the batch's log-probs are not the model's
+    learner.publish()
+    draw.counts["rollout/mismatch_kl"] = 1e-9
+    for c in draw.completions:
+      c.policy_version = learner.version
+    assert learner.learn(draw)["rollout/mismatch_kl"] == 1e-9
+  finally:
+    run.close()

@@ -292,9 +292,11 @@ class Learner:
     self.moved = bool(metrics.get("optim/update_ratio", 0.0) > 0
                       and metrics.get("train/skipped", 0) < metrics.get("train/updates", 1))
     self._count_skipped(int(metrics.pop("train/skipped")), metrics, draw)
-    # the engine against the learner on the rows the current params sampled (none: no figure)
+    # the engine against the learner on the rows the current params sampled (none: no figure),
+    # unless the producer measured it at hand-over (split: the draw carries it): one figure a
+    # batch, from one place
     mismatch, tokens = metrics.pop("rollout/mismatch_kl_sum"), metrics.pop("rollout/mismatch_tokens")
-    if tokens > 0:
+    if tokens > 0 and "rollout/mismatch_kl" not in draw.counts:
       metrics["rollout/mismatch_kl"] = float(mismatch / tokens)
     algo = config.algorithm
     if algo.entropy_target is not None:
