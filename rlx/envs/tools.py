@@ -42,8 +42,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from rlx.rewards.functions import RewardError, _import
-from rlx.rewards.pool import (_STOP_SIGNALS, _adopt_orphans, _children, _die_with_parent,
-                              _kill_descendants, _start_ignoring_stop_signals)
+from rlx.rewards.pool import (_STOP_SIGNALS, _adopt_orphans, _die_with_parent,
+                              _kill_descendants, _kill_tree, _start_ignoring_stop_signals)
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object",
                list: "array", type(None): "null"}
@@ -191,16 +191,6 @@ def _serve(connection, memory_mb: int) -> None:
       return
 
 
-def _descendants(pid: int) -> list[int]:
-  """Every process below ``pid`` (children, theirs, ...), read from /proc."""
-  found, todo = [], [pid]
-  while todo and len(found) < 10_000:
-    children = _children(todo.pop())
-    found += children
-    todo += children
-  return found
-
-
 class _Worker:
   def __init__(self, context, memory_mb: int):
     self.connection, child = context.Pipe()
@@ -222,15 +212,9 @@ class _Worker:
     """Kills the worker and every process its calls started, those that left its process
     group (``setsid``) too: found as its descendants before it dies, not after, when they
     would belong to init."""
-    if self.process.pid is not None:
-      for pid in _descendants(self.process.pid):
-        try:
-          os.kill(pid, signal.SIGKILL)
-        except OSError:
-          pass
     try:
-      os.killpg(self.process.pid, signal.SIGKILL)
-    except (OSError, TypeError):
+      _kill_tree(self.process.pid)
+    except (OSError, TypeError):  # never started
       self.process.kill()
     self.process.join(timeout=5)
     self.connection.close()

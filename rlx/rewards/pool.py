@@ -11,7 +11,8 @@ reward function that raises (or calls ``sys.exit``) scores 0 and is counted
 ``memory_mb`` (the worker is replaced, as is a worker that has grown past it
 between calls). Processes a reward call starts end with the call: each worker is its own
 process group and the subreaper of its calls' orphans, kills what a call left behind when
-the call returns, and is killed with its group on a timeout. What a reward function prints
+the call returns, is killed with every process below it on a timeout (those in sessions of
+their own too), and kills them itself when the trainer dies, by any signal. What a reward function prints
 goes to ``log_path`` (a run's ``WORKDIR/reward.log``), else nowhere. The first failure
 of each kind is logged; the run goes on. A batched reward function is called
 on chunks of ``batch_size`` responses, each chunk one call with its own
@@ -159,6 +160,31 @@ def _children(pid: int) -> list[int]:
   return found
 
 
+def _descendants(pid: int) -> list[int]:
+  """Every process below ``pid`` (children, theirs, ...), read from /proc."""
+  found, todo = [], [pid]
+  while todo and len(found) < 10_000:
+    children = _children(todo.pop())
+    found += children
+    todo += children
+  return found
+
+
+def _kill_tree(pid: int) -> None:
+  """Kills the worker ``pid`` and every process its calls started, those that left its
+  process group (``setsid``) too: found as its descendants before it dies, not after, when
+  they would belong to init."""
+  for below in _descendants(pid):
+    try:
+      os.kill(below, signal.SIGKILL)
+    except OSError:
+      pass
+  try:
+    os.killpg(pid, signal.SIGKILL)
+  except OSError:  # not yet its own group
+    os.kill(pid, signal.SIGKILL)
+
+
 def _kill_descendants() -> None:
   """Kills every process this worker's reward calls left behind (children, and orphans
   re-parented here) and reaps them, until none is left."""
@@ -181,13 +207,17 @@ def _kill_descendants() -> None:
 
 def _die_with_parent() -> None:
   """Exits this worker when the trainer is gone, even if it died by SIGKILL and the worker is
-  stuck in a reward function: a watchdog thread polls the parent's pid."""
+  stuck in a reward function: a watchdog thread polls the parent's pid, and kills what the
+  worker's calls started (in any session: they are its descendants) before it exits."""
   parent = os.getppid()
 
   def watch():
     while os.getppid() == parent:
       time.sleep(1.0)
-    os._exit(0)
+    try:
+      _kill_descendants()
+    finally:
+      os._exit(0)
 
   threading.Thread(target=watch, name="rlx-reward-watchdog", daemon=True).start()
 
@@ -227,10 +257,10 @@ class _Worker:
     self.started = time.monotonic()  # of the process until ready, then of the current call
 
   def kill(self) -> None:
-    """Kills the worker and its process group (what its reward call started and left there)."""
+    """Kills the worker and every process its reward call started (``_kill_tree``)."""
     try:
-      os.killpg(self.process.pid, signal.SIGKILL)
-    except (OSError, TypeError):  # not yet its own group, or never started
+      _kill_tree(self.process.pid)
+    except (OSError, TypeError):  # never started
       self.process.kill()
     self.process.join(timeout=5)
     self.connection.close()

@@ -1,7 +1,10 @@
 """Answer extraction, the verifiers, and the worker pool's handling of errors and timeouts."""
 
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -259,11 +262,45 @@ def test_processes_a_reward_call_starts_end_with_the_call(tmp_path):
     pids_file.write_text("")
     scores, _, counts, _ = pool.score(["hang"], [row])
     assert counts["reward/timeouts"] == 1
-    sleeper = int(pids_file.read_text().split()[0])
+    # the child in its group and the daemon in a session of its own both end with the call
+    pids = [int(p) for p in pids_file.read_text().split()]
     deadline = time.monotonic() + 10
-    while _alive(sleeper) and time.monotonic() < deadline:
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
       time.sleep(0.1)
-    assert not _alive(sleeper)
+    assert not [p for p in pids if _alive(p)], "a timed-out call's processes outlived it"
+
+
+_TRAINER = """
+import sys
+from rlx import rewards
+from tests.rewards.test_rewards import _spawner
+pool = rewards.RewardPool(_spawner, num_workers=1, timeout_s=600)
+pool.score(["hang"], [{"file": sys.argv[1], "answer": ""}])
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_trainer_killed_mid_call_leaves_no_process_of_its_reward_behind(tmp_path):
+  """SIGKILL of the trainer while a reward function waits on a child in its group and a
+  daemon in a session of its own: the worker notices and kills both before it exits."""
+  pids_file = tmp_path / "pids"
+  pids_file.write_text("")
+  trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(pids_file)],
+                             cwd=pathlib.Path(__file__).parent.parent.parent)
+  try:
+    deadline = time.monotonic() + 60
+    while not pids_file.read_text().strip() and time.monotonic() < deadline:
+      time.sleep(0.1)
+    pids = [int(p) for p in pids_file.read_text().split()]
+    worker = int(open(f"/proc/{pids[0]}/stat").read().rsplit(")", 1)[1].split()[1])
+    assert len(pids) == 2
+  finally:
+    trainer.kill()
+    trainer.wait()
+  deadline = time.monotonic() + 10
+  while any(map(_alive, pids + [worker])) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not [p for p in pids + [worker] if _alive(p)], "processes outlived the trainer"
 
 
 def test_the_math_verifier_scores_in_a_thread_without_workers():
