@@ -185,3 +185,35 @@ def test_the_stream_fills_its_groups_in_flight_bound_and_never_passes_it(monkeyp
   _learn(job, 6, 4)
   assert {bound for _, bound in held} == {3}
   assert max(n for n, _ in held) == 3 and all(n <= 3 for n, _ in held), held
+
+
+class _AskedGate:
+  """A gate that records which batch each admission asks about and opens none."""
+
+  def __init__(self):
+    self.asked = []
+
+  def wait(self, index, timeout=None):
+    self.asked.append(index)
+    return False
+
+
+@pytest.mark.parametrize("complete, running, batch", [(1, 1, 1), (0, 2, 1), (2, 1, 1),
+                                                      (1, 0, 0), (0, 0, 0)])
+def test_admission_asks_the_gate_about_the_batch_the_next_group_would_complete(
+    complete, running, batch):
+  """k = 0, groups finishing at different times: with one group of batch 0 complete and the
+  other still running, the next group belongs to batch 1, and that is the batch the gate is
+  asked about (counting only the running groups would ask about batch 0, open, and sample a
+  group one version too old). Groups complete but not handed over count as much as running
+  ones."""
+  from rlx.trainer.produce.stream import Streamer, _Group
+  job = _job(0, _varied, "--config.mesh.groups_in_flight=8")
+  weights = types.SimpleNamespace(seconds=0.0, swaps=0)
+  gate = _AskedGate()
+  streamer = Streamer(job, gate, weights, sink=None, first=3)
+  group = lambda i: _Group({}, i, i, 0, 0.0, [None] * GROUP, np.zeros(GROUP), np.zeros(GROUP))
+  streamer.ready = [group(i) for i in range(complete)]
+  streamer.flight = {i: group(i) for i in range(complete, complete + running)}
+  assert streamer._admit() == []
+  assert gate.asked == [3 + batch]  # the batches count from the stream's first, 3
