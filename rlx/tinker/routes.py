@@ -8,9 +8,17 @@ serves it with uvicorn).
 annotations as objects.)
 """
 
-from rlx.tinker import wire
-from rlx.tinker.server import REFUSED, Service
-from rlx.tinker.training import BadInput
+from rlx.tinker import runs, wire
+from rlx.tinker.server import Service
+from rlx.tinker.training import ATTENTION, MLP, BadInput
+
+REFUSED = {
+    "create_custom_loss": "custom losses run on the client here: use forward_backward_custom",
+    "copy_weights": "copying weights between training runs is not served",
+    "save_weights_external": "external storage is not served; save_weights writes to this host",
+    "join_sampling_session": "sampling sessions are per client here; create one instead",
+}
+"""Calls the SDK knows that this service refuses, and why."""
 
 
 def app(service: Service):
@@ -116,6 +124,31 @@ def app(service: Service):
   @api.post("/api/v1/asample")
   async def asample(request: fastapi.Request):
     return service.sample(await body(request))
+
+  # -- training runs and checkpoints (the SDK's RestClient) --------------------------------------
+
+  @api.get("/api/v1/training_runs")
+  async def training_runs(limit: int = 20, offset: int = 0):
+    return service.runs.training_runs(limit, offset)
+
+  @api.get("/api/v1/training_runs/{model_id}")
+  async def training_run(model_id: str):
+    return service.runs.training_run(model_id)
+
+  @api.get("/api/v1/training_runs/{model_id}/checkpoints")
+  async def checkpoints(model_id: str):
+    return {"checkpoints": service.runs.checkpoints(model_id)}
+
+  @api.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+  async def delete_checkpoint(model_id: str, checkpoint_id: str):
+    service.runs.delete(model_id, checkpoint_id)
+    service.samplers.pop(f"tinker://{model_id}/{checkpoint_id}", None)
+    return JSONResponse(None)
+
+  @api.post("/api/v1/weights_info")
+  async def weights_info(request: fastapi.Request):
+    base, config, _ = service._checkpoint((await body(request))["tinker_path"])
+    return runs.weights_info(base.name, config.rank, config.targets, ATTENTION, MLP)
 
   @api.post("/api/v1/retrieve_future")
   async def retrieve_future(request: fastapi.Request):

@@ -37,6 +37,7 @@ import numpy as np
 from rlx.config import LoraConfig
 from rlx.models import lora
 from rlx.tinker import wire
+from rlx.tinker.runs import Runs
 from rlx.tinker.training import ATTENTION, LORA_ALPHA, MLP, AdamHyper, Adapter, BadInput, Base
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,6 @@ MAX_LINGER_S = 0.25
 one came, and no longer than ``MAX_LINGER_S`` after the first was queued."""
 HEARTBEAT_TIMEOUT_S = 600.0
 """A session whose heartbeat stops this long releases its adapters."""
-REFUSED = {
-    "create_custom_loss": "custom losses run on the client here: use forward_backward_custom",
-    "copy_weights": "copying weights between training runs is not served",
-    "save_weights_external": "external storage is not served; save_weights writes to this host",
-    "join_sampling_session": "sampling sessions are per client here; create one instead",
-}
-"""Calls the SDK knows that this service refuses, and why."""
 
 
 @dataclasses.dataclass
@@ -103,6 +97,7 @@ class Service:
     self.samplers: dict[str, tuple] = {}  # path -> (base, adapters, their scale)
     self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base)
     self.futures: dict[str, _Future] = {}
+    self.runs = Runs(self.workdir)  # the training runs and checkpoints, on disk
     self._last_merged: tuple = (None, None)
     self._work: collections.deque[_Job] = collections.deque()
     self._queued = threading.Condition()
@@ -122,6 +117,8 @@ class Service:
     with self._queued:
       self._work.append(_Job(future, fn, **batch))
       self._queued.notify()
+    if model_id in self.adapters:
+      self.runs.requested[model_id] = time.time()
     answer = {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
     if samples:
       answer["sample_sequence_ids"] = [f"{request_id}:{i}" for i in range(samples)]
@@ -267,6 +264,8 @@ class Service:
                  "base's weights)", model_id)
       self.adapters[model_id] = adapter
       session.adapters.append(model_id)
+      self.runs.created(model_id, base.name, adapter.config.rank, config.get("train_attn", True),
+                        config.get("train_mlp", True), request.get("user_metadata"))
       return {"model_id": model_id, "type": "create_model"}
 
     return self.submit(create, model_id)
@@ -357,6 +356,9 @@ class Service:
         self._load_into(adapter, directory, path, with_optimizer)
         self.adapters[model_id] = adapter
         session.adapters.append(model_id)
+        self.runs.created(model_id, base.name, config.rank,
+                          any(t in config.targets for t in ATTENTION),
+                          any(t in config.targets for t in MLP), request.get("user_metadata"))
         return {"type": "load_weights", "path": path}
 
       return self.submit(create_and_load, request.get("model_id") or model_id)

@@ -326,3 +326,41 @@ def test_a_new_training_client_from_a_saved_state_with_and_without_its_optimizer
   assert not same_state(saved, service.adapters[fresh.model_id])  # a fresh Adam state
   with pytest.raises(Exception, match="not a checkpoint of this service"):
     client.create_training_client_from_state("tinker://nowhere/weights/none").result()
+
+
+def test_the_rest_client_lists_runs_and_checkpoints_reads_weights_info_and_deletes(client,
+                                                                                 service_url):
+  """What tinker-cookbook asks the RestClient: a run by a checkpoint's path (its base and
+  the renderer kept in its metadata), its checkpoints, a checkpoint's shape; and it deletes
+  its rolling checkpoints. A restarted service reads the same from disk."""
+  training = client.create_lora_training_client(
+      base_model=BASE, rank=4, seed=3, train_mlp=False,
+      user_metadata={"renderer_name": "qwen3"}).result()
+  state = training.save_state("rolling-1").result().path
+  sampler = training.save_weights_for_sampler("final").result().path
+  rest = client.create_rest_client()
+  run = rest.get_training_run_by_tinker_path(sampler).result()
+  assert run.training_run_id == training.model_id and run.base_model == BASE
+  assert run.is_lora and run.lora_rank == 4
+  assert run.user_metadata == {"renderer_name": "qwen3"}
+  assert run.last_checkpoint.tinker_path == state
+  assert run.last_sampler_checkpoint.tinker_path == sampler
+  listed = rest.list_checkpoints(training.model_id).result().checkpoints
+  assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [("training", state),
+                                                                   ("sampler", sampler)]
+  assert all(c.size_bytes > 0 for c in listed)
+  info = rest.get_weights_info_by_tinker_path(state).result()
+  assert (info.base_model, info.lora_rank, info.train_attn, info.train_mlp) == (BASE, 4, True,
+                                                                                False)
+  runs = rest.list_training_runs(limit=100).result()
+  assert training.model_id in [r.training_run_id for r in runs.training_runs]
+  assert runs.cursor.total_count >= len(runs.training_runs)
+  rest.delete_checkpoint_from_tinker_path(state).result()
+  left = rest.list_checkpoints(training.model_id).result().checkpoints
+  assert [c.tinker_path for c in left] == [sampler]
+  with pytest.raises(Exception, match="no checkpoint"):
+    rest.delete_checkpoint_from_tinker_path(state).result()
+  # another service on the same directory: the run and its checkpoint, from disk
+  again = server_lib.Service(service_url[1].bases, service_url[1].workdir)
+  assert again.runs.training_run(training.model_id)["user_metadata"] == {"renderer_name": "qwen3"}
+  assert [c["tinker_path"] for c in again.runs.checkpoints(training.model_id)] == [sampler]
