@@ -64,7 +64,7 @@ def app(service: Service):
 
   @api.post("/api/v1/client/dynamic_config")
   async def dynamic_config(request: fastapi.Request):
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
 
   @api.post("/api/v1/telemetry")
   async def telemetry(request: fastapi.Request):
@@ -149,6 +149,11 @@ def app(service: Service):
   async def weights_info(request: fastapi.Request):
     base, config, _ = service._checkpoint((await body(request))["tinker_path"])
     return runs.weights_info(base.name, config.rank, config.targets, ATTENTION, MLP)
+
+  @api.post("/api/v1/cancel_future")
+  async def cancel_future(request: fastapi.Request):
+    service.cancel((await body(request))["request_id"])
+    return JSONResponse(None)
 
   @api.post("/api/v1/retrieve_future")
   async def retrieve_future(request: fastapi.Request):

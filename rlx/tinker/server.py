@@ -181,6 +181,19 @@ class Service:
       for request_id in [r for r, f in list(self.futures.items()) if f.done.is_set()][:excess]:
         self.futures.pop(request_id, None)
 
+  def cancel(self, request_id: str) -> bool:
+    """Drops a queued sampling call its client abandoned (``cancel_future``); its future ends
+    with the reason. One already decoding finishes, unread. Returns whether it was dropped."""
+    future = self.futures.get(request_id)
+    with self._queued:
+      job = next((j for j in self._work if j.future is future and j.batch is not None), None)
+      if job is None:
+        return False
+      self._work.remove(job)
+    job.future.error = "cancelled by the client"
+    job.future.done.set()
+    return True
+
   def retrieve(self, request_id: str, wait_s: float = POLL_S):
     """The future's result: a dict, protobuf bytes, or ``{"type": "try_again"}``."""
     future = self.futures.get(request_id)

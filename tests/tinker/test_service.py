@@ -364,3 +364,23 @@ def test_the_rest_client_lists_runs_and_checkpoints_reads_weights_info_and_delet
   again = server_lib.Service(service_url[1].bases, service_url[1].workdir)
   assert again.runs.training_run(training.model_id)["user_metadata"] == {"renderer_name": "qwen3"}
   assert [c["tinker_path"] for c in again.runs.checkpoints(training.model_id)] == [sampler]
+
+
+def test_an_abandoned_sampling_call_is_dropped_from_the_queue(service_url):
+  """The SDK cancels sampling calls its caller abandoned (``cancel_future``, on once the
+  dynamic config says so): a queued one never decodes; one done is left as it is."""
+  import httpx
+  url, service = service_url
+  assert httpx.post(f"{url}/api/v1/client/dynamic_config", json={}).json()[
+      "sample_cancel_enabled"]
+  gate = threading.Event()
+  service.submit(lambda: gate.wait(10) and {})  # holds the worker while the calls queue
+  kept = service.sample(_sample_request([1, 5, 9]))
+  dropped = service.sample(_sample_request([2, 4], max_tokens=4))
+  answer = httpx.post(f"{url}/api/v1/cancel_future", json={"request_id": dropped["request_id"]})
+  assert answer.status_code == 200
+  gate.set()
+  assert isinstance(service.retrieve(kept["request_id"]), bytes)
+  assert service.retrieve(dropped["request_id"]) == {"error": "cancelled by the client",
+                                                     "category": "user"}
+  assert not service.cancel(kept["request_id"])
