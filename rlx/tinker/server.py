@@ -12,23 +12,19 @@ keeps the order's meaning: a sampler's weights never change, so the worker takes
 sampling call on the same weights with the same settings together and decodes them in one
 engine batch (a loop that samples each of a group's responses with its own call, as
 tinker-cookbook's environments do, fills the engine's slots instead of decoding one at a time). ``retrieve_future`` waits up to
-``POLL_S`` for the result, then asks the SDK to try again. A failed call's future carries the
+``queue.POLL_S`` for the result, then asks the SDK to try again (the queue: ``queue.py``). A failed call's future carries the
 reason (category ``user`` for bad input); no adapter changes on a failed call, and the service
 keeps serving.
 """
 
 
-import collections
 import dataclasses
-import itertools
 import logging
 import pathlib
 import secrets
-import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,45 +33,14 @@ import numpy as np
 from rlx.config import LoraConfig
 from rlx.models import lora
 from rlx.tinker import wire
+from rlx.tinker.queue import WorkQueue
 from rlx.tinker.runs import Runs
 from rlx.tinker.training import ATTENTION, LORA_ALPHA, MLP, AdamHyper, Adapter, BadInput, Base
 
 log = logging.getLogger(__name__)
 
-POLL_S = 40.0
-"""How long ``retrieve_future`` holds a request for a result before the SDK asks again (its
-own timeout for the call is 45 s; each "try again" is a warning line on its side)."""
-KEPT_FUTURES = 4096
-"""Finished futures kept for ``retrieve_future`` (a retry may ask again); the oldest go first."""
-LINGER_S = 0.02
-MAX_LINGER_S = 0.25
-"""How long a sampling batch waits for more calls of its kind: ``LINGER_S`` after the last
-one came, and no longer than ``MAX_LINGER_S`` after the first was queued."""
 HEARTBEAT_TIMEOUT_S = 600.0
 """A session whose heartbeat stops this long releases its adapters."""
-
-
-@dataclasses.dataclass
-class _Future:
-  done: threading.Event = dataclasses.field(default_factory=threading.Event)
-  json: dict | None = None
-  proto: bytes | None = None
-  error: str | None = None
-  category: str = "user"
-  seconds: float = 0.0
-  """How long the worker took (queueing excluded)."""
-
-
-@dataclasses.dataclass
-class _Job:
-  future: _Future
-  run: Callable[[], dict | bytes] | None = None
-  batch: Hashable | None = None
-  """Jobs with the same ``batch`` key run together: ``run_batch`` given all their ``payload``s
-  returns one result each."""
-  payload: object = None
-  run_batch: Callable[[list], list] | None = None
-  queued: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -85,8 +50,9 @@ class _Session:
   adapters: list[str] = dataclasses.field(default_factory=list)
 
 
-class Service:
-  """The served base models, the sessions and their adapters, the futures."""
+class Service(WorkQueue):
+  """The served base models, the sessions and their adapters; the queue of their calls
+  (``WorkQueue``)."""
 
   def __init__(self, bases: dict[str, Base], workdir: str | pathlib.Path, api_key: str | None = None,
                heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
@@ -96,114 +62,15 @@ class Service:
     self.adapters: dict[str, Adapter] = {}
     self.samplers: dict[str, tuple] = {}  # path -> (base, adapters, their scale)
     self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base)
-    self.futures: dict[str, _Future] = {}
     self.runs = Runs(self.workdir)  # the training runs and checkpoints, on disk
     self._last_merged: tuple = (None, None)
-    self._work: collections.deque[_Job] = collections.deque()
-    self._queued = threading.Condition()
-    self._ids = itertools.count()
-    self._worker = threading.Thread(target=self._run, name="rlx-tinker-worker", daemon=True)
-    self._worker.start()
-
-  # -- the queue -------------------------------------------------------------------------------
+    super().__init__()
 
   def submit(self, fn: Callable[[], dict | bytes] | None, model_id: str | None = None,
              samples: int = 0, **batch) -> dict:
-    """Queues ``fn`` (or, with ``batch=KEY, payload=..., run_batch=...``, a job that runs with
-    the other queued jobs of the same key); returns its future (with one sequence id per
-    sample, for a sampling call)."""
-    request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-    future = self.futures[request_id] = _Future()
-    with self._queued:
-      self._work.append(_Job(future, fn, **batch))
-      self._queued.notify()
     if model_id in self.adapters:
       self.runs.requested[model_id] = time.time()
-    answer = {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
-    if samples:
-      answer["sample_sequence_ids"] = [f"{request_id}:{i}" for i in range(samples)]
-    return answer
-
-  def _next(self) -> list[_Job]:
-    """The next job, with every queued job of its batch key (taken out of the queue; the others
-    keep their order). A batch waits while more of its jobs keep arriving (``LINGER_S`` each,
-    ``MAX_LINGER_S`` in all): a client that sends a group's calls one by one sends them
-    milliseconds apart, and the first should not decode alone."""
-    with self._queued:
-      while not self._work:
-        self._queued.wait()
-      job = self._work.popleft()
-      if job.batch is None:
-        return [job]
-      jobs, last = [job], time.monotonic()
-      while True:
-        together = [j for j in self._work if j.batch == job.batch]
-        for j in together:
-          self._work.remove(j)
-        jobs += together
-        now = time.monotonic()
-        last = now if together else last
-        if now - last >= LINGER_S or now - jobs[0].queued >= MAX_LINGER_S:
-          return jobs
-        self._queued.wait(LINGER_S - (now - last))
-
-  def _run(self) -> None:
-    while True:
-      jobs = self._next()
-      started = time.perf_counter()
-      try:
-        if jobs[0].run_batch is None:
-          results = [jobs[0].run()]
-        else:
-          results = jobs[0].run_batch([j.payload for j in jobs])
-        for job, result in zip(jobs, results, strict=True):
-          if isinstance(result, bytes):
-            job.future.proto = result
-          else:
-            job.future.json = result
-      except (BadInput, wire.WireError, ValueError, KeyError) as error:
-        for job in jobs:
-          job.future.error = str(error) if not isinstance(error, KeyError) else f"unknown {error}"
-      except Exception as error:  # noqa: BLE001 - reported to the caller, the service goes on
-        for job in jobs:
-          job.future.error, job.future.category = f"{type(error).__name__}: {error}", "server"
-        log.error("tinker: a call failed:\n%s", traceback.format_exc())
-      for job in jobs:
-        job.future.seconds = time.perf_counter() - started
-        job.future.done.set()
-      self._forget_old()
-
-  def _forget_old(self) -> None:
-    """Drops the oldest finished futures past ``KEPT_FUTURES`` (a long session's results
-    would otherwise pile up: every forward_backward's outputs)."""
-    excess = len(self.futures) - KEPT_FUTURES
-    if excess > 0:
-      for request_id in [r for r, f in list(self.futures.items()) if f.done.is_set()][:excess]:
-        self.futures.pop(request_id, None)
-
-  def cancel(self, request_id: str) -> bool:
-    """Drops a queued sampling call its client abandoned (``cancel_future``); its future ends
-    with the reason. One already decoding finishes, unread. Returns whether it was dropped."""
-    future = self.futures.get(request_id)
-    with self._queued:
-      job = next((j for j in self._work if j.future is future and j.batch is not None), None)
-      if job is None:
-        return False
-      self._work.remove(job)
-    job.future.error = "cancelled by the client"
-    job.future.done.set()
-    return True
-
-  def retrieve(self, request_id: str, wait_s: float = POLL_S):
-    """The future's result: a dict, protobuf bytes, or ``{"type": "try_again"}``."""
-    future = self.futures.get(request_id)
-    if future is None:
-      raise BadInput(f"request_id {request_id!r} was never issued by this service")
-    if not future.done.wait(wait_s):
-      return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-    if future.error is not None:
-      return {"error": future.error, "category": future.category}
-    return future.proto if future.proto is not None else future.json
+    return super().submit(fn, model_id, samples, **batch)
 
   # -- sessions --------------------------------------------------------------------------------
 

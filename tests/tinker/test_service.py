@@ -12,6 +12,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 uvicorn = pytest.importorskip("uvicorn")
 
+from rlx.tinker import queue as queue_lib  # noqa: E402
 from rlx.tinker import routes  # noqa: E402
 from rlx.tinker import server as server_lib  # noqa: E402
 from rlx.tinker.training import Base  # noqa: E402
@@ -181,7 +182,7 @@ def test_compute_logprobs_gives_each_prompt_tokens_log_prob(client):
 
 def test_finished_futures_past_the_limit_are_forgotten_oldest_first(service_url, monkeypatch):
   service = service_url[1]
-  monkeypatch.setattr(server_lib, "KEPT_FUTURES", 3)
+  monkeypatch.setattr(queue_lib, "KEPT_FUTURES", 3)
   ids = [service.submit(lambda i=i: {"i": i})["request_id"] for i in range(6)]
   assert service.retrieve(ids[-1]) == {"i": 5}
   time.sleep(0.1)
