@@ -1,7 +1,8 @@
 """A draw: a full batch of scored groups, what both wings pass between them, with its bytes
 in a rollout file (``encode`` / ``decode``) and its array layout for the learner (``layout``).
 
-    draw = Draw(completions, rewards, correct, counts, generate_seconds, data_state)
+    draw = Draw(completions=..., rewards=..., correct=..., counts=..., generate_seconds=...,
+                data_state=...)
     data = encode(draw, extra)            # a rollout file's bytes (rlx.trainer.deploy.exchange)
     draw, extra = decode(data)
     arrays = layout(draw.completions, pad_id)   # tokens, masks, behaviour log-probs [B, T]
@@ -24,9 +25,10 @@ from flax import serialization
 from rlx.rollout import Completion
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Draw:
-  """A full batch of scored groups (this process's share of it), and what it cost."""
+  """A full batch of scored groups (this process's share of it), and what it cost. Built by
+  name, never by position."""
 
   completions: list[Completion]
   rewards: np.ndarray
@@ -98,9 +100,10 @@ def decode(data: bytes) -> tuple[Draw, dict]:
                  token_versions=(versions[i] if versions and len(set(versions[i])) > 1
                                  else None))
       for i in range(len(meta["finish_reason"]))]
-  draw = Draw(completions, np.asarray(a["rewards"], np.float32), np.asarray(a["correct"], bool),
-              meta.pop("counts"), meta.pop("generate_seconds"), meta.pop("data_state"),
-              meta.pop("temperature", None), meta.pop("born", 0.0))
+  draw = Draw(completions=completions, rewards=np.asarray(a["rewards"], np.float32),
+              correct=np.asarray(a["correct"], bool), counts=meta.pop("counts"),
+              generate_seconds=meta.pop("generate_seconds"), data_state=meta.pop("data_state"),
+              temperature=meta.pop("temperature", None), born=meta.pop("born", 0.0))
   meta.pop("finish_reason")
   return draw, meta
 

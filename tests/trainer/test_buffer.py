@@ -20,8 +20,9 @@ def _draw(version: int, born: float, prompts: int = 2, temperature=None, first: 
                             policy_version=version, prompt_index=first + p, sample_index=s)
                  for p in range(prompts) for s in range(GROUP)]
   rewards = np.arange(len(completions), dtype=np.float32) + 10 * version
-  return Draw(completions, rewards, rewards > 0, {"reward/mean": float(rewards.mean())}, 0.1,
-              {"next_index": first + prompts}, temperature, born)
+  return Draw(completions=completions, rewards=rewards, correct=rewards > 0,
+              counts={"reward/mean": float(rewards.mean())}, generate_seconds=0.1,
+              data_state={"next_index": first + prompts}, temperature=temperature, born=born)
 
 
 def _buffer(**overrides):

@@ -172,8 +172,9 @@ def test_the_learner_compiles_once_per_bucket(tmp_path, caplog):
     def draw(prompt_len, temperature=None):
       completions = [_completion(rng.integers(1, 32, prompt_len), rng.integers(1, 32, rng.integers(1, 9)),
                                  version=learner.version) for _ in range(4)]
-      return Draw(completions, np.array([1.0, 0.0, 0.0, 1.0], np.float32),
-                         np.array([True, False, False, True]), {}, 0.0, {}, temperature)
+      return Draw(completions=completions, rewards=np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+                  correct=np.array([True, False, False, True]), counts={}, generate_seconds=0.0,
+                  data_state={}, temperature=temperature)
 
     programs = ["prepare", "update_step", "critic_step"]
 

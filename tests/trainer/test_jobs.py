@@ -36,8 +36,9 @@ def _draw(rng, n=4):
   for c in completions:
     c.logprobs[:] = rng.normal(size=len(c.response_tokens)).astype(np.float32).tolist()
     c.policy_logprobs[:] = rng.normal(size=len(c.response_tokens)).astype(np.float32).tolist()
-  return Draw(completions, rng.random(n).astype(np.float32), rng.random(n) > 0.5,
-              {"reward/mean": 0.25, "rollout/draws": 2}, 1.5, {"epoch": 1, "position": [3, 4]})
+  return Draw(completions=completions, rewards=rng.random(n).astype(np.float32),
+              correct=rng.random(n) > 0.5, counts={"reward/mean": 0.25, "rollout/draws": 2},
+              generate_seconds=1.5, data_state={"epoch": 1, "position": [3, 4]})
 
 
 def test_rollout_files_round_trip_and_are_written_whole(tmp_path):

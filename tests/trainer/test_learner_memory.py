@@ -46,9 +46,11 @@ def test_the_only_copies_of_the_weights_are_the_state_s_and_the_generator_s(tmp_
 def batch_of_4_groups() -> Draw:
   """A batch of 4 prompts x 8 samples of random tokens and rewards, as a learner takes it."""
   rng = np.random.default_rng(0)
-  return Draw([_completion(rng.integers(1, 32, 4), rng.integers(1, 32, 6), version=0,
-                           prompt_index=i // 8, sample_index=i % 8) for i in range(32)],
-              rng.random(32).round().astype(np.float32), np.ones(32, bool), {}, 0.0, {})
+  return Draw(completions=[_completion(rng.integers(1, 32, 4), rng.integers(1, 32, 6), version=0,
+                                       prompt_index=i // 8, sample_index=i % 8)
+                           for i in range(32)],
+              rewards=rng.random(32).round().astype(np.float32), correct=np.ones(32, bool),
+              counts={}, generate_seconds=0.0, data_state={})
 
 
 @pytest.mark.parametrize("mode", ["colocated", "split"])

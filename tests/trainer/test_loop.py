@@ -36,7 +36,8 @@ class FakeSource:
                               policy_logprobs=[0.0, 0.0], finish_reason="stop",
                               policy_version=version - lag, prompt_index=i, sample_index=0)
                    for i in range(2)]
-    draw = Draw(completions, None, None, dict(self.counts), 0.01, {"next_index": self.index + 1},
+    draw = Draw(completions=completions, rewards=None, correct=None, counts=dict(self.counts),
+                generate_seconds=0.01, data_state={"next_index": self.index + 1},
                 born=time.time() - age)
     return Batch(draw, draw.data_state, metrics={"fake/index": self.index})
 
@@ -237,7 +238,8 @@ def test_the_inline_source_samples_with_the_published_weights_at_the_retuned_tem
 
   def fake_collect(run, params_fn, seed, temperature=None):
     calls.append((params_fn(), seed, temperature))
-    return Draw([], None, None, {}, 0.0, {"next_index": len(calls)})
+    return Draw(completions=[], rewards=None, correct=None, counts={}, generate_seconds=0.0,
+                data_state={"next_index": len(calls)})
 
   monkeypatch.setattr(colocated, "collect", fake_collect)
   config = tiny.config("grpo_colocated", "--config.algorithm.entropy_floor=100",

@@ -36,8 +36,8 @@ def test_the_packed_learner_equals_the_unpacked_one(tmp_path):
   completions = [_completion(rng.integers(1, 32, rng.integers(2, 9)), rng.integers(1, 32, n),
                              version=0, prompt_index=i // 2, sample_index=i % 2)
                  for i, n in enumerate(responses)]
-  draw = Draw(completions, rng.random(32).round().astype(np.float32), np.ones(32, bool), {},
-              0.0, {})
+  draw = Draw(completions=completions, rewards=rng.random(32).round().astype(np.float32),
+              correct=np.ones(32, bool), counts={}, generate_seconds=0.0, data_state={})
   unpacked, unpacked_params = _learn(tmp_path, False, draw)
   packed, packed_params = _learn(tmp_path, True, draw)
   assert packed["train/packed_pad_frac"] < packed["train/pad_frac"] - 0.2
@@ -58,8 +58,8 @@ def test_the_shared_prefix_learner_equals_the_unpacked_one(tmp_path):
     prompt = rng.integers(1, 32, rng.integers(20, 33))
     completions += [_completion(prompt, rng.integers(1, 32, rng.integers(1, 12)), version=0,
                                 prompt_index=group, sample_index=i) for i in range(8)]
-  draw = Draw(completions, rng.random(32).round().astype(np.float32), np.ones(32, bool), {},
-              0.0, {})
+  draw = Draw(completions=completions, rewards=rng.random(32).round().astype(np.float32),
+              correct=np.ones(32, bool), counts={}, generate_seconds=0.0, data_state={})
   unpacked, unpacked_params = _learn(tmp_path, False, draw, mini_batches=1)
   shared, shared_params = _learn(tmp_path, False, draw, share=True, mini_batches=1)
   assert shared.pop("train/shared_prefix_frac") > 0.3  # the prompts, once per packed row

@@ -23,8 +23,8 @@ def test_the_learners_compiled_step_is_data_parallel(tmp_path):
     assert learner.batch_sharding.spec == P(("data", "fsdp"))
     rng = np.random.default_rng(0)
     completions = [_completion(rng.integers(1, 32, 5), rng.integers(1, 32, 6)) for _ in range(16)]
-    draw = Draw(completions, rng.random(16).round().astype(np.float32),
-                       np.ones(16, bool), {}, 0.0, {})
+    draw = Draw(completions=completions, rewards=rng.random(16).round().astype(np.float32),
+                correct=np.ones(16, bool), counts={}, generate_seconds=0.0, data_state={})
     metrics = learner.learn(draw)  # the real path runs
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["critic/loss"])
 

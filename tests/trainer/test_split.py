@@ -48,7 +48,8 @@ def _draw(versions):
   completions = [Completion(prompt_tokens=[1], response_tokens=[2], logprobs=[0.0],
                             policy_logprobs=[0.0], finish_reason="stop", policy_version=v,
                             prompt_index=i, sample_index=0) for i, v in enumerate(versions)]
-  return Draw(completions, None, None, {}, 0.0, {})
+  return Draw(completions=completions, rewards=None, correct=None, counts={},
+              generate_seconds=0.0, data_state={})
 
 
 def test_the_gate_rule_and_the_bound_on_the_oldest_token():

@@ -124,10 +124,11 @@ class ReplayBuffer:
       group.uses += 1
     self._ready = [group for group in self._ready if group.uses < self.reuse]
     counts, self._counts = self._counts or {}, None  # a new draw's sampling metrics, once
-    return Draw([c for group in chosen for c in group.completions],
-                np.concatenate([group.rewards for group in chosen]).astype(np.float32),
-                np.concatenate([group.correct for group in chosen]).astype(bool), counts,
-                0.0, {}, temperature, min(group.born for group in chosen))
+    return Draw(completions=[c for group in chosen for c in group.completions],
+                rewards=np.concatenate([group.rewards for group in chosen]).astype(np.float32),
+                correct=np.concatenate([group.correct for group in chosen]).astype(bool),
+                counts=counts, generate_seconds=0.0, data_state={}, temperature=temperature,
+                born=min(group.born for group in chosen))
 
   def metrics(self, now: float) -> dict[str, float]:
     groups = self._arrived + self._ready
@@ -141,10 +142,12 @@ class ReplayBuffer:
   def state(self) -> dict:
     """The buffer's groups and counters, JSON-ready (for the checkpoint's metadata)."""
     groups = self._ready + self._arrived
-    draw = Draw([c for group in groups for c in group.completions],
-                np.concatenate([group.rewards for group in groups]) if groups else np.zeros(0),
-                np.concatenate([group.correct for group in groups]) if groups else np.zeros(0, bool),
-                {}, 0.0, {})
+    draw = Draw(completions=[c for group in groups for c in group.completions],
+                rewards=(np.concatenate([group.rewards for group in groups]) if groups
+                         else np.zeros(0)),
+                correct=(np.concatenate([group.correct for group in groups]) if groups
+                         else np.zeros(0, bool)),
+                counts={}, generate_seconds=0.0, data_state={})
     return {"groups": base64.b64encode(encode(draw)).decode("ascii"),
             "born": [group.born for group in groups], "uses": [group.uses for group in groups],
             "temperature": [group.temperature for group in groups],

@@ -212,6 +212,7 @@ def collect(run: Run, params_fn: Callable[[], tuple[object, int]], seed: int,
   counts = tally.metrics(totals, draws=draws)
   if inflight is not None:
     counts["rollout/mixed_version_frac"] = totals["mixed"] / max(totals["kept"], 1)
-  return Draw(kept, np.array(rewards[:wanted], np.float32),
-              np.array(correct[:wanted], bool), counts,
-              time.perf_counter() - started, run.stream.get_state(), temperature, born)
+  return Draw(completions=kept, rewards=np.array(rewards[:wanted], np.float32),
+              correct=np.array(correct[:wanted], bool), counts=counts,
+              generate_seconds=time.perf_counter() - started, data_state=run.stream.get_state(),
+              temperature=temperature, born=born)

@@ -324,9 +324,10 @@ class Streamer:
       write_samples(self.run, completions, np.concatenate([g.rewards for g in groups]))
     now = time.perf_counter()
     busy, self.since = now - self.since - self.waited, now
-    draw = Draw(completions, np.concatenate([g.rewards for g in groups]),
-                np.concatenate([g.correct for g in groups]), counts, busy,
-                self._data_state(), self.temperature, min(g.born for g in groups))
+    draw = Draw(completions=completions, rewards=np.concatenate([g.rewards for g in groups]),
+                correct=np.concatenate([g.correct for g in groups]), counts=counts,
+                generate_seconds=busy, data_state=self._data_state(),
+                temperature=self.temperature, born=min(g.born for g in groups))
     if (self.mismatch is not None and self.mismatch_every
         and (self.index // self.stride) % self.mismatch_every == 0):
       measured = self.mismatch(self.weights.params, completions, self.weights.version,
