@@ -13,7 +13,7 @@ async def run(client, row):
   if mode == "hang":
     await asyncio.sleep(3600)
   if mode == "block":  # blocks its event loop, as a synchronous library call does
-    time.sleep(10)
+    time.sleep(7)
   if mode == "silent":
     return 1.0
   messages = [{"role": "user", "content": row["prompt"]}]

@@ -72,12 +72,12 @@ def test_failing_programs_are_counted_and_drop_their_groups(run):
   run_agent_programs(run, run.model.params, [dict(row, mode="rewrite") for row in rows], n=2,
                      temperature=1.0, seed=2, version=0)
   run.config = dataclasses.replace(
-      run.config, env=dataclasses.replace(run.config.env, agent_timeout_s=8.0))
+      run.config, env=dataclasses.replace(run.config.env, agent_timeout_s=5.0))
   started = time.monotonic()
   tally = Tally(2)
   completions, scored = run_agent_programs(run, run.model.params, rows, n=2, temperature=1.0,
                                            seed=2, version=0, tally=tally)
-  assert time.monotonic() - started < 30  # the hanging group waited its timeout (8 s), no more
+  assert time.monotonic() - started < 30  # the hanging group waited its timeout (5 s), no more
   assert sorted({c.prompt_index for c in completions}) == [1, 5], ({k: v for k, v in scored.counts.items() if v}, tally.first_error)
   counts = scored.counts
   # the blocking program (time.sleep past its timeout) fails its own group only: the others
