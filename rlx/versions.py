@@ -228,7 +228,7 @@ class DeltaSync:
     """Starts writing ``version``; returns the seconds the learner spent (waiting for the
     previous write, and starting a copy of the params that the next update cannot touch)."""
     started = time.perf_counter()
-    self._written()
+    self._written(agreed=True)
     self.last_bytes = lora.nbytes(params)
     if jax.process_count() > 1:
       params = distributed.local_replica(params)
@@ -275,11 +275,23 @@ class DeltaSync:
     except (FileNotFoundError, json.JSONDecodeError):
       return {}
 
-  def _written(self) -> None:
-    """Waits for the write in the background, raising what it raised."""
+  def _written(self, agreed: bool = False) -> None:
+    """Waits for the write in the background, raising what it raised. ``agreed`` (every
+    process calls it at the same point, as ``publish``): the lead process alone writes, so its
+    failure is told to every process, which stops at once instead of waiting at the next
+    collective until XLA's timeout."""
     pending, self._pending = self._pending, None
+    error = None
     if pending is not None:
-      pending.result()
+      try:
+        pending.result()
+      except Exception as failed:  # noqa: BLE001 - raised below, on every process
+        error = failed
+    if agreed and distributed.any_process(error is not None):
+      raise error or SyncMismatch("writing a policy version failed on the lead process "
+                                  "(process 0): its log says why")
+    if error is not None:
+      raise error
 
   def flush(self) -> None:
     self._written()

@@ -164,3 +164,21 @@ def test_float32_versions_round_trip_and_their_digest_matches(meshes, tmp_path):
       assert version == number and digest.tree_digest(got) == digest.tree_digest(params)
   finally:
     writer.close()
+
+
+def test_a_failed_write_stops_every_process_at_the_next_publish(meshes, tmp_path, monkeypatch):
+  """The lead process alone writes versions; its failure is agreed at the next publish, so the
+  other processes stop there too, instead of waiting at a collective for XLA's timeout."""
+  from rlx import versions
+  writer = _sync(meshes, tmp_path / "v")
+  params = _bf16_versions(meshes, 1)[0]
+  told = []
+  monkeypatch.setattr(versions.distributed, "any_process",
+                      lambda flag: told.append(flag) or True)  # another process's write failed
+  try:
+    monkeypatch.setattr(versions.distributed, "lead", lambda: False)  # this one writes nothing
+    with pytest.raises(sync.SyncMismatch, match="failed on the lead process"):
+      writer.publish(params, 1)
+    assert told == [False]
+  finally:
+    writer.close()
