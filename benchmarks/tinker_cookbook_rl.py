@@ -70,6 +70,29 @@ def start_service(model: str, workdir: pathlib.Path, python: str) -> tuple[subpr
   raise SystemExit(f"the service did not answer in 600 s: see {log.name}")
 
 
+def stop_service(process: subprocess.Popen | None) -> None:
+  if process is not None:
+    process.terminate()
+    process.wait(30)
+
+
+def arguments(doc: str, workdir: str) -> argparse.ArgumentParser:
+  """The options both cookbook benchmarks take: the model, the task, the adapter and its
+  learning rate, the evaluation, and the service (started here unless one is given)."""
+  parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+  parser.add_argument("--task", default="word_sums")
+  parser.add_argument("--learning-rate", type=float, default=2e-4)
+  parser.add_argument("--rank", type=int, default=16)
+  parser.add_argument("--max-tokens", type=int, default=32)
+  parser.add_argument("--eval-prompts", type=int, default=200)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--workdir", default=workdir)
+  parser.add_argument("--base-url", default=None, help="a running service (default: start one)")
+  parser.add_argument("--service-python", default=sys.executable)
+  return parser
+
+
 def build(args):
   """The cookbook classes for the task (imported here: the cookbook is optional)."""
   import chz
@@ -156,29 +179,35 @@ def evaluate(service, sampler, renderer, task: str, count: int, max_tokens: int)
   return correct / len(rows)
 
 
+def train_and_evaluate(loop, config, client, renderer, args, log_path: pathlib.Path
+                       ) -> tuple[float, float]:
+  """Runs the cookbook's ``loop(config)``; returns its seconds and the held-out greedy accuracy
+  of its final sampler checkpoint."""
+  from tinker_cookbook import checkpoint_utils
+
+  started = time.perf_counter()
+  asyncio.run(loop(config))
+  seconds = time.perf_counter() - started
+  final = checkpoint_utils.get_last_checkpoint(str(log_path), required_key="sampler_path")
+  after = evaluate(client, client.create_sampling_client(model_path=final.sampler_path).result(),
+                   renderer, args.task, args.eval_prompts, args.max_tokens)
+  print(f"held-out greedy accuracy after: {after}", file=sys.stderr, flush=True)
+  return seconds, after
+
+
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
-  parser.add_argument("--task", default="word_sums")
+  parser = arguments(__doc__, "runs/tinker_cookbook_rl")
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--prompts-per-step", type=int, default=4)
   parser.add_argument("--group-size", type=int, default=8)
-  parser.add_argument("--learning-rate", type=float, default=2e-4)
-  parser.add_argument("--rank", type=int, default=16)
-  parser.add_argument("--max-tokens", type=int, default=32)
   parser.add_argument("--temperature", type=float, default=0.7)
-  parser.add_argument("--eval-prompts", type=int, default=200)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--workdir", default="runs/tinker_cookbook_rl")
-  parser.add_argument("--base-url", default=None, help="a running service (default: start one)")
-  parser.add_argument("--service-python", default=sys.executable)
   parser.add_argument("--evaluate", default=None, metavar="SAMPLER_PATH",
                       help="only evaluate this sampler checkpoint (tinker://...) of the service "
                            "in --workdir, and print its accuracy")
   args = parser.parse_args()
 
   import tinker
-  from tinker_cookbook import checkpoint_utils, renderers
+  from tinker_cookbook import renderers
   from tinker_cookbook.rl import train
   from tinker_cookbook.tokenizer_utils import get_tokenizer, register_tokenizer
 
@@ -222,19 +251,9 @@ def main() -> None:
                                 prompts_per_step=args.prompts_per_step,
                                 group_size=args.group_size, seed=args.seed),
         eval_every=0, save_every=0, max_steps=args.steps)
-    started = time.perf_counter()
-    asyncio.run(train.main(config))
-    train_s = time.perf_counter() - started
-
-    final = checkpoint_utils.get_last_checkpoint(str(log_path), required_key="sampler_path")
-    after = evaluate(client, client.create_sampling_client(model_path=final.sampler_path).result(),
-                     renderer, args.task, args.eval_prompts, args.max_tokens)
-    print(f"held-out greedy accuracy after: {after}", file=sys.stderr, flush=True)
+    train_s, after = train_and_evaluate(train.main, config, client, renderer, args, log_path)
   finally:
-    if service_process is not None:
-      service_process.terminate()
-      service_process.wait(30)
-
+    stop_service(service_process)
   metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
   steps = [m for m in metrics if "time/total" in m]
   lines = (workdir / "cookbook.log").read_text().splitlines()

@@ -19,17 +19,16 @@ first and last lines the loop logged.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import logging
 import os
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from tinker_cookbook_rl import MODEL_NAME, RENDERER, SYSTEM, evaluate, start_service  # noqa: E402
+from tinker_cookbook_rl import (MODEL_NAME, RENDERER, SYSTEM, arguments,  # noqa: E402
+                                evaluate, start_service, stop_service,
+                                train_and_evaluate)
 
 
 def write_conversations(path: pathlib.Path, task: str, count: int, seed: int) -> None:
@@ -45,25 +44,15 @@ def write_conversations(path: pathlib.Path, task: str, count: int, seed: int) ->
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="models/SmolLM2-135M-Instruct")
-  parser.add_argument("--task", default="word_sums")
+  parser = arguments(__doc__, "runs/tinker_cookbook_sl")
   parser.add_argument("--examples", type=int, default=256)
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--epochs", type=int, default=1)
-  parser.add_argument("--learning-rate", type=float, default=2e-4)
-  parser.add_argument("--rank", type=int, default=16)
-  parser.add_argument("--max-tokens", type=int, default=32)
-  parser.add_argument("--eval-prompts", type=int, default=200)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--workdir", default="runs/tinker_cookbook_sl")
-  parser.add_argument("--base-url", default=None, help="a running service (default: start one)")
-  parser.add_argument("--service-python", default=sys.executable)
   args = parser.parse_args()
 
   import tinker
   import transformers
-  from tinker_cookbook import checkpoint_utils, renderers
+  from tinker_cookbook import renderers
   from tinker_cookbook.supervised import train
   from tinker_cookbook.supervised.data import FromConversationFileBuilder
   from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
@@ -98,18 +87,9 @@ def main() -> None:
             common_config=ChatDatasetBuilderCommonConfig(
                 model_name_for_tokenizer=MODEL_NAME, renderer_name=RENDERER, max_length=256,
                 batch_size=args.batch_size)))
-    started = time.perf_counter()
-    asyncio.run(train.main(config))
-    train_s = time.perf_counter() - started
-    final = checkpoint_utils.get_last_checkpoint(str(log_path), required_key="sampler_path")
-    after = evaluate(client, client.create_sampling_client(model_path=final.sampler_path).result(),
-                     renderer, args.task, args.eval_prompts, args.max_tokens)
-    print(f"held-out greedy accuracy after: {after}", file=sys.stderr, flush=True)
+    train_s, after = train_and_evaluate(train.main, config, client, renderer, args, log_path)
   finally:
-    if service_process is not None:
-      service_process.terminate()
-      service_process.wait(30)
-
+    stop_service(service_process)
   metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
   losses = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
   lines = (workdir / "cookbook.log").read_text().splitlines()

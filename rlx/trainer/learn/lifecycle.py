@@ -1,16 +1,14 @@
 """A run's start and end around its learner, shared by every loop.
 
-    summary = learn_run(config, workdir, say, evaluate, make_source)   # every deployment
-
     started = begin(config, workdir, say, evaluate)
     ...                                                # the loop: learner.learn(draw) per step
     ended = finish(run, learner, start=start, step=step, stop=stop, seconds=..., ...)
 
 ``begin`` builds the run, resumes from the newest checkpoint, publishes the first weights and
 measures the held-out accuracy before RL; ``finish`` saves the last step, exports the final
-policy and evaluates it. ``learn_run`` is the one start sequence of every deployment: ``begin``,
-the controller restored, the deployment's batch source (behind the replay buffer when asked),
-the learn loop.
+policy and evaluates it. Every deployment begins the same way, through ``begin``
+(``rlx.trainer.learn.loop.learn_run``: ``begin``, the controller restored, the deployment's
+batch source behind the replay buffer when asked, the learn loop).
 """
 
 from __future__ import annotations
