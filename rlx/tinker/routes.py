@@ -72,7 +72,19 @@ def app(service: Service):
 
   @api.post("/api/v1/create_session")
   async def create_session(request: fastapi.Request):
-    return {"type": "create_session", "session_id": service.create_session()}
+    sent = await request.body()
+    metadata = (await body(request)).get("user_metadata") if sent else None
+    return {"type": "create_session", "session_id": service.create_session(metadata)}
+
+  @api.get("/api/v1/sessions")
+  async def sessions(limit: int = 20, offset: int = 0):
+    return {"sessions": list(reversed(service.sessions))[offset:offset + limit]}  # newest first
+
+  @api.get("/api/v1/sessions/{session_id}")
+  async def session(session_id: str):
+    found = service._session(session_id)
+    return {"training_run_ids": list(found.adapters), "sampler_ids": list(found.samplers),
+            "user_metadata": found.user_metadata}
 
   @api.post("/api/v1/session_heartbeat")
   async def heartbeat(request: fastapi.Request):

@@ -48,6 +48,9 @@ class _Session:
   id: str
   beat: float
   adapters: list[str] = dataclasses.field(default_factory=list)
+  samplers: list[str] = dataclasses.field(default_factory=list)
+  """The sampling sessions created in it."""
+  user_metadata: dict | None = None
 
 
 class Service(WorkQueue):
@@ -74,8 +77,10 @@ class Service(WorkQueue):
 
   # -- sessions --------------------------------------------------------------------------------
 
-  def create_session(self) -> str:
-    session = _Session(f"session-{uuid.uuid4().hex[:12]}", time.monotonic())
+  def create_session(self, user_metadata: dict | None = None) -> str:
+    session = _Session(f"session-{uuid.uuid4().hex[:12]}", time.monotonic(),
+                       user_metadata={str(k): str(v) for k, v in user_metadata.items()}
+                       if user_metadata else None)
     self.sessions[session.id] = session
     self.release_idle()
     return session.id
@@ -308,7 +313,7 @@ class Service(WorkQueue):
             "model_path": where}
 
   def create_sampling_session(self, request: dict) -> str:
-    self._session(request["session_id"])
+    session = self._session(request["session_id"])
     path = request.get("model_path")
     if path is None:
       self.base(request.get("base_model"))
@@ -316,6 +321,7 @@ class Service(WorkQueue):
       self.sampler(path)
     session_id = f"sampling-{uuid.uuid4().hex[:12]}"
     self.sampling_sessions[session_id] = path if path is not None else f"base:{request['base_model']}"
+    session.samplers.append(session_id)
     return session_id
 
   def _merged(self, path: str, base: Base, snapshot, scale: float):

@@ -385,3 +385,20 @@ def test_an_abandoned_sampling_call_is_dropped_from_the_queue(service_url):
   assert service.retrieve(dropped["request_id"]) == {"error": "cancelled by the client",
                                                      "category": "user"}
   assert not service.cancel(kept["request_id"])
+
+
+def test_the_rest_client_lists_sessions_and_reads_one(service_url):
+  """``list_sessions`` (newest first) and ``get_session``: a session's training runs, the
+  sampling sessions created in it and the metadata the client was made with."""
+  with tinker.ServiceClient(base_url=service_url[0], api_key="tml-test",
+                            user_metadata={"experiment": "sessions"}) as client:
+    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+    client.create_sampling_client(base_model=BASE)
+    rest = client.create_rest_client()
+    session_id = training.model_id.split(":train:")[0]
+    assert rest.list_sessions(limit=1).result().sessions == [session_id]
+    found = rest.get_session(session_id).result()
+    assert found.training_run_ids == [training.model_id] and len(found.sampler_ids) == 1
+    assert found.user_metadata == {"experiment": "sessions"}
+    with pytest.raises(Exception, match="unknown"):
+      rest.get_session("session-none").result()
