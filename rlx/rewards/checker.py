@@ -245,12 +245,14 @@ def plan_asserts(test: str) -> AssertPlan:
   modules = {n.value.id for n in ast.walk(module) if isinstance(n, ast.Attribute)
              and isinstance(n.value, ast.Name) and n.value.id in _STDLIB} - set(top) - inside
 
-  def is_program(name: str) -> bool:  # builtins and modules are never the program's
-    return name in held or not (name in top or name in inside or name in _BUILTINS
-                                or name in TRUSTED_MODULES or name in modules)
+  def not_program(name: str) -> bool:  # builtins, modules and the test's own names
+    return (name in top or name in inside or name in _BUILTINS or name in TRUSTED_MODULES
+            or name in modules)
 
-  held: dict[str, int] = {}
-  held = _held(module, top, is_program)
+  held = _held(module, top, lambda name: not not_program(name))
+
+  def is_program(name: str) -> bool:  # and an object the program made that the test keeps
+    return name in held or not not_program(name)
 
   def needs_program(node: ast.AST) -> bool:
     return any(is_program(name) for name in _names(node))

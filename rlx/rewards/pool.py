@@ -4,19 +4,17 @@
         scored = pool.score(responses, rows)
         scored.rewards, scored.correct, scored.counts, scored.components
 
-Every call has its own timeout: a call that runs past ``timeout_s`` scores 0,
-is counted (``reward/timeouts``) and only its worker is killed and replaced. A
-reward function that raises (or calls ``sys.exit``) scores 0 and is counted
-(``reward/errors``); so does one that kills its own process or runs out of its
-``memory_mb`` (the worker is replaced, as is a worker that has grown past it
-between calls). Processes a reward call starts end with the call: each worker is its own
-process group and the subreaper of its calls' orphans, kills what a call left behind when
-the call returns, is killed with every process below it on a timeout (those in sessions of
-their own too), and kills them itself when the trainer dies, by any signal. What a reward function prints
-goes to ``log_path`` (a run's ``WORKDIR/reward.log``), else nowhere. The first failure
-of each kind is logged; the run goes on. A batched reward function is called
-on chunks of ``batch_size`` responses, each chunk one call with its own
-timeout.
+Every call has its own timeout: a call that runs past ``timeout_s`` scores 0, is counted
+(``reward/timeouts``) and only its worker is killed and replaced. A reward function that raises
+(or calls ``sys.exit``) scores 0 and is counted (``reward/errors``); so does one that kills its
+own process or runs out of its ``memory_mb`` (the worker is replaced, as is a worker that has
+grown past it between calls). Processes a reward call starts end with the call: each worker is
+its own process group and the subreaper of its calls' orphans, kills what a call left behind
+when the call returns, is killed with every process below it on a timeout (those in sessions of
+their own too), and kills them itself when the trainer dies, by any signal. What a reward
+function prints goes to ``log_path`` (a run's ``WORKDIR/reward.log``), else nowhere. The first
+failure of each kind is logged; the run goes on. A batched reward function is called on chunks
+of ``batch_size`` responses, each chunk one call with its own timeout.
 
 The pool is safe to share between threads (the generator and the evaluation):
 a ``score`` call checks workers out for its own use and returns them when done.

@@ -79,7 +79,8 @@ class Runs:
           continue
         found.append({
             "checkpoint_id": f"{kind}/{saved.name}", "checkpoint_type": checkpoint_type,
-            "time": saved.stat().st_mtime, "tinker_path": f"tinker://{model_id}/{kind}/{saved.name}",
+            "time": saved.stat().st_mtime,
+            "tinker_path": f"tinker://{model_id}/{kind}/{saved.name}",
             "size_bytes": sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())})
     found.sort(key=lambda c: c["time"])
     return [dict(c, time=_iso(c["time"])) for c in found]

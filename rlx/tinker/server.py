@@ -11,10 +11,10 @@ thread runs the queue in order, so a client's ``forward_backward`` calls land be
 keeps the order's meaning: a sampler's weights never change, so the worker takes every queued
 sampling call on the same weights with the same settings together and decodes them in one
 engine batch (a loop that samples each of a group's responses with its own call, as
-tinker-cookbook's environments do, fills the engine's slots instead of decoding one at a time). ``retrieve_future`` waits up to
-``queue.POLL_S`` for the result, then asks the SDK to try again (the queue: ``queue.py``). A failed call's future carries the
-reason (category ``user`` for bad input); no adapter changes on a failed call, and the service
-keeps serving.
+tinker-cookbook's environments do, fills the engine's slots instead of decoding one at a time).
+``retrieve_future`` waits up to ``queue.POLL_S`` for the result, then asks the SDK to try again
+(the queue: ``queue.py``). A failed call's future carries the reason (category ``user`` for bad
+input); no adapter changes on a failed call, and the service keeps serving.
 """
 
 

@@ -20,6 +20,11 @@ Evaluate = Callable[[Any, Any], dict]
 producing side owns (``rlx.trainer.produce.evaluate``) and the learn side is handed."""
 
 
+def due(every: int, step: int) -> bool:
+  """Whether work done every ``every`` steps (0: never) is due after ``step``."""
+  return bool(every) and step % every == 0
+
+
 class TrainingError(RuntimeError):
   """The run cannot go on; the message says why, what to change and what is saved."""
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from rlx.rewards import Scored
-from rlx.trainer.learn.hooks import AfterStep, Hook, due, run_hooks
+from rlx.trainer.common import due
+from rlx.trainer.learn.hooks import AfterStep, Hook, run_hooks
 from rlx.trainer.produce.tally import Tally, merge_rewards
 
 

@@ -6,7 +6,7 @@ order given, and see one ``AfterStep``.
                   on_stop=False), ...]
     run_hooks(hooks, AfterStep(step, draw, metrics, data_state, stopping, last))
 
-One rule says when work done every N steps is due (``due``); a hook adds only what differs:
+One rule says when work done every N steps is due (``common.due``); a hook adds only what differs:
 whether it also runs after the last step, and whether a step after which the run stops always
 runs it (the checkpoint) or never does (the evaluation: a stop takes seconds).
 """
@@ -16,12 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from rlx.trainer.common import due
 from rlx.trainer.draw import Draw
-
-
-def due(every: int, step: int) -> bool:
-  """Whether work done every ``every`` steps (0: never) is due after ``step``."""
-  return bool(every) and step % every == 0
 
 
 @dataclasses.dataclass

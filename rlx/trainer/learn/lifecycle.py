@@ -121,7 +121,8 @@ def _what_changed(run: Run) -> str:
 
 def finish(run: Run, learner: Learner, *, start: int | None, step: int, stop, data_state: dict,
            say: Say, evaluate: Evaluate, seconds: dict[str, float], loop_started: float,
-           loop_evals: dict[str, float], save_meta: dict | None = None, final: dict | None = None) -> dict:
+           loop_evals: dict[str, float], save_meta: dict | None = None,
+           final: dict | None = None) -> dict:
   """Saves the last step (unless that save is already started), waits until it is on disk,
   and returns ``{"seconds": where the time went, "eval_accuracy_after": the held-out accuracy
   after RL, "final": the final evaluation's figures}`` (skipped after a stop signal, so that

@@ -35,6 +35,14 @@ AGENT_SUMS = ("episodes", "turns", "truncated", "env_s", "tool_wait_s", "step_ti
               "slot_steps", "busy_steps", "held_steps", "parked_s", "life_s", "away_s", *COUNTS)
 
 
+def given_reward(episode: Episode) -> tuple[float, bool] | None:
+  """The (reward, correct) an episode's environment gave (its ``correct`` info, else a reward
+  of at least 1), or None when it gave none and the reward function is asked."""
+  if not episode.rewarded:
+    return None
+  return episode.reward, episode.info.get("correct", float(episode.reward >= 1.0)) >= 1
+
+
 def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, seed: int,
                  version: int, first_prompt_index: int = 0, inflight=None,
                  tally: Tally | None = None) -> tuple[list[Completion], Scored]:
@@ -59,8 +67,7 @@ def run_episodes(run, params, rows: list[dict], *, n: int, temperature: float, s
     episodes.close()
   ordered = [episodes.episodes[(c.prompt_index, c.sample_index)] for c in completions]
   scored = merge_rewards(
-      run.pool, [(e.reward, e.info.get("correct", float(e.reward >= 1.0)) >= 1)
-                 if e.rewarded else None for e in ordered],
+      run.pool, [given_reward(e) for e in ordered],
       lambda i: (ordered[i].final_text,
                  dict(episodes.rows[completions[i].prompt_index], messages=ordered[i].messages)))
   counts = dict(scored.counts)

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from rlx import progress
 from rlx.trainer.produce.collect import collect
+from rlx.trainer.common import due
 from rlx.trainer.draw import Draw
 from rlx.trainer.setup.run import Run
 
@@ -179,6 +180,17 @@ class Weights:
     return self.params, self.version
 
 
+def measure_mismatch(mismatch, every: int, batch: int, weights: Weights, draw: Draw) -> None:
+  """On every ``every``-th batch a producer hands over (``logging.mismatch_every``), the
+  engine/learner mismatch on the draw's rows sampled wholly by the weights held now
+  (``experience.make_mismatch``'s measure), as ``rollout/mismatch_kl`` in its counts."""
+  if mismatch is None or not due(every, batch):
+    return
+  measured = mismatch(weights.params, draw.completions, weights.version, draw.temperature)
+  if measured is not None:
+    draw.counts["rollout/mismatch_kl"] = measured[0]
+
+
 def produce(run: Run, gate: Gate, weights: Weights, sink: Sink, *, first: int = 0,
             stride: int = 1, mismatch=None, mismatch_every: int = 0,
             delay_s: float = 0.0, collect_fn=collect) -> int:
@@ -202,10 +214,7 @@ def produce(run: Run, gate: Gate, weights: Weights, sink: Sink, *, first: int = 
                    temperature=opened.temperature, inflight=weights if inflight else None)
     if delay_s:
       time.sleep(delay_s)
-    if mismatch is not None and mismatch_every and (index // stride) % mismatch_every == 0:
-      measured = mismatch(weights.params, draw.completions, weights.version, draw.temperature)
-      if measured is not None:
-        draw.counts["rollout/mismatch_kl"] = measured[0]
+    measure_mismatch(mismatch, mismatch_every, index // stride, weights, draw)
     sink.put(Produced(index, draw, opened.setting, sync_seconds=weights.seconds - synced,
                       waited_seconds=started - waiting,
                       busy_seconds=time.perf_counter() - started,

@@ -70,12 +70,12 @@ from rlx.envs.calls import turn_stop_ids
 from rlx.rewards import Scored
 from rlx.rollout import Completion
 from rlx.trainer.episodes import Episodes, tool_format
-from rlx.trainer.produce.agents import episode_sums, write_samples
+from rlx.trainer.produce.agents import episode_sums, given_reward, write_samples
 from rlx.trainer.produce.collect import _Scorer, exhausted
 from rlx.trainer.produce.tally import Tally, slot_metrics
 from rlx.trainer import control
 from rlx.trainer.draw import Draw
-from rlx.trainer.produce.loop import Produced
+from rlx.trainer.produce.loop import Produced, measure_mismatch
 from rlx.trainer.setup.run import Run
 
 POLL_S = 0.02
@@ -189,10 +189,7 @@ class Streamer:
       return episode.final_text, dict(self.group_rows[c.prompt_index], messages=episode.messages)
 
     def direct(c: Completion):
-      episode = episodes[(c.prompt_index, c.sample_index)]
-      if not episode.rewarded:
-        return None
-      return episode.reward, episode.info.get("correct", float(episode.reward >= 1.0)) >= 1
+      return given_reward(episodes[(c.prompt_index, c.sample_index)])
 
     return describe, direct
 
@@ -284,8 +281,7 @@ class Streamer:
       sums = episode_sums(episodes, group.completions)
       # an environment step still running once its episode ended: it ran past its timeout
       sums["step_timeouts"] = sum(r is not None and not r.done() for r in replies)
-      for key, value in sums.items():
-        tally.agent[key] = tally.agent.get(key, 0.0) + value
+      tally.count({f"agent:{key}": value for key, value in sums.items()})
       tally.latencies += [call for e in episodes for call in e.tool_seconds]
     kept = tally.add(Scored(group.rewards, group.correct, {}, group.components),
                      dynamic=self.config.algorithm.dynamic).all()
@@ -320,20 +316,17 @@ class Streamer:
         "rollout/groups_in_flight": len(self.flight),
         **slot_metrics(slots),
     })
+    rewards = np.concatenate([g.rewards for g in groups])
     if self.episodes is not None and self.temperature > 0:
-      write_samples(self.run, completions, np.concatenate([g.rewards for g in groups]))
+      write_samples(self.run, completions, rewards)
     now = time.perf_counter()
     busy, self.since = now - self.since - self.waited, now
-    draw = Draw(completions=completions, rewards=np.concatenate([g.rewards for g in groups]),
+    draw = Draw(completions=completions, rewards=rewards,
                 correct=np.concatenate([g.correct for g in groups]), counts=counts,
                 generate_seconds=busy, data_state=self._data_state(),
                 temperature=self.temperature, born=min(g.born for g in groups))
-    if (self.mismatch is not None and self.mismatch_every
-        and (self.index // self.stride) % self.mismatch_every == 0):
-      measured = self.mismatch(self.weights.params, completions, self.weights.version,
-                               self.temperature)
-      if measured is not None:
-        counts["rollout/mismatch_kl"] = measured[0]
+    measure_mismatch(self.mismatch, self.mismatch_every, self.index // self.stride,
+                     self.weights, draw)
     produced = Produced(self.index, draw, min(g.setting for g in groups),
                         sync_seconds=self.weights.seconds - self.synced,
                         waited_seconds=self.waited, busy_seconds=busy,

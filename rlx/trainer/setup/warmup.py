@@ -270,8 +270,9 @@ def warmed_up(config: RunConfig, model: Model, source, tokenizer: Tokenizer, mes
                           learning_rate=trainer.warmup_sft_learning_rate,
                           renderer=renderer, say=say,
                           until=trainer.warmup_sft_until, probe=probe,
-                          row_sharding=batch_sharding(meshes.learning, config.mesh.logical_axis_rules,
-                                              trainer.warmup_sft_batch))
+                          row_sharding=batch_sharding(meshes.learning,
+                                                      config.mesh.logical_axis_rules,
+                                                      trainer.warmup_sft_batch))
   if not (all(map(math.isfinite, losses)) and _finite(model.params)):
     bad = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
     raise NonFiniteError(
