@@ -45,8 +45,9 @@ import numpy as np
 from rlx import unroll
 from rlx.config import ArchConfig
 from rlx.kernels import target_platform
+from rlx.models.params import (  # noqa: F401 - the parameters' layout, named here too
+    ParamSpec, Params, init_params, logical_axes, param_shapes, param_specs)
 
-Params = dict[str, Any]
 Cache = dict[str, jax.Array]
 
 _REMAT_POLICIES = {
@@ -54,49 +55,6 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-  """Shape, logical axes and initialiser of one parameter."""
-
-  shape: tuple[int, ...]
-  axes: tuple[str | None, ...]
-  init: Literal["normal", "ones", "zeros"]
-
-
-def param_specs(arch: ArchConfig) -> dict[str, Any]:
-  """Shape, logical axes and initialiser of every parameter, as a nested dict."""
-  L, D, H, K, E, F, V = (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-                         arch.head_dim, arch.intermediate_size, arch.vocab_size)
-  layers = {
-      "attn_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
-      "q": ParamSpec((L, D, H, E), ("layers", "embed", "heads", "head_dim"), "normal"),
-      "k": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-      "v": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-      "o": ParamSpec((L, H, E, D), ("layers", "heads", "head_dim", "embed"), "normal"),
-      "mlp_norm": ParamSpec((L, D), ("layers", "norm"), "ones"),
-      "gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-      "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-      "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
-  }
-  if arch.qkv_bias:
-    layers["q_bias"] = ParamSpec((L, H, E), ("layers", "heads", "head_dim"), "zeros")
-    layers["k_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
-    layers["v_bias"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
-  if arch.o_bias:
-    layers["o_bias"] = ParamSpec((L, D), ("layers", "norm"), "zeros")
-  if arch.qk_norm:
-    layers["q_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
-    layers["k_norm"] = ParamSpec((L, E), ("layers", "head_dim"), "ones")
-  specs = {
-      "embed": ParamSpec((V, D), ("vocab", "embed"), "normal"),
-      "layers": layers,
-      "final_norm": ParamSpec((D,), ("norm",), "ones"),
-  }
-  if not arch.tie_word_embeddings:
-    specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
-  return specs
 
 
 def layer_list(params: Params) -> list[dict[str, jax.Array]]:
@@ -124,37 +82,6 @@ POSITION_AXIS = {("stacked", "k"): 3, ("stacked", "v"): 3, ("per_layer", "k"): 3
 
 def cache_layout(cache: Cache) -> CacheLayout:
   return "per_layer" if isinstance(cache["k"], (tuple, list)) else "stacked"
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, ParamSpec)
-
-
-def logical_axes(arch: ArchConfig) -> dict[str, Any]:
-  """The logical axis names of every parameter (same tree as the params)."""
-  return jax.tree.map(lambda s: s.axes, param_specs(arch), is_leaf=_is_spec)
-
-
-def param_shapes(arch: ArchConfig) -> dict[str, Any]:
-  """The shape of every parameter (same tree as the params)."""
-  return jax.tree.map(lambda s: s.shape, param_specs(arch), is_leaf=_is_spec)
-
-
-def init_params(arch: ArchConfig, key: jax.Array, param_dtype: Any = jnp.float32) -> Params:
-  """Random parameters: N(0, 0.02) matrices, unit norms, zero biases.
-
-  Jit it with ``out_shardings`` to create the params already sharded.
-  """
-  specs = param_specs(arch)
-  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-  keys = jax.random.split(key, len(leaves))
-
-  def make(spec: ParamSpec, k):
-    if spec.init == "normal":
-      return (0.02 * jax.random.normal(k, spec.shape, jnp.float32)).astype(param_dtype)
-    return (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, param_dtype)
-
-  return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
 
 
 # LoRA (rlx.models.lora), per target: the einsum subscripts of its input (after b, t), its weight and its output

@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import inspect
 import ipaddress
-import json
 import logging
 import socket
 import threading
@@ -43,7 +42,7 @@ from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.envs.render import Renderer
 from rlx.serve import protocol, streaming
 from rlx.serve.batcher import Batcher, Generated, Request, ServingClosed
-from rlx.serve.protocol import ApiError
+from rlx.serve.protocol import ApiError, parse_body
 from rlx.serve.trajectories import EpisodeLog
 
 # An over-limit body is drained up to this many bytes so its client reads the 413.
@@ -65,21 +64,6 @@ def _top_logprobs(transformer, params, tokens, mask, temperature):
   hidden, _ = transformer.hidden_states(params, tokens, mask)
   logprobs = jax.nn.log_softmax(transformer.logits(params, hidden) / temperature, axis=-1)
   return jax.lax.top_k(logprobs, 20)
-
-
-def _no_constant(name: str):
-  raise ValueError(f"{name} is not a JSON number")
-
-
-def parse_body(body: bytes) -> object:
-  """A request body as JSON, or a 400: not JSON, NaN or Infinity (Python reads them, JSON has
-  none), or nested past what the parser recurses into."""
-  try:
-    return json.loads(body, parse_constant=_no_constant)
-  except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
-    raise ApiError(400, f"the body is not valid JSON: {error}") from None
-  except RecursionError:
-    raise ApiError(400, "the body is nested too deeply") from None
 
 
 def seed_key(seed: int) -> jax.Array:

@@ -1,12 +1,12 @@
 """The OpenAI chat- and text-completions schema: what a request may hold, the errors, and the
 responses built from the ids the engine sampled.
 
-Requests are validated by pydantic models (unknown fields are accepted and ignored, as the
-OpenAI API does for fields it does not know); a request that does not validate, or asks for
-more than the endpoint allows, is an ``ApiError`` with OpenAI's error JSON and a 4xx status.
-Tool calls in a sampled answer are read with the model's format (``envs.calls``) and returned
-as ``tool_calls`` (finish reason ``tool_calls``); an answer whose call cannot be read is
-returned as plain text.
+A body is read as strict JSON (``parse_body``); requests are validated by pydantic models
+(unknown fields are accepted and ignored, as the OpenAI API does for fields it does not know);
+a request that does not validate, or asks for more than the endpoint allows, is an ``ApiError``
+with OpenAI's error JSON and a 4xx status. Tool calls in a sampled answer are read with the
+model's format (``envs.calls``) and returned as ``tool_calls`` (finish reason ``tool_calls``);
+an answer whose call cannot be read is returned as plain text.
 """
 
 from __future__ import annotations
@@ -34,6 +34,21 @@ class ApiError(Exception):
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                       "code": self.code}}
+
+
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(body: bytes) -> object:
+  """A request body as JSON, or a 400: not JSON, NaN or Infinity (Python reads them, JSON has
+  none), or nested past what the parser recurses into."""
+  try:
+    return json.loads(body, parse_constant=_no_constant)
+  except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+    raise ApiError(400, f"the body is not valid JSON: {error}") from None
+  except RecursionError:
+    raise ApiError(400, "the body is nested too deeply") from None
 
 
 _STRICT = pydantic.ConfigDict(extra="allow", strict=True)
