@@ -83,7 +83,7 @@ class Batcher(_Run):
                decode: Callable[[Sequence[int]], str] | None = None, reuse: bool = True):
     # one sample per prompt; no request is known yet
     super().__init__(engine, params, [], 1, 1, 1.0, 1.0, 0, (), 0, version, "continuous",
-                     stats={"requests": 0, "reused": 0, "reused_tokens": 0})
+                     stats={"requests": 0, "reused": 0, "reused_tokens": 0, "abandoned": 0})
     self.decode = decode
     self.inbox: queue.SimpleQueue[tuple[Request, concurrent.futures.Future]] = queue.SimpleQueue()
     self.requests: list[Request] = []
@@ -93,6 +93,7 @@ class Batcher(_Run):
     self.parked: dict[int, list[int]] = {}  # slot -> the ids its cache holds (oldest first)
     self.closed: BaseException | None = None
     self.lock = threading.Lock()
+    self.abandoned: set[concurrent.futures.Future] = set()  # by callers, not yet released
 
   # --- any thread ------------------------------------------------------------------------------
 
@@ -123,6 +124,18 @@ class Batcher(_Run):
         raise ServingClosed(str(self.closed))
       self.inbox.put((request, future))
     return future
+
+  def abandon(self, future: concurrent.futures.Future) -> None:
+    """Its caller no longer wants this request's answer (the client went away): a queued
+    request never starts; one already running gives up its slot at the next chunk (the slot
+    decodes on unread, a zombie, until it is refilled) and its future is cancelled."""
+    if future.cancel():
+      with self.lock:
+        self.stats["abandoned"] += 1
+      return
+    with self.lock:
+      if not future.done():
+        self.abandoned.add(future)
 
   def close(self, reason: str = "the endpoint stopped serving") -> None:
     """Fails every queued request and refuses new ones."""
@@ -180,6 +193,7 @@ class Batcher(_Run):
         state, _ = self._decode(state, sorted({*owned, *self.zombies, *self.parked}), waiting)
 
   def _admit(self) -> None:
+    self._release_abandoned()
     while True:
       try:
         request, future = self.inbox.get_nowait()
@@ -195,6 +209,31 @@ class Batcher(_Run):
     self.futures.append(future)
     self.pending.append(len(self.prompts) - 1)
     self.stats["requests"] += 1
+
+  def _release_abandoned(self) -> None:
+    """Frees the slots and queue places of abandoned requests. One between its prefill and its
+    slot stays marked until it has a slot."""
+    with self.lock:
+      if not self.abandoned:
+        return
+      self.abandoned = {f for f in self.abandoned if not f.done()}
+      marked = set(self.abandoned)
+    gone = []
+    for slot, owner in enumerate(self.owner):
+      if owner is not None and self.futures[owner[0]] in marked:
+        self.partial.pop((owner[0], 0), None)
+        self.owner[slot] = None
+        self.zombies.add(slot)
+        gone.append(owner[0])
+    for p in list(self.pending):
+      if self.futures[p] in marked:
+        self.pending.remove(p)
+        gone.append(p)
+    for p in gone:
+      self._fail(p, concurrent.futures.CancelledError("its caller abandoned it"))
+    with self.lock:
+      self.abandoned.difference_update(self.futures[p] for p in gone)
+      self.stats["abandoned"] += len(gone)
 
   def _forget(self, p: int) -> None:
     self.prompts[p] = self.requests[p] = None  # the request is done: keep no ids around

@@ -47,6 +47,7 @@ from rlx.serve.trajectories import EpisodeLog
 
 # An over-limit body is drained up to this many bytes so its client reads the 413.
 _DRAIN_BYTES = 64 << 20
+_DISCONNECT_POLL_S = 0.2  # how often a request being sampled checks that its client is there
 
 
 def _fastapi():
@@ -131,7 +132,7 @@ class Endpoint:
     """Held by whoever runs the batcher (``Batcher.serve`` runs in one thread at a time)."""
     self.base_key = jax.random.key(seed)
     self.counter = 0
-    self.counts = {"requests": 0, "errors": 0, "history_rewrites": 0}
+    self.counts = {"requests": 0, "errors": 0, "history_rewrites": 0, "disconnected": 0}
     self.server = None
     self.thread: threading.Thread | None = None
 
@@ -252,6 +253,10 @@ class Endpoint:
       return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
     except ServingClosed as error:
       raise ApiError(503, f"not serving: {error}", kind="server_error") from None
+    except asyncio.CancelledError:  # the client went away: its slots go to other requests
+      for future in futures:
+        self.batcher.abandon(future)
+      raise
 
   def _text(self, generated: Generated) -> str:
     text = self.tokenizer.decode(generated.tokens)
@@ -416,7 +421,7 @@ class Endpoint:
   def app(self):
     """The FastAPI application."""
     fastapi, _ = _fastapi()
-    from fastapi.responses import JSONResponse, StreamingResponse  # noqa: PLC0415
+    from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
 
     app = fastapi.FastAPI(title="rlx", docs_url=None, redoc_url=None, openapi_url=None)
     endpoint = self
@@ -442,13 +447,25 @@ class Endpoint:
         raise too_large
       return parse_body(bytes(body))
 
+    async def gone(request) -> None:
+      while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+
     def answer(handler: Callable, body: bool = True):
       async def route(request):
         endpoint.counts["requests"] += 1
         try:
           result = handler(await read(request) if body else None, request.headers)
           if asyncio.iscoroutine(result):
-            result = await result
+            # a client that hangs up while its answer is sampled frees the engine's slots
+            work, watch = asyncio.ensure_future(result), asyncio.ensure_future(gone(request))
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            watch.cancel()
+            if not work.done():
+              work.cancel()
+              endpoint.counts["disconnected"] += 1
+              return Response(status_code=499)  # nobody reads it
+            result = work.result()
           if isinstance(result, streaming.Stream):
             return StreamingResponse(streaming.events(result), media_type="text/event-stream")
           return JSONResponse(result)

@@ -2,6 +2,7 @@
 ``rollout.generate`` of the same prompts with the same keys: the same tokens and log-probs,
 whichever requests share the slots; stop strings; an engine that raises fails the requests."""
 
+import concurrent.futures
 import threading
 
 import jax
@@ -79,6 +80,41 @@ def test_stop_text_ends_a_request_and_the_slot_is_reused(model):
   assert cut.tokens == tokens[:3] and cut.stop_text == stop and cut.finish_reason == "stop"
   rest = [f.result().tokens for f in futures[1:]]
   assert rest[0] == rest[1] == rest[2]  # the zombie slot never leaked into the others
+
+
+def test_an_abandoned_request_gives_up_its_slot_at_the_next_chunk(model):
+  engine = Engine(model.transformer, max_slots=1, max_len=48, max_prompt_len=16, decode_steps=4)
+  alone = Batcher(engine, model.params)
+  reference = alone.submit(Request(prompt=[7, 8, 9], max_tokens=8, key=_key(2, 1, 0)))
+  alone.serve(until=reference.done)
+
+  batcher = Batcher(engine, model.params)
+  long = batcher.submit(Request(prompt=[5, 6], max_tokens=40, key=_key(2, 0, 0)))
+  chunks, later = [], []
+  decode = batcher._decode
+
+  def chunk(state, slots, waiting):
+    if not chunks:  # its client hangs up while the first chunk decodes
+      batcher.abandon(long)
+      later.append(batcher.submit(Request(prompt=[7, 8, 9], max_tokens=8, key=_key(2, 1, 0))))
+    chunks.append(slots)
+    return decode(state, slots, waiting)
+
+  batcher._decode = chunk
+  batcher.serve(until=lambda: bool(later) and later[0].done())
+  with pytest.raises(concurrent.futures.CancelledError):
+    long.result(timeout=1)
+  # the one slot went to the later request after one chunk of the long one (40 tokens would
+  # take 10), and its stale cache did not leak into the later request's tokens
+  assert later[0].result().tokens == reference.result().tokens
+  assert len(chunks) <= 3 and batcher.stats["abandoned"] == 1
+  assert not batcher.partial and batcher.abandoned == set()
+  # a queued request abandoned never starts
+  queued = batcher.submit(Request(prompt=[5], max_tokens=4, key=_key(0, 0, 0)))
+  batcher.abandon(queued)
+  batcher.serve(until=lambda: True)
+  assert queued.cancelled() and batcher.stats["requests"] == 2
+  assert batcher.stats["abandoned"] == 2
 
 
 def test_a_prompt_too_long_is_refused_and_close_fails_the_queue(model):

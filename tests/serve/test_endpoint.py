@@ -4,7 +4,9 @@ and a suite of malformed requests that leave it answering."""
 
 import concurrent.futures
 import json
+import socket
 import threading
+import time
 import urllib.request
 
 import jax
@@ -239,6 +241,31 @@ def _serves(endpoint):
   """One token sampled: the engine's thread still runs."""
   code, answer = _post(endpoint, "/v1/completions", _complete(max_tokens=1))
   return code == 200 and len(answer["choices"]) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_frees_its_request(stream):
+  model = init_model(ARCH, jax.random.key(0))
+  engine = Engine(model.transformer, max_slots=1, max_len=64, max_prompt_len=16, decode_steps=4)
+  endpoint = Endpoint(engine, TOKENIZER, model.params, max_tokens=40).start()
+  try:
+    body = _complete(max_tokens=40, stream=stream)
+    host, port = endpoint.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port))) as connection:
+      connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+      deadline = time.monotonic() + 30
+      while endpoint.batcher.inbox.empty() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the request is queued (no engine thread serves yet)
+    # hung up before an answer: the request is dropped from the queue, never decoded
+    while endpoint.counts["disconnected"] == 0 and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert endpoint.counts["disconnected"] == 1 and endpoint.batcher.stats["abandoned"] == 1
+    endpoint.batcher.serve(until=lambda: True)
+    assert endpoint.batcher.stats["requests"] == 0
+  finally:
+    endpoint.stop()
 
 
 def test_malformed_requests_get_openai_errors_and_the_server_keeps_answering(served):

@@ -200,6 +200,9 @@ def _run(run, endpoint: Endpoint, params, rows, n, temperature, seed, version,
   sums["slot_steps"] = endpoint.batcher.stats["slot_steps"] - before["slot_steps"]
   sums["busy_steps"] = endpoint.batcher.stats["busy_steps"] - before["busy_steps"]
   sums["held_steps"] = endpoint.batcher.stats["held_steps"] - before["held_steps"]
+  # requests whose client hung up before the answer: their slots went to others
+  sums["abandoned_requests"] = (endpoint.batcher.stats["abandoned"]
+                                - before.get("abandoned", 0))
   counts.update({f"agent:{key}": value for key, value in sums.items()})
   completions = [c for c, _, _ in completions]
   if jax.process_index() == 0 and temperature > 0 and completions:

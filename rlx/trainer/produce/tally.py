@@ -89,6 +89,7 @@ def agent_metrics(sums: dict[str, float],
         "agent/failed_frac": failures / max(sums.get("episodes", 0)
                                             + sums.get("dropped_episodes", 0) + failures, 1),
         "agent/history_rewrites": sums.get("history_rewrites", 0),
+        "agent/abandoned_requests": sums.get("abandoned_requests", 0),
         # sampled tokens left out of training: other segments, unchosen choices of n > 1
         "agent/dropped_token_frac": (sums.get("dropped_tokens", 0)
                                      / max(sums.get("sampled_tokens", 0), 1)),
