@@ -82,7 +82,7 @@ def load_factory(name: str) -> Callable[[dict], Environment]:
   if name in FACTORIES:
     return FACTORIES[name]
   if name.startswith("openenv:"):
-    from rlx.envs.openenv import factory  # noqa: PLC0415 - needs openenv-core
+    from rlx.envs.openenv import factory  # noqa: PLC0415 - needs openenv
 
     try:
       return factory(name.removeprefix("openenv:"))

@@ -4,7 +4,8 @@
 
 names an OpenEnv ``Environment`` subclass (made once per episode, without arguments), or a
 factory ``(row) -> environment``, which may also return a synchronous client of an environment
-served elsewhere (``MyEnvClient(base_url=...).sync()``). Needs ``pip install openenv-core``.
+served elsewhere (``MyEnvClient(base_url=...).sync()``). Needs OpenEnv: ``pip install openenv``
+(0.10 on; ``openenv-core`` before, the same ``openenv.core`` modules).
 
 - The first messages: the row's ``prompt`` (if any), then the text of the observation that
   ``reset()`` returns.
