@@ -130,6 +130,39 @@ def test_one_clients_step_never_changes_anothers(client):
   assert two.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] == before
 
 
+def test_a_custom_loss_trains_as_the_built_in_loss_it_equals(client):
+  """``forward_backward_custom`` (the SDK's forward, the loss's gradient on the client, a
+  backward with it as cross-entropy weights), with the optimizer step submitted before its
+  result: the same steps as the built-in loss it computes, and any differentiable loss runs."""
+  import torch
+
+  data = [_datum([1, 5, 9, 13, 17, 21]), _datum([2, 4, 6, 8])]
+  custom = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+  built_in = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+
+  def weighted_nll(datums, logprobs):
+    loss = sum(-(torch.tensor(d.loss_fn_inputs["weights"].to_numpy()) * lp).sum()
+               for d, lp in zip(datums, logprobs))
+    return loss, {"nll": float(loss)}
+
+  for _ in range(2):
+    futures = [custom.forward_backward_custom(data, weighted_nll),
+               custom.optim_step(tinker.AdamParams(learning_rate=1e-2))]
+    out = futures[0].result()
+    futures[1].result()
+    reference = built_in.forward_backward(data, "cross_entropy").result()
+    built_in.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    assert np.isclose(out.metrics["nll"], reference.metrics["loss:sum"], rtol=1e-5)
+  after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"]
+           for c in (custom, built_in)]
+  assert np.isclose(after[0], after[1], rtol=1e-5) and after[0] < reference.metrics["loss:sum"]
+  # a loss no built-in computes: the square of every log-prob, through the same path
+  squared = custom.forward_backward_custom(
+      data, lambda datums, logprobs: (sum((lp ** 2).sum() for lp in logprobs), {})).result()
+  assert squared.metrics
+  custom.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: [_datum([1, 2, 999])], "outside the vocabulary"),
     (lambda: [tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2, 3]),
