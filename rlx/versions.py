@@ -52,6 +52,7 @@ from rlx.sync import Params, Published, SyncMismatch, _as_is, check_landed
 
 FORMAT = 1
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_ALIGN = 64
 
 
 def _bits(array: np.ndarray) -> np.ndarray:
@@ -136,10 +137,19 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
                                                thread_name_prefix="rlx-versions-frames")
 
 
+def _fresh(count: int, dtype) -> np.ndarray:
+  """An empty array whose buffer starts on a 64-byte boundary: JAX's CPU client places such a
+  buffer on the device without a copy (it aliases it)."""
+  dtype = np.dtype(dtype)
+  raw = np.empty(count * dtype.itemsize + _ALIGN, np.uint8)
+  start = -raw.ctypes.data % _ALIGN
+  return raw[start:start + count * dtype.itemsize].view(dtype)
+
+
 def read_version(path: pathlib.Path, held: tuple[int, dict[str, np.ndarray]] | None
                  ) -> tuple[dict, dict[str, np.ndarray]]:
-  """(index, bits) of the version at ``path``; a delta applies to ``held`` (its base's bits,
-  which it may change in place)."""
+  """(index, bits) of the version at ``path``; a delta applies to ``held`` (its base's
+  bits). The bits are new arrays, never written again: the device may alias them."""
   index = json.loads((path / "index.json").read_text())
   if index.get("format") != FORMAT:
     raise ValueError(f"{path} is in version format {index.get('format')}, not {FORMAT}")
@@ -156,32 +166,32 @@ def read_version(path: pathlib.Path, held: tuple[int, dict[str, np.ndarray]] | N
         if entry["bytes"] != count * dtype.itemsize:
           raise ValueError(f"{name} in {path} holds {entry['bytes']} bytes, not "
                            f"{count * dtype.itemsize}")
-        bits[name] = np.empty(count, _BITS[dtype.itemsize])
+        bits[name] = _fresh(count, _BITS[dtype.itemsize])
         if data.readinto(memoryview(bits[name]).cast("B")) != entry["bytes"]:
           raise ValueError(f"{path / 'data'} ends before {name} (the write was cut short)")
         continue
       payload = memoryview(data.read(entry["bytes"]))
       if len(payload) != entry["bytes"]:
         raise ValueError(f"{path / 'data'} ends before {name} (the write was cut short)")
-      bits[name] = held[1][name]
+      bits[name] = _fresh(count, _BITS[dtype.itemsize])
       at = 0
       frames = entry["frames"]
       spans = _frames(bits[name])
       if len(frames) != len(spans):
         raise ValueError(f"{name}'s delta in {path} has {len(frames)} frames, not {len(spans)}")
       for (start, stop), size in zip(spans, frames):
-        jobs.append((name, start, stop, payload, at, size))
+        jobs.append((name, start, stop, payload, at, size, held[1][name]))
         at += size
 
   def apply(job):
-    name, start, stop, payload, at, size = job
+    name, start, stop, payload, at, size, base_bits = job
     target = bits[name][start:stop]
     raw = zstandard.ZstdDecompressor().decompress(payload[at:at + size],
                                                   max_output_size=target.nbytes)
     if len(raw) != target.nbytes:
       raise ValueError(f"a frame of {name}'s delta in {path} is {len(raw)} bytes, not "
                        f"{target.nbytes}")
-    np.bitwise_xor(target, np.frombuffer(raw, target.dtype), out=target)
+    np.bitwise_xor(base_bits[start:stop], np.frombuffer(raw, target.dtype), out=target)
 
   if jobs:
     with _pool() as pool:
@@ -197,7 +207,8 @@ class DeltaSync:
   for. ``whole_every``: a whole version at least this often.
 
   Memory: the writer keeps the last version's bits (one copy of the params, in host memory),
-  and so does a reader, beside the weights it samples with."""
+  and so does a reader: on one CPU device these are the very buffers its weights were placed
+  from (JAX aliases them), elsewhere a host copy beside the device's."""
 
   def __init__(self, directory: str | pathlib.Path, generation_shardings: Any, *, like: Params,
                keep: int = 2, whole_every: int = 10,
@@ -378,7 +389,7 @@ class DeltaSync:
                              f"write cut short, or files removed from it): {error}") from error
         held = (version, bits)
     except BaseException:
-      self._held = None  # a delta may have been applied to its bits in place
+      self._held = None  # the chain is broken: the next read starts from a whole version
       raise
     self._held = held
     return index, held[1]
@@ -392,8 +403,9 @@ class DeltaSync:
         raise SyncMismatch(f"policy version {version} in {self.directory} has no {name} of "
                            f"shape {tuple(like.shape)}: written by another model")
       host = bits[name].view(_dtype(entry["dtype"])).reshape(like.shape)
-      # may_alias=False: the held bits change in place when the next delta is applied
-      leaves.append(jax.device_put(host, sharding, may_alias=False))
+      # a version's bits are never written once read (a delta makes new ones), so the device
+      # may keep them as its buffer: no copy, and no second copy of the weights on the host
+      leaves.append(jax.device_put(host, sharding, may_alias=True))
     params = self.prepare(jax.tree.unflatten(jax.tree.structure(self._like), leaves))
     expected = digest.from_json(index["digest"])
     self.verified += check_landed(version, expected, params,

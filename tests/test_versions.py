@@ -84,6 +84,36 @@ def test_followers_late_joiners_and_resumes_rebuild_every_version(meshes, tmp_pa
     writer.close()
 
 
+def test_weights_read_on_one_device_need_no_copy_and_stay_their_version(meshes, tmp_path):
+  """On one CPU device the generator's weights are the very buffers a version was read into
+  (no copy); the next version, a delta from it, is built into new ones, so the weights a
+  generator still samples with keep their version's values."""
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  versions = [jax.device_put(v, one) for v in _bf16_versions(meshes, 2)]
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), versions[0])
+  place = jax.tree.map(lambda _: one, like)
+  writer = DeltaSync(tmp_path / "v", place, like=like)
+  reader = DeltaSync(tmp_path / "v", place, like=like)
+  try:
+    writer.publish(versions[0], 1)
+    writer.flush()
+    first, _ = reader.latest()
+    held = {id(b.base if b.base is not None else b) for b in reader._held[1].values()}
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(first)]
+    assert pointers == [b.ctypes.data for b in reader._held[1].values()]  # aliased, no copy
+    snapshot = jax.tree.map(lambda x: np.array(x, copy=True), first)
+    writer.publish(versions[1], 2)
+    writer.flush()
+    second, version = reader.latest(newer_than=1)
+    assert version == 2 and _bases(tmp_path / "v")[2] == 1
+    assert held.isdisjoint(id(b.base if b.base is not None else b)
+                           for b in reader._held[1].values())
+    chex.assert_trees_all_equal(jax.device_get(first), snapshot)
+    chex.assert_trees_all_equal(jax.device_get(second), jax.device_get(versions[1]))
+  finally:
+    writer.close()
+
+
 def test_the_writer_keeps_what_a_reader_may_still_need(meshes, tmp_path):
   writer = _sync(meshes, tmp_path / "v", keep=2, whole_every=3)
   try:
