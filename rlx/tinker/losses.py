@@ -84,6 +84,12 @@ def _sequence_ratio(logprobs: jax.Array, inputs: dict[str, jax.Array]) -> jax.Ar
 def settings(loss_fn: str, given: dict | None) -> dict[str, float]:
   """``loss_fn``'s config: its defaults, overridden by ``given``; an unknown loss or key raises
   ValueError naming it."""
+  if loss_fn == "stable_reinforce":
+    # tinker-cookbook's RL recipes default to it; its definition (with the stability records
+    # of the sampled sequences it reads) is not published, so it is not guessed here
+    raise ValueError("loss_fn 'stable_reinforce' is not served: its definition is not "
+                     "public; pass one of ppo, cispo, importance_sampling or gspo (in "
+                     "tinker-cookbook's RL recipes: loss_fn=ppo)")
   if loss_fn not in INPUTS:
     raise ValueError(f"loss_fn {loss_fn!r} is not served; this service serves "
                      f"{', '.join(sorted(INPUTS))}")

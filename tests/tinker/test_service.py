@@ -190,6 +190,9 @@ def test_an_unknown_loss_or_config_key_is_refused_by_name(client):
   training = client.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
   with pytest.raises(tinker.RequestFailedError, match="'dpo' is not served"):
     training.forward_backward([_datum([1, 2, 3])], "dpo").result()
+  with pytest.raises(tinker.RequestFailedError, match="'stable_reinforce' is not served: its "
+                     "definition is not public; pass one of ppo"):
+    training.forward_backward([_datum([1, 2, 3])], "stable_reinforce").result()
   with pytest.raises(tinker.RequestFailedError, match="clip_lo"):
     training.forward_backward([_datum([1, 2, 3])], "cross_entropy",
                               loss_fn_config={"clip_lo": 0.5}).result()
