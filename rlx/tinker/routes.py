@@ -141,15 +141,33 @@ def app(service: Service):
 
   @api.get("/api/v1/training_runs")
   async def training_runs(limit: int = 20, offset: int = 0):
+    service.expire()
     return service.runs.training_runs(limit, offset)
 
   @api.get("/api/v1/training_runs/{model_id}")
   async def training_run(model_id: str):
+    service.expire(model_id)
     return service.runs.training_run(model_id)
 
   @api.get("/api/v1/training_runs/{model_id}/checkpoints")
   async def checkpoints(model_id: str):
+    service.expire(model_id)
     return {"checkpoints": service.runs.checkpoints(model_id)}
+
+  @api.post("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+  async def publish(model_id: str, checkpoint_id: str):
+    service.runs.publish(model_id, checkpoint_id, public=True)
+    return JSONResponse(None)
+
+  @api.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
+  async def unpublish(model_id: str, checkpoint_id: str):
+    service.runs.publish(model_id, checkpoint_id, public=False)
+    return JSONResponse(None)
+
+  @api.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+  async def set_ttl(model_id: str, checkpoint_id: str, request: fastapi.Request):
+    service.runs.set_ttl(model_id, checkpoint_id, (await body(request)).get("ttl_seconds"))
+    return JSONResponse(None)
 
   @api.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
   async def delete_checkpoint(model_id: str, checkpoint_id: str):

@@ -1,7 +1,8 @@
 """The service's training runs and their checkpoints, as the SDK's ``RestClient`` reads them:
 ``list_training_runs``, ``get_training_run`` (and ``..._by_tinker_path``), ``list_checkpoints``,
-``get_weights_info_by_tinker_path`` and ``delete_checkpoint`` (tinker-cookbook asks a run for
-its renderer, and deletes its rolling checkpoints, through them).
+``get_weights_info_by_tinker_path``, ``delete_checkpoint``, publishing a checkpoint and
+setting its time to live (tinker-cookbook asks a run for its renderer, deletes its rolling
+checkpoints and gives its saves a TTL through them).
 
     runs = Runs(workdir)
     runs.created(model_id, base_model, lora_config, user_metadata)   # create_model, load_weights
@@ -11,7 +12,8 @@ A training run is a training client (its ``model_id``); it is on disk, not only 
 a restarted service lists the runs and checkpoints an earlier one wrote:
 ``WORKDIR/checkpoints/<run>/training_run.json`` holds what the run was created with, and each
 checkpoint is its directory, ``<run>/weights/<name>`` or ``<run>/sampler_weights/<name>``
-(``Service._directory``), its time the directory's and its size its files'.
+(``Service._directory``), its time the directory's and its size its files';
+``<run>/checkpoints.json`` holds which are public and when each expires.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from rlx.tinker.training import BadInput
 
 RUN_FILE = "training_run.json"
+FLAGS_FILE = "checkpoints.json"
+"""Per run: each checkpoint's publication and expiry (``{id: {"public", "expires_at"}}``)."""
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 """A checkpoint's directory under its run -> the SDK's ``checkpoint_type``."""
 OWNER = "rlx"
@@ -39,6 +43,15 @@ def run_directory(root: pathlib.Path, model_id: str) -> pathlib.Path:
 
 def _iso(seconds: float) -> str:
   return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat()
+
+
+def check_ttl(ttl_seconds) -> None:
+  """Raises ``BadInput`` unless ``ttl_seconds`` is a number of seconds > 0 or None."""
+  if ttl_seconds is not None and not (isinstance(ttl_seconds, (int, float))
+                                      and not isinstance(ttl_seconds, bool) and ttl_seconds > 0):
+    raise BadInput(f"ttl_seconds must be a number of seconds > 0, or null; got {ttl_seconds!r}")
+
+
 
 
 class Runs:
@@ -69,9 +82,81 @@ class Runs:
     except (OSError, ValueError):
       raise BadInput(f"training run {model_id!r} is unknown here") from None
 
+  # --- publication and expiry ---------------------------------------------------------------
+
+  def _flags(self, model_id: str) -> dict[str, dict]:
+    try:
+      return json.loads((run_directory(self.root, model_id) / FLAGS_FILE).read_text())
+    except (OSError, ValueError):
+      return {}
+
+  def _write_flags(self, model_id: str, flags: dict[str, dict]) -> None:
+    directory = run_directory(self.root, model_id)
+    partial = directory / f".{FLAGS_FILE}.partial"
+    partial.write_text(json.dumps(flags, indent=1))
+    partial.rename(directory / FLAGS_FILE)
+
+  def _checkpoint_directory(self, model_id: str, checkpoint_id: str) -> pathlib.Path:
+    kind, _, name = checkpoint_id.partition("/")
+    if kind not in KINDS or not name or "/" in name or name.startswith("."):
+      raise BadInput(f"checkpoint id {checkpoint_id!r}: weights/<name> or "
+                     "sampler_weights/<name>")
+    directory = run_directory(self.root, model_id) / kind / name
+    if not directory.is_dir():
+      raise BadInput(f"run {model_id!r} has no checkpoint {checkpoint_id!r}")
+    return directory
+
+  def publish(self, model_id: str, checkpoint_id: str, public: bool = True) -> None:
+    """Marks a checkpoint public (or private again); doing what is already so is refused (the
+    Tinker API answers 409, which the SDK retries for minutes: here a 400, said at once)."""
+    self._checkpoint_directory(model_id, checkpoint_id)
+    flags = self._flags(model_id)
+    entry = flags.setdefault(checkpoint_id, {})
+    if bool(entry.get("public")) == public:
+      raise BadInput(f"checkpoint {checkpoint_id!r} of run {model_id!r} is already "
+                     f"{'public' if public else 'private'}")
+    entry["public"] = public
+    self._write_flags(model_id, flags)
+
+  def set_ttl(self, model_id: str, checkpoint_id: str, ttl_seconds: float | None) -> None:
+    """The checkpoint expires ``ttl_seconds`` from now (None: never); an expired checkpoint
+    is deleted the next time the service reads or writes the run's checkpoints."""
+    self._checkpoint_directory(model_id, checkpoint_id)
+    check_ttl(ttl_seconds)
+    flags = self._flags(model_id)
+    flags.setdefault(checkpoint_id, {})["expires_at"] = (
+        None if ttl_seconds is None else time.time() + float(ttl_seconds))
+    self._write_flags(model_id, flags)
+
+  def expire(self, model_id: str | None = None) -> list[str]:
+    """Deletes the checkpoints past their expiry (of one run, or of every run); returns
+    their tinker paths."""
+    ids = ([model_id] if model_id is not None else
+           [p.parent.name for p in self.root.glob(f"*/{FLAGS_FILE}")] if self.root.is_dir()
+           else [])
+    now, gone = time.time(), []
+    for run in ids:
+      flags = self._flags(run)
+      over = [c for c, f in flags.items() if f.get("expires_at") is not None
+              and f["expires_at"] <= now]
+      for checkpoint_id in over:
+        shutil.rmtree(run_directory(self.root, run) / checkpoint_id, ignore_errors=True)
+        del flags[checkpoint_id]
+        gone.append(f"tinker://{self._record_id(run)}/{checkpoint_id}")
+      if over:
+        self._write_flags(run, flags)
+    return gone
+
+  def _record_id(self, directory_name: str) -> str:
+    try:
+      return json.loads((self.root / directory_name / RUN_FILE).read_text())["training_run_id"]
+    except (OSError, ValueError, KeyError):
+      return directory_name
+
   def checkpoints(self, model_id: str) -> list[dict]:
     """The run's checkpoints, oldest first, as the SDK's ``Checkpoint``s."""
     directory = run_directory(self.root, model_id)
+    flags = self._flags(model_id)
     found = []
     for kind, checkpoint_type in KINDS.items():
       for saved in sorted((directory / kind).glob("*")) if (directory / kind).is_dir() else ():
@@ -83,7 +168,13 @@ class Runs:
             "tinker_path": f"tinker://{model_id}/{kind}/{saved.name}",
             "size_bytes": sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())})
     found.sort(key=lambda c: c["time"])
-    return [dict(c, time=_iso(c["time"])) for c in found]
+    out = []
+    for c in found:
+      entry = flags.get(c["checkpoint_id"], {})
+      expires = entry.get("expires_at")
+      out.append(dict(c, time=_iso(c["time"]), public=bool(entry.get("public")),
+                      expires_at=None if expires is None else _iso(expires)))
+    return out
 
   def training_run(self, model_id: str) -> dict:
     """The SDK's ``TrainingRun`` of ``model_id``."""
@@ -116,14 +207,11 @@ class Runs:
   def delete(self, model_id: str, checkpoint_id: str) -> pathlib.Path:
     """Deletes one checkpoint of run ``model_id`` (``weights/<name>`` or
     ``sampler_weights/<name>``); returns the directory it was."""
-    kind, _, name = checkpoint_id.partition("/")
-    if kind not in KINDS or not name or "/" in name or name.startswith("."):
-      raise BadInput(f"checkpoint id {checkpoint_id!r}: weights/<name> or "
-                     "sampler_weights/<name>")
-    directory = run_directory(self.root, model_id) / kind / name
-    if not directory.is_dir():
-      raise BadInput(f"run {model_id!r} has no checkpoint {checkpoint_id!r}")
+    directory = self._checkpoint_directory(model_id, checkpoint_id)
     shutil.rmtree(directory)
+    flags = self._flags(model_id)
+    if flags.pop(checkpoint_id, None) is not None:
+      self._write_flags(model_id, flags)
     return directory
 
 

@@ -34,7 +34,7 @@ from rlx.config import LoraConfig
 from rlx.models import lora
 from rlx.tinker import wire
 from rlx.tinker.queue import WorkQueue
-from rlx.tinker.runs import Runs
+from rlx.tinker.runs import Runs, check_ttl
 from rlx.tinker.training import ATTENTION, LORA_ALPHA, MLP, AdamHyper, Adapter, BadInput, Base
 
 log = logging.getLogger(__name__)
@@ -196,8 +196,15 @@ class Service(WorkQueue):
       raise BadInput(f"path {path!r} is not a tinker:// path this service wrote")
     return self.workdir / "checkpoints" / path.removeprefix("tinker://").replace(":", "_")
 
+  def expire(self, model_id: str | None = None) -> None:
+    """Deletes the checkpoints past their time to live (of one run, or all), and forgets the
+    sampler weights any of them held."""
+    for path in self.runs.expire(model_id):
+      self.samplers.pop(path, None)
+
   def save_weights(self, request: dict, for_sampler: bool = False) -> dict:
     model_id = request["model_id"]
+    check_ttl(request.get("ttl_seconds"))
     adapter = self.adapter(model_id)
     path = self._path(model_id, "sampler_weights" if for_sampler else "weights",
                       request.get("path"))
@@ -208,6 +215,9 @@ class Service(WorkQueue):
       # the base's served name in the PEFT config: a restarted service finds the base again
       lora.save_peft(snapshot, adapter.base.model.arch, adapter.config, directory,
                      adapter.base.name)
+      if request.get("ttl_seconds") is not None:  # the checkpoint expires (runs.set_ttl)
+        self.runs.set_ttl(model_id, path.removeprefix(f"tinker://{model_id}/"),
+                          request["ttl_seconds"])
       if for_sampler:
         self.samplers[path] = (adapter.base, snapshot, adapter.config.scale)
         if request.get("path") is None:  # an unnamed snapshot: a sampling session on it
@@ -278,7 +288,8 @@ class Service(WorkQueue):
   def _checkpoint(self, path: str, base_model: str | None = None
                   ) -> tuple[Base, LoraConfig, pathlib.Path]:
     """The base, adapter shape and directory of a checkpoint this service wrote (its PEFT
-    config names the base; ``base_model`` overrides it)."""
+    config names the base; ``base_model`` overrides it); one past its time to live is gone."""
+    self.expire()
     directory = self._directory(path)
     if not (directory / lora.PEFT_CONFIG).is_file():
       raise BadInput(f"{path!r} is not a checkpoint of this service (save_weights and "
@@ -296,6 +307,7 @@ class Service(WorkQueue):
   def sampler(self, path: str) -> tuple:
     """(base, adapters, scale) of the sampler checkpoint ``path``: saved by this process, or
     read from its directory (a checkpoint an earlier run of the service saved)."""
+    self.expire()
     if path in self.samplers:
       return self.samplers[path]
     base, config, directory = self._checkpoint(path)

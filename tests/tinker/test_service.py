@@ -403,6 +403,42 @@ def test_the_rest_client_lists_runs_and_checkpoints_reads_weights_info_and_delet
   assert [c["tinker_path"] for c in again.runs.checkpoints(training.model_id)] == [sampler]
 
 
+def test_checkpoints_are_published_and_expire_after_their_time_to_live(client, service_url):
+  """The RestClient publishes a checkpoint and makes it private again (each twice is a
+  conflict), gives it a time to live or takes it away; a save can carry one (tinker-cookbook's
+  ``ttl_seconds``). An expired checkpoint is gone: listed no more, its files deleted, and it
+  can no longer be sampled from."""
+  training = client.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+  kept = training.save_weights_for_sampler("kept").result().path
+  short = training.save_state("short", ttl_seconds=60).result().path
+  rest = client.create_rest_client()
+  rest.publish_checkpoint_from_tinker_path(kept).result()
+  with pytest.raises(Exception, match="already public"):
+    rest.publish_checkpoint_from_tinker_path(kept).result()
+  listed = {c.tinker_path: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+  assert listed[kept].public and not listed[short].public
+  assert listed[short].expires_at is not None and listed[kept].expires_at is None
+  rest.unpublish_checkpoint_from_tinker_path(kept).result()
+  with pytest.raises(Exception, match="already private"):
+    rest.unpublish_checkpoint_from_tinker_path(kept).result()
+  rest.set_checkpoint_ttl_from_tinker_path(short, 1).result()
+  rest.set_checkpoint_ttl_from_tinker_path(kept, 1).result()
+  rest.set_checkpoint_ttl_from_tinker_path(kept, None).result()  # never expires after all
+  time.sleep(1.5)
+  listed = {c.tinker_path: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+  assert list(listed) == [kept] and not listed[kept].public and listed[kept].expires_at is None
+  service = service_url[1]
+  assert not service._directory(short).exists()
+  sampling = client.create_sampling_client(model_path=kept)
+  rest.set_checkpoint_ttl_from_tinker_path(kept, 1).result()
+  time.sleep(1.5)
+  with pytest.raises(Exception, match="not a checkpoint of this service"):
+    sampling.sample(tinker.ModelInput.from_ints([1, 2]), 1,
+                    tinker.SamplingParams(max_tokens=2)).result()
+  with pytest.raises(Exception, match="ttl_seconds must be"):
+    training.save_state("bad", ttl_seconds=-5).result()
+
+
 def test_an_abandoned_sampling_call_is_dropped_from_the_queue(service_url):
   """The SDK cancels sampling calls its caller abandoned (``cancel_future``, on once the
   dynamic config says so): a queued one never decodes; one done is left as it is."""
