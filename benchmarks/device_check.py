@@ -27,7 +27,6 @@ it must run end to end here before it is trusted on a device).
 """
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import re

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import zipfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
