@@ -15,6 +15,9 @@ Stop ids end a request on the device. A stop *string* of several tokens is check
 after every chunk: the request finishes there, and its slot decodes on unread (a *zombie*)
 until it is refilled or ends, so that the device program never changes shape.
 
+A request whose caller went away (``abandon``: the endpoint's client hung up) is dropped from
+the queue, or gives its slot up at the next chunk, the slot decoding on unread as a zombie.
+
 A slot whose request ended on the device keeps its KV cache (it is *parked*) until a slot is
 needed. A later request whose prompt starts with a parked slot's prompt and answer (an agent's
 next turn) is appended to that cache (``Engine.extend``: only its new tokens are computed)
