@@ -42,12 +42,10 @@ from rlx.envs.calls import Format, detect_format, turn_stop_ids
 from rlx.envs.render import Renderer
 from rlx.serve import protocol, streaming
 from rlx.serve.batcher import Batcher, Generated, Request, ServingClosed
-from rlx.serve.protocol import ApiError, parse_body
+from rlx.serve.protocol import ApiError
 from rlx.serve.trajectories import EpisodeLog
 
 # An over-limit body is drained up to this many bytes so its client reads the 413.
-_DRAIN_BYTES = 64 << 20
-_DISCONNECT_POLL_S = 0.2  # how often a request being sampled checks that its client is there
 
 
 def _fastapi():
@@ -426,46 +424,18 @@ class Endpoint:
     app = fastapi.FastAPI(title="rlx", docs_url=None, redoc_url=None, openapi_url=None)
     endpoint = self
 
-    async def read(request) -> object:
-      # A body over the limit is still read to its end (up to a bound) before the 413 goes out:
-      # a server that answers mid-upload closes the socket under a client still sending, which
-      # sees a broken pipe instead of the error.
-      limit = endpoint.max_request_bytes
-      declared = request.headers.get("content-length")
-      too_large = ApiError(413, f"the request is {declared or 'more than ' + str(limit)} bytes; "
-                           f"this endpoint takes at most {limit}", code="request_too_large")
-      if declared is not None and declared.isdigit() and int(declared) > _DRAIN_BYTES:
-        raise too_large
-      body, seen = bytearray(), 0
-      async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > _DRAIN_BYTES:
-          raise too_large
-        if seen <= limit:
-          body += chunk
-      if seen > limit:
-        raise too_large
-      return parse_body(bytes(body))
-
-    async def gone(request) -> None:
-      while not await request.is_disconnected():
-        await asyncio.sleep(_DISCONNECT_POLL_S)
-
     def answer(handler: Callable, body: bool = True):
       async def route(request):
         endpoint.counts["requests"] += 1
         try:
-          result = handler(await read(request) if body else None, request.headers)
+          result = handler(await protocol.read_body(request, endpoint.max_request_bytes)
+                           if body else None, request.headers)
           if asyncio.iscoroutine(result):
             # a client that hangs up while its answer is sampled frees the engine's slots
-            work, watch = asyncio.ensure_future(result), asyncio.ensure_future(gone(request))
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            watch.cancel()
-            if not work.done():
-              work.cancel()
+            result = await protocol.unless_gone(result, request)
+            if result is protocol.GONE:
               endpoint.counts["disconnected"] += 1
               return Response(status_code=499)  # nobody reads it
-            result = work.result()
           if isinstance(result, streaming.Stream):
             return StreamingResponse(streaming.events(result), media_type="text/event-stream")
           return JSONResponse(result)

@@ -11,6 +11,7 @@ an answer whose call cannot be read is returned as plain text.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -38,6 +39,52 @@ class ApiError(Exception):
 
 def _no_constant(name: str):
   raise ValueError(f"{name} is not a JSON number")
+
+
+DRAIN_BYTES = 64 << 20
+"""A body up to this size is read to its end even when over the limit (see ``read_body``)."""
+DISCONNECT_POLL_S = 0.2
+"""How often a request being answered checks that its client is still there."""
+GONE = object()
+"""What ``unless_gone`` returns when the client hung up first."""
+
+
+async def read_body(request, limit: int) -> object:
+  """The request's JSON body, at most ``limit`` bytes (else a 413). A body over the limit is
+  still read to its end (up to ``DRAIN_BYTES``) before the 413 goes out: a server that answers
+  mid-upload closes the socket under a client still sending, which sees a broken pipe instead
+  of the error."""
+  declared = request.headers.get("content-length")
+  too_large = ApiError(413, f"the request is {declared or 'more than ' + str(limit)} bytes; "
+                       f"this endpoint takes at most {limit}", code="request_too_large")
+  if declared is not None and declared.isdigit() and int(declared) > DRAIN_BYTES:
+    raise too_large
+  body, seen = bytearray(), 0
+  async for chunk in request.stream():
+    seen += len(chunk)
+    if seen > DRAIN_BYTES:
+      raise too_large
+    if seen <= limit:
+      body += chunk
+  if seen > limit:
+    raise too_large
+  return parse_body(bytes(body))
+
+
+async def unless_gone(work, request):
+  """Awaits the coroutine ``work``, unless the client of ``request`` hangs up first: then
+  ``work`` is cancelled (what it started is abandoned) and ``GONE`` is returned."""
+  async def gone():
+    while not await request.is_disconnected():
+      await asyncio.sleep(DISCONNECT_POLL_S)
+
+  task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+  await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+  watch.cancel()
+  if not task.done():
+    task.cancel()
+    return GONE
+  return task.result()
 
 
 def parse_body(body: bytes) -> object:
