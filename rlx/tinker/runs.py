@@ -131,9 +131,9 @@ class Runs:
   def expire(self, model_id: str | None = None) -> list[str]:
     """Deletes the checkpoints past their expiry (of one run, or of every run); returns
     their tinker paths."""
-    ids = ([model_id] if model_id is not None else
-           [p.parent.name for p in self.root.glob(f"*/{FLAGS_FILE}")] if self.root.is_dir()
-           else [])
+    ids = [model_id] if model_id is not None else [
+        r["training_run_id"] for r in self._records()
+        if (run_directory(self.root, r["training_run_id"]) / FLAGS_FILE).is_file()]
     now, gone = time.time(), []
     for run in ids:
       flags = self._flags(run)
@@ -142,16 +142,10 @@ class Runs:
       for checkpoint_id in over:
         shutil.rmtree(run_directory(self.root, run) / checkpoint_id, ignore_errors=True)
         del flags[checkpoint_id]
-        gone.append(f"tinker://{self._record_id(run)}/{checkpoint_id}")
+        gone.append(f"tinker://{run}/{checkpoint_id}")
       if over:
         self._write_flags(run, flags)
     return gone
-
-  def _record_id(self, directory_name: str) -> str:
-    try:
-      return json.loads((self.root / directory_name / RUN_FILE).read_text())["training_run_id"]
-    except (OSError, ValueError, KeyError):
-      return directory_name
 
   def checkpoints(self, model_id: str) -> list[dict]:
     """The run's checkpoints, oldest first, as the SDK's ``Checkpoint``s."""
@@ -191,14 +185,19 @@ class Runs:
             "last_checkpoint": last("training"), "last_sampler_checkpoint": last("sampler"),
             "user_metadata": record.get("user_metadata") or None}
 
-  def training_runs(self, limit: int = 20, offset: int = 0) -> dict:
-    """The SDK's ``TrainingRunsResponse``: the runs, newest first, a page of them."""
+  def _records(self) -> list[dict]:
+    """Every run's record (``training_run.json``) that can be read."""
     records = []
     for path in self.root.glob(f"*/{RUN_FILE}") if self.root.is_dir() else ():
       try:
         records.append(json.loads(path.read_text()))
       except (OSError, ValueError):
         continue
+    return records
+
+  def training_runs(self, limit: int = 20, offset: int = 0) -> dict:
+    """The SDK's ``TrainingRunsResponse``: the runs, newest first, a page of them."""
+    records = self._records()
     records.sort(key=lambda r: r["created"], reverse=True)
     page = records[offset:offset + limit]
     return {"training_runs": [self.training_run(r["training_run_id"]) for r in page],

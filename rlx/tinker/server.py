@@ -307,7 +307,7 @@ class Service(WorkQueue):
   def sampler(self, path: str) -> tuple:
     """(base, adapters, scale) of the sampler checkpoint ``path``: saved by this process, or
     read from its directory (a checkpoint an earlier run of the service saved)."""
-    self.expire()
+    self.expire(path.removeprefix("tinker://").split("/", 1)[0])  # its run only: a hot path
     if path in self.samplers:
       return self.samplers[path]
     base, config, directory = self._checkpoint(path)
