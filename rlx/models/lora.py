@@ -133,6 +133,37 @@ def merge(base: Params, adapters: Params, scale: float) -> Params:
   return dict(base, layers=layers)
 
 
+def bank(base: Params, adapters: list[tuple[Params, float]]) -> Params:
+  """The base with a bank of ``adapters`` ((adapters tree, scale) each) beside its layers'
+  matrices, for an engine whose slots each decode with one of them (``Engine(...,
+  slot_adapters=True)``, the adapter of a prompt given at prefill; ``Transformer``'s
+  ``bank_adapted``): per target, ``{target}_bank_a`` [L, N, in..., r] and ``{target}_bank_b``
+  [L, N, r, out...] with each B times its scale. Adapters of smaller ranks are padded with
+  zeros to the largest, and a target an adapter lacks is zeros for it (no path)."""
+  if not adapters:
+    raise ValueError("an adapter bank needs at least one adapter")
+  rank = max(a["layers"][f"{t}_lora_a"].shape[-1] for a, _ in adapters for t in targets_of(a))
+  layers = dict(base["layers"])
+  for target in dict.fromkeys(t for a, _ in adapters for t in targets_of(a)):
+    w = layers[target]  # [L, in..., out...]
+    inputs, _, outputs = EQUATIONS[target]
+    dims_in, dims_out = w.shape[1:1 + len(inputs)], w.shape[1 + len(inputs):]
+    banks_a, banks_b = [], []
+    for tree, scale in adapters:
+      a = tree["layers"].get(f"{target}_lora_a")
+      b = tree["layers"].get(f"{target}_lora_b")
+      if a is None:
+        a = jnp.zeros((w.shape[0], *dims_in, rank), jnp.float32)
+        b = jnp.zeros((w.shape[0], rank, *dims_out), jnp.float32)
+      pad = rank - a.shape[-1]
+      banks_a.append(jnp.pad(a.astype(jnp.float32), [(0, 0)] * (a.ndim - 1) + [(0, pad)]))
+      banks_b.append(jnp.pad(scale * b.astype(jnp.float32), [(0, 0), (0, pad)] +
+                             [(0, 0)] * (b.ndim - 2)))
+    layers[f"{target}_bank_a"] = jnp.stack(banks_a, axis=1).astype(w.dtype)
+    layers[f"{target}_bank_b"] = jnp.stack(banks_b, axis=1).astype(w.dtype)
+  return dict(base, layers=layers)
+
+
 def with_dropout_key(params: Params, key: jax.Array | None) -> Params:
   """``params`` with one dropout key per layer (``lora_key``), for the learner's loss forward."""
   if key is None:

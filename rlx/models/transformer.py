@@ -100,10 +100,13 @@ def matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
 
 
 def lora_adapted(x: jax.Array, p: dict, target: str, y: jax.Array, scale: float,
-                 dropout: float = 0.0) -> jax.Array:
+                 dropout: float = 0.0, adapter: jax.Array | None = None) -> jax.Array:
   """``y`` (the base projection of ``x`` [B, T, in...]) plus the adapter's low-rank path,
   when the layer ``p`` holds one for ``target``; with ``dropout`` and a ``lora_key`` in the
-  layer, the adapter's input is dropped out (inverted dropout)."""
+  layer, the adapter's input is dropped out (inverted dropout). A layer holding an adapter
+  bank adds each row's own adapter (``bank_adapted``; ``adapter``: int [B])."""
+  if f"{target}_bank_a" in p:
+    y = bank_adapted(x, p, target, y, adapter)
   a = p.get(f"{target}_lora_a")
   if a is None:
     return y
@@ -115,6 +118,26 @@ def lora_adapted(x: jax.Array, p: dict, target: str, y: jax.Array, scale: float,
   low = jnp.einsum(f"bt{inputs},{inputs}r->btr", x, a.astype(x.dtype))
   up = jnp.einsum(f"btr,r{outputs}->bt{outputs}", low, p[f"{target}_lora_b"].astype(x.dtype))
   return y + (scale * up).astype(y.dtype)
+
+
+def bank_adapted(x: jax.Array, p: dict, target: str, y: jax.Array,
+                 adapter: jax.Array | None) -> jax.Array:
+  """``y`` plus, for each row b, the low-rank path of adapter ``adapter[b]`` of the layer's
+  bank (``rlx.models.lora.bank``: ``{target}_bank_a`` [N, in..., r] and ``{target}_bank_b``
+  [N, r, out...], each B already scaled by its adapter's alpha / r); a row whose id is outside
+  0..N-1 (-1) gets none. Every row computes its input's product with all N adapters' A (N r
+  columns, a small matmul beside the projection) and keeps its own; the masked products then
+  go through every B in one matmul, so that a decode step serving many adapters costs two
+  dense matmuls per projection and no gather of weights per row."""
+  if adapter is None:
+    raise ValueError(f"the layer holds an adapter bank ({target}_bank_a) but no row names its "
+                     "adapter: a bank decodes through a cache that holds 'adapter' ids")
+  inputs, _, outputs = LORA_EQUATIONS[target]
+  a, b = p[f"{target}_bank_a"], p[f"{target}_bank_b"]
+  low = jnp.einsum(f"bt{inputs},n{inputs}r->btnr", x, a.astype(x.dtype))
+  low = low * jax.nn.one_hot(adapter, a.shape[0], dtype=x.dtype)[:, None, :, None]
+  up = jnp.einsum(f"btnr,nr{outputs}->bt{outputs}", low, b.astype(x.dtype))
+  return y + up.astype(y.dtype)
 
 
 
@@ -314,6 +337,9 @@ class Transformer:
       use_causal_only = False
     x = params["embed"].astype(self.dtype)[tokens]
     inv_freq = rope_inv_freq(a)
+    # each row's adapter in a bank (a multi-adapter decode), carried by the cache
+    adapter = None if cache is None else cache.get("adapter")
+    kept = {} if adapter is None else {"adapter": adapter}
     # XLA:CPU wraps the einsums' gradients in layout copies that 2-D matmuls do without (the
     # learner step 1.2x faster here); XLA:TPU's program moves 3-6% more bytes with them
     flat_matmuls = target_platform() == "cpu"
@@ -324,7 +350,7 @@ class Transformer:
         y = matmul(h, p[name].astype(self.dtype), len(LORA_EQUATIONS[name][0]))
       else:
         y = jnp.einsum(equation, h, p[name].astype(self.dtype))
-      return lora_adapted(h, p, name, y, self.lora_scale, self.lora_dropout)
+      return lora_adapted(h, p, name, y, self.lora_scale, self.lora_dropout, adapter)
 
     def attention_block(x, p, write_kv, attend):
       """Pre-norm attention. ``write_kv(k, v) -> (keys, values, written)`` stores the new keys
@@ -397,7 +423,7 @@ class Transformer:
           cached_layer, (x, cache["k"], cache["v"]),
           (params["layers"], jnp.arange(a.num_layers)), unroll=unroll.factor())
       x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
-      return x, {"k": new_k, "v": new_v, "valid": valid, "index": cache["index"] + T}
+      return x, {"k": new_k, "v": new_v, "valid": valid, "index": cache["index"] + T, **kept}
 
     # Per layer: unrolled, each layer writes its own buffers in place.
     def write_kv(l, k, v):
@@ -417,7 +443,8 @@ class Transformer:
       new_k.append(keys)
       new_v.append(values)
     x = rms_norm(x, params["final_norm"], a.rms_norm_eps)
-    return x, {"k": tuple(new_k), "v": tuple(new_v), "valid": valid, "index": cache["index"] + T}
+    return x, {"k": tuple(new_k), "v": tuple(new_v), "valid": valid, "index": cache["index"] + T,
+               **kept}
 
   def unembedding(self, params: Params) -> jax.Array:
     """The unembedding matrix [D, V] (the fused log-prob loss takes it with the hidden states)."""

@@ -137,8 +137,10 @@ def _power_of_two(value: int, smallest: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _engine_for(transformer, max_slots: int, max_len: int, max_prompt_len: int) -> Engine:
-  return Engine(transformer, max_slots=max_slots, max_len=max_len, max_prompt_len=max_prompt_len)
+def _engine_for(transformer, max_slots: int, max_len: int, max_prompt_len: int,
+                slot_adapters: bool = False) -> Engine:
+  return Engine(transformer, max_slots=max_slots, max_len=max_len, max_prompt_len=max_prompt_len,
+                slot_adapters=slot_adapters)
 
 
 def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], *, n: int = 1,
@@ -149,7 +151,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
              first_prompt_index: int = 0,
              on_finished: Callable[[Completion], None] | None = None,
              weights: Weights | None = None, supply: Supply | None = None,
-             stats: dict | None = None) -> list[Completion]:
+             stats: dict | None = None,
+             adapters: Sequence[int] | None = None) -> list[Completion]:
   """Samples ``n`` responses to each prompt.
 
   Args:
@@ -179,6 +182,9 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
       closes and every request is done. Completions then go only to ``on_finished`` (the
       call returns []); prompt indices count on from ``prompts`` across what it admits.
     stats: a dict to which the slots' use is added as it runs (``_Run.stats``).
+    adapters: each prompt's LoRA adapter in ``params``' bank (``rlx.models.lora.bank``; -1:
+      none), its samples decoding beside the others' in the same chunks: an engine with
+      ``slot_adapters`` (built so for a Model).
   """
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts and supply is None:
@@ -187,6 +193,12 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
     raise ValueError("every prompt needs at least one token")
   if max_new_tokens < 1 or n < 1:
     raise ValueError("max_new_tokens and n must be >= 1")
+  if adapters is not None:
+    if supply is not None or len(adapters) != len(prompts):
+      raise ValueError(f"adapters= names one adapter per prompt ({len(prompts)}), and only "
+                       "without supply=")
+    if isinstance(model_or_engine, Engine) and not model_or_engine.slot_adapters:
+      raise ValueError("generate(engine, adapters=...) needs an Engine(..., slot_adapters=True)")
   if isinstance(model_or_engine, Engine):
     engine = model_or_engine
     if params is None:
@@ -196,7 +208,8 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
       raise ValueError("a stream (supply=) needs an Engine, sized for what it will admit")
     slots = max_slots or min(64, _power_of_two(len(prompts) * n))
     prompt_len = _power_of_two(max(map(len, prompts)), 8)
-    engine = _engine_for(model_or_engine.transformer, slots, prompt_len + max_new_tokens, prompt_len)
+    engine = _engine_for(model_or_engine.transformer, slots, prompt_len + max_new_tokens,
+                         prompt_len, adapters is not None)
     params = model_or_engine.params if params is None else params
   arch = engine.transformer.arch
   stop = arch.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
@@ -206,7 +219,7 @@ def generate(model_or_engine: Model | Engine, prompts: Sequence[Sequence[int]], 
   params = engine.decode_params(params)
   return _Run(engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
               policy_version, batching, first_prompt_index, on_finished, weights, supply=supply,
-              stats=stats).run()
+              stats=stats, adapters=adapters).run()
 
 
 @jax.jit
@@ -234,8 +247,10 @@ class _Run:
 
   def __init__(self, engine: Engine, params, prompts, n, max_new_tokens, temperature, top_p, top_k,
                stop, seed, policy_version, batching, first_prompt_index=0, on_finished=None,
-               weights=None, supply: Supply | None = None, stats: dict | None = None):
+               weights=None, supply: Supply | None = None, stats: dict | None = None,
+               adapters: Sequence[int] | None = None):
     self.engine, self.params, self.prompts, self.n = engine, params, list(prompts), n
+    self.adapters = None if adapters is None else [int(a) for a in adapters]
     self.on_finished, self.weights, self.supply = on_finished, weights, supply
     self.closed = supply is None
     """Whether no more prompts will come (always, without ``supply``)."""
@@ -402,7 +417,12 @@ class _Run:
     for row, p in enumerate(chosen):
       tokens[row, :len(self.prompts[p])] = self.prompts[p]
       true_length[row] = len(self.prompts[p])
-    prefix = self.engine.prefill(self.params, tokens, true_length)
+    adapter = None
+    if self.engine.slot_adapters:
+      adapter = np.full((rows,), -1, np.int32)
+      if self.adapters is not None:
+        adapter[:count] = [self.adapters[p] for p in chosen]
+    prefix = self.engine.prefill(self.params, tokens, true_length, adapter)
     for row, p in enumerate(chosen):
       self.prefixes.append([prefix, row, p, 0, self.policy_version])
 

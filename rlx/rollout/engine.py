@@ -81,6 +81,9 @@ class Engine:
       TPU, per-layer elsewhere). Per-layer decodes with a per-layer copy of the weights, made
       once per chunk: on a GPU far less traffic per token, the weights' size again in memory.
     min_decode_width: the narrowest chunk (``decode_widths``); 0: an eighth of the slots.
+    slot_adapters: each slot decodes with its own LoRA adapter out of a bank in the params
+      (``rlx.models.lora.bank``): ``prefill`` takes each prompt's adapter (-1: the base's
+      weights alone), which its slots keep (the decode state's cache holds the ids).
   """
 
   transformer: Transformer
@@ -93,6 +96,7 @@ class Engine:
   platform: str | None = None
   layout: CacheLayout | None = None
   min_decode_width: int = 0
+  slot_adapters: bool = False
 
   def __post_init__(self):
     if self.layout not in (None, "stacked", "per_layer"):
@@ -162,6 +166,8 @@ class Engine:
     if self.mesh is not None:
       kv = self._kv_sharding()
       cache = dict(cache, k=jax.device_put(cache["k"], kv), v=jax.device_put(cache["v"], kv))
+    if self.slot_adapters:
+      cache["adapter"] = jnp.full((S,), -1, jnp.int32)
     # Distinct buffers for every field: the state is donated to each step.
     zeros_f = lambda: jnp.zeros((S,), jnp.float32)
     zeros_i = lambda: jnp.zeros((S,), jnp.int32)
@@ -217,10 +223,18 @@ class Engine:
 
   # --- the contract --------------------------------------------------------------------------
 
-  def prefill(self, params: Params, tokens: jax.Array, true_length: jax.Array) -> Prefix:
-    """KV cache and last logits of P prompts. tokens: int [P, B] right-padded; true_length: [P]."""
+  def prefill(self, params: Params, tokens: jax.Array, true_length: jax.Array,
+              adapter: jax.Array | None = None) -> Prefix:
+    """KV cache and last logits of P prompts. tokens: int [P, B] right-padded; true_length: [P];
+    adapter: int [P], each prompt's adapter in the params' bank (an engine with
+    ``slot_adapters`` only; None: -1, the base alone)."""
+    if adapter is not None and not self.slot_adapters:
+      raise ValueError("prefill(adapter=...) needs an Engine(..., slot_adapters=True)")
+    if self.slot_adapters:
+      adapter = jnp.asarray(np.full(tokens.shape[0], -1) if adapter is None else adapter,
+                            jnp.int32)
     return _prefill(self.transformer, params, jnp.asarray(tokens, jnp.int32),
-                    jnp.asarray(true_length, jnp.int32), self.cache_layout)
+                    jnp.asarray(true_length, jnp.int32), self.cache_layout, adapter)
 
   def insert(self, prefix: Prefix, state: DecodeState, slots: jax.Array, rows: jax.Array,
              keys: jax.Array, sampling: SamplingParams) -> DecodeState:
@@ -311,10 +325,12 @@ def _split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _prefill(transformer: Transformer, params: Params, tokens, true_length,
-             layout: CacheLayout) -> Prefix:
+             layout: CacheLayout, adapter=None) -> Prefix:
   P, B = tokens.shape
   mask = jnp.arange(B)[None, :] < true_length[:, None]
   cache = transformer.init_cache(P, B, layout)
+  if adapter is not None:
+    cache["adapter"] = adapter
   hidden, cache = transformer.hidden_states(params, tokens, mask, cache)
   last = jnp.take_along_axis(hidden, (true_length - 1)[:, None, None], axis=1)[:, 0]
   return Prefix(cache=cache, logits=transformer.logits(params, last), true_length=true_length)
@@ -338,6 +354,8 @@ def _insert(prefix: Prefix, state: DecodeState, slots, rows, keys, sampling: Sam
                        for v, new in zip(cache["v"], prefix.cache["v"]))
   cache["valid"] = put(cache["valid"], jnp.arange(M)[None, :] < length[:, None])
   cache["index"] = put(cache["index"], length)
+  if "adapter" in cache:
+    cache["adapter"] = put(cache["adapter"], prefix.cache["adapter"][rows])
   return _start(state.replace(cache=cache), slots, prefix.logits[rows], length, keys, sampling,
                 max_len)
 
@@ -370,7 +388,7 @@ def _extend(transformer: Transformer, params: Params, state: DecodeState, slots,
   stacked = cache_layout(cache) == "stacked"
   rows = jnp.minimum(slots, state.active.shape[0] - 1)  # padding rows read any slot, write none
   take = lambda x, axis: jnp.take(x, rows, axis=axis)
-  sub = {"valid": take(cache["valid"], 0), "index": take(cache["index"], 0)}
+  sub = {name: take(cache[name], 0) for name in ("valid", "index", "adapter") if name in cache}
   for name in ("k", "v"):
     sub[name] = (take(cache[name], 1) if stacked else
                  tuple(take(x, 0) for x in cache[name]))
