@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 600.0
 """A session whose heartbeat stops this long releases its adapters."""
+BANK_SIZE = 8
+"""Most samplers one decode batch serves together, each slot with its own adapter (a bank's
+decode computes every row's product with every adapter's A: the cost grows with the count)."""
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class Service(WorkQueue):
     self.sampling_sessions: dict[str, str | None] = {}  # id -> sampler path (None: the base)
     self.runs = Runs(self.workdir)  # the training runs and checkpoints, on disk
     self._last_merged: tuple = (None, None)
+    self._last_bank: tuple = (None, None)
     super().__init__()
 
   def submit(self, fn: Callable[[], dict | bytes] | None, model_id: str | None = None,
@@ -343,14 +347,27 @@ class Service(WorkQueue):
       self._last_merged = (path, lora.merge(base.model.params, snapshot, scale))
     return self._last_merged[1]
 
+  def _weights(self, base: Base, wheres: list[str]):
+    """The params that decode the calls on ``wheres`` (distinct, all on ``base``) and each
+    one's adapter id: the base alone or one sampler's adapters merged into it (the fastest
+    decode); several samplers as a bank (``lora.bank``), each slot with its own adapter, the
+    bank kept for the next batch on the same samplers."""
+    paths = [w for w in wheres if not w.startswith("base:")]
+    if not paths:
+      return base.model.params, None
+    if len(wheres) == 1:
+      _, snapshot, scale = self.sampler(paths[0])
+      return self._merged(paths[0], base, snapshot, scale), None
+    if self._last_bank[0] != tuple(paths):
+      bank = lora.bank(base.model.params, [self.sampler(p)[1:] for p in paths])
+      self._last_bank = (tuple(paths), bank)
+    return self._last_bank[1], {w: paths.index(w) if w in paths else -1 for w in wheres}
+
   def sample(self, request: dict) -> dict:
     where = self.sampling_sessions.get(request.get("sampling_session_id")) or (
         request.get("model_path") or f"base:{request.get('base_model')}")
-    if where.startswith("base:"):
-      base, params = self.base(where.removeprefix("base:")), None
-    else:
-      base, snapshot, scale = self.sampler(where)
-      params = self._merged(where, base, snapshot, scale)
+    base = (self.base(where.removeprefix("base:")) if where.startswith("base:")
+            else self.sampler(where)[0])
     prompt = np.concatenate([np.asarray(chunk["tokens"], np.int32)
                              for chunk in request["prompt"]["chunks"]])
     base.check_tokens(prompt, "the prompt")
@@ -378,21 +395,34 @@ class Service(WorkQueue):
                    top_k=max(int(settings.get("top_k", -1)), 0), stop_token_ids=tuple(stops))
     seed = settings.get("seed")
 
-    def run_batch(payloads: list[tuple[list[int], bool]]) -> list[bytes]:
-      # no seed: a fresh draw (calls that give none must not repeat each other's samples)
-      started = time.perf_counter()
-      drawn = base.sample(params, [prompt for prompt, _ in payloads], **options,
-                          seed=secrets.randbits(31) if seed is None else int(seed))
-      log.info("tinker: sampled %d call(s) x %d, %d tokens, %.2fs", len(payloads), n,
-               sum(len(c.response_tokens) for group in drawn for c in group),
-               time.perf_counter() - started)
-      return [wire.sample_response(
-          [(c.response_tokens, c.logprobs, "length" if c.finish_reason == "length" else "stop")
-           for c in completions],
-          base.prompt_logprobs(params, prompt) if with_prompt_logprobs else None)
-          for (prompt, with_prompt_logprobs), completions in zip(payloads, drawn, strict=True)]
+    def run_batch(payloads: list[tuple[str, list[int], bool]]) -> list[bytes]:
+      """The calls of one batch, on the weights of up to ``BANK_SIZE`` samplers at a time,
+      decoded together (each slot with its call's adapter)."""
+      wheres = list(dict.fromkeys(where for where, _, _ in payloads))
+      answers = {}
+      for first in range(0, len(wheres), BANK_SIZE):
+        chunk = wheres[first:first + BANK_SIZE]
+        params, ids = self._weights(base, chunk)
+        mine = [i for i, (where, _, _) in enumerate(payloads) if where in chunk]
+        started = time.perf_counter()
+        # no seed: a fresh draw (calls that give none must not repeat each other's samples)
+        drawn = base.sample(params, [payloads[i][1] for i in mine], **options,
+                            seed=secrets.randbits(31) if seed is None else int(seed),
+                            adapters=None if ids is None else [ids[payloads[i][0]] for i in mine])
+        log.info("tinker: sampled %d call(s) x %d on %d sampler(s), %d tokens, %.2fs", len(mine),
+                 n, len(chunk), sum(len(c.response_tokens) for group in drawn for c in group),
+                 time.perf_counter() - started)
+        for i, completions in zip(mine, drawn, strict=True):
+          where, prompt, with_prompt_logprobs = payloads[i]
+          answers[i] = wire.sample_response(
+              [(c.response_tokens, c.logprobs, "length" if c.finish_reason == "length" else "stop")
+               for c in completions],
+              base.prompt_logprobs(self._weights(base, [where])[0], prompt)
+              if with_prompt_logprobs else None)
+      return [answers[i] for i in range(len(payloads))]
 
-    # calls with a seed run alone: their samples are those of that seed whatever else is queued
-    batch = None if seed is not None else (where, *sorted(options.items()))
+    # calls with a seed run alone: their samples are those of that seed whatever else is queued;
+    # the others batch with every queued call on the same base with the same settings
+    batch = None if seed is not None else (base.name, *sorted(options.items()))
     return self.submit(None, samples=n, batch=batch, run_batch=run_batch,
-                       payload=(prompt.tolist(), bool(request.get("prompt_logprobs"))))
+                       payload=(where, prompt.tolist(), bool(request.get("prompt_logprobs"))))

@@ -117,13 +117,14 @@ class Base:
 
   def sample(self, params, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int,
              temperature: float, top_p: float, top_k: int, stop_token_ids: Sequence[int],
-             seed: int) -> list[list[rollout.Completion]]:
-    """``n`` samples of each prompt with ``params`` (the base's, or an adapter's merged in),
-    decoded together; one list of ``n`` per prompt."""
+             seed: int, adapters: Sequence[int] | None = None) -> list[list[rollout.Completion]]:
+    """``n`` samples of each prompt with ``params`` (the base's, or an adapter's merged in, or
+    a bank of adapters, ``adapters`` naming each prompt's: ``rlx.models.lora.bank``), decoded
+    together; one list of ``n`` per prompt."""
     completions = rollout.generate(
         self.model, [list(p) for p in prompts], n=n, max_new_tokens=max_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=list(stop_token_ids),
-        seed=seed, params=params,
+        seed=seed, params=params, adapters=adapters,
         # slot counts of 8, 16, 32, 64: four engines at most, whatever the calls batch
         max_slots=min(64, max(8, 1 << (len(prompts) * n - 1).bit_length())))
     per_prompt = [[None] * n for _ in prompts]

@@ -256,6 +256,42 @@ def test_queued_sampling_calls_on_the_same_weights_decode_together(service_url, 
   assert wire_tokens(results[5]) == wire_tokens(results[6])
 
 
+def test_calls_on_different_samplers_decode_together_each_with_its_own_adapter(client,
+                                                                                service_url,
+                                                                                monkeypatch):
+  service, base = service_url[1], service_url[1].bases[BASE]
+  paths = []
+  for seed, tokens in ((5, [1, 5, 9, 13, 17]), (6, [2, 6, 10, 14, 18])):
+    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=seed).result()
+    for _ in range(3):  # far from the base, and from each other
+      training.forward_backward([_datum(tokens)], "cross_entropy").result()
+      training.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    paths.append(training.save_weights_for_sampler(f"bank-{seed}").result().path)
+  calls = []
+  sample = base.sample
+  monkeypatch.setattr(base, "sample", lambda params, prompts, **kw: calls.append(
+      kw["adapters"]) or sample(params, prompts, **kw))
+  gate = threading.Event()
+  service.submit(lambda: gate.wait(10) and {})  # holds the worker while the calls queue
+  requests = [dict(_sample_request(prompt), model_path=path, base_model=None)
+              for path in paths for prompt in ([1, 5, 9], [2, 6])]
+  requests.append(_sample_request([1, 5, 9]))  # the base alone, in the same batch
+  futures = [service.sample(r) for r in requests]
+  gate.set()
+  results = [service.retrieve(f["request_id"]) for f in futures]
+  assert calls == [[0, 0, 1, 1, -1]]  # one decode, each call's slots on its own adapter
+  from tinker.proto import tinker_public_pb2 as pb
+
+  for request, result in zip(requests, results, strict=True):
+    prompt = request["prompt"]["chunks"][0]["tokens"]
+    where = request.get("model_path") or f"base:{BASE}"
+    (sequence,) = pb.SampleResponse.FromString(result).sequences
+    tokens = np.frombuffer(sequence.tokens, np.int32).tolist()
+    # the sampled tokens' log-probs are those of the call's own weights, no other's
+    own = base.prompt_logprobs(service._weights(base, [where])[0], prompt + tokens)[len(prompt):]
+    np.testing.assert_allclose(np.frombuffer(sequence.logprobs, np.float32), own, atol=1e-4)
+
+
 def wire_tokens(proto: bytes) -> list[list[int]]:
   from tinker.proto import tinker_public_pb2 as pb
 
