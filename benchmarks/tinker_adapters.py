@@ -2,7 +2,7 @@
 and training share it with 1, 2, 4 and 8 clients at once.
 
     python benchmarks/tinker_adapters.py --model models/SmolLM2-135M-Instruct [--clients 1,2,4,8]
-        [--samples 32] [--max-tokens 32] [--rank 16]
+        [--samples 32] [--max-tokens 32] [--rank 16] [--arms bank,apart]
 
 Each client is a training client of its own (an adapter and its Adam state, trained one step so
 that it differs from the base) with a saved sampler. In a round, every client asks at once for
@@ -12,6 +12,11 @@ not); then every client trains one GRPO-shaped batch (4 prompts x 8 responses,
 ``importance_sampling``) and steps. One round compiles first, untimed. Prints JSON: for each
 count, the samples and sampled tokens per second of all clients together, and the median
 training step (``forward_backward`` + ``optim_step``) of a client.
+
+Two arms, one after the other in one process: ``bank``, the service as it runs (the calls of up
+to 8 samplers decode in one batch, each slot with its own adapter), and ``apart``, each
+sampler's calls decoded in a batch of their own, its adapters merged into the base (the
+service before slots carried adapters: ``BANK_SIZE`` 1).
 """
 
 from __future__ import annotations
@@ -51,8 +56,10 @@ def main() -> None:
   parser.add_argument("--samples", type=int, default=32)
   parser.add_argument("--max-tokens", type=int, default=32)
   parser.add_argument("--rank", type=int, default=16)
+  parser.add_argument("--arms", default="bank,apart")
   args = parser.parse_args()
 
+  from rlx.tinker import server as server_lib
   from rlx.tinker.server import Service
   from rlx.tinker.training import AdamHyper, Base
 
@@ -76,7 +83,7 @@ def main() -> None:
     path = service.retrieve(saved["request_id"])["path"]
     clients.append((model_id, path, rng.integers(5, vocab, 60).tolist(), batch))
 
-  def round_of(n: int) -> tuple[float, int, float]:
+  def round_of(n: int, train: bool = True) -> tuple[float, int, float]:
     started = time.perf_counter()
     futures = [service.sample({"model_path": path, "prompt": {"chunks": [{"tokens": prompt}]},
                                "num_samples": 1, "sampling_params": {
@@ -91,8 +98,8 @@ def main() -> None:
         raise SystemExit(f"a sampling call failed: {answer}")
       tokens += sum(len(s.tokens) // 4 for s in pb.SampleResponse.FromString(answer).sequences)
     sampling_s = time.perf_counter() - started
-    steps = []
-    for model_id, _, _, batch in clients[:n]:
+    steps = [0.0]
+    for model_id, _, _, batch in clients[:n] if train else ():
       adapter = service.adapters[model_id]
       began = time.perf_counter()
       adapter.forward_backward(batch, "importance_sampling", {})
@@ -100,19 +107,23 @@ def main() -> None:
       steps.append(time.perf_counter() - began)
     return sampling_s, tokens, statistics.median(steps)
 
-  round_of(1)  # compiles
-  results = {}
-  for n in counts:
-    sampling_s, tokens, step_s = round_of(n)
-    results[n] = {"samples_per_s": round(n * args.samples / sampling_s, 2),
-                  "tokens_per_s": round(tokens / sampling_s, 1),
-                  "sampling_s": round(sampling_s, 2), "train_step_s": round(step_s, 2)}
-  one = results[counts[0]]["samples_per_s"]
-  for n in counts:
-    results[n]["samples_per_s_vs_one"] = round(results[n]["samples_per_s"] / one, 2)
+  arms = {}
+  for arm in args.arms.split(","):
+    server_lib.BANK_SIZE = {"bank": 8, "apart": 1}[arm]
+    for n in counts:  # compiles each count's programs (slots, bank sizes) first
+      round_of(n, train=n == counts[0])
+    results = {}
+    for n in counts:
+      sampling_s, tokens, step_s = round_of(n)
+      results[n] = {"samples_per_s": round(n * args.samples / sampling_s, 2),
+                    "tokens_per_s": round(tokens / sampling_s, 1),
+                    "sampling_s": round(sampling_s, 2), "train_step_s": round(step_s, 2)}
+    one = results[counts[0]]["samples_per_s"]
+    for n in counts:
+      results[n]["samples_per_s_vs_one"] = round(results[n]["samples_per_s"] / one, 2)
+    arms[arm] = results
   print(json.dumps({"model": args.model, "samples_per_client": args.samples,
-                    "max_tokens": args.max_tokens, "rank": args.rank, "clients": results},
-                   indent=1))
+                    "max_tokens": args.max_tokens, "rank": args.rank, "arms": arms}, indent=1))
 
 
 if __name__ == "__main__":

@@ -133,15 +133,19 @@ def merge(base: Params, adapters: Params, scale: float) -> Params:
   return dict(base, layers=layers)
 
 
-def bank(base: Params, adapters: list[tuple[Params, float]]) -> Params:
+def bank(base: Params, adapters: list[tuple[Params, float]], size: int = 0) -> Params:
   """The base with a bank of ``adapters`` ((adapters tree, scale) each) beside its layers'
   matrices, for an engine whose slots each decode with one of them (``Engine(...,
   slot_adapters=True)``, the adapter of a prompt given at prefill; ``Transformer``'s
   ``bank_adapted``): per target, ``{target}_bank_a`` [L, N, in..., r] and ``{target}_bank_b``
   [L, N, r, out...] with each B times its scale. Adapters of smaller ranks are padded with
-  zeros to the largest, and a target an adapter lacks is zeros for it (no path)."""
+  zeros to the largest, and a target an adapter lacks is zeros for it (no path). ``size``:
+  N at least this, with empty adapters after the given ones (so that banks of a few sizes
+  serve any count, each size one compiled program)."""
   if not adapters:
     raise ValueError("an adapter bank needs at least one adapter")
+  empty = jax.tree.map(jnp.zeros_like, adapters[0][0])
+  adapters = list(adapters) + [(empty, 0.0)] * (size - len(adapters))
   rank = max(a["layers"][f"{t}_lora_a"].shape[-1] for a, _ in adapters for t in targets_of(a))
   layers = dict(base["layers"])
   for target in dict.fromkeys(t for a, _ in adapters for t in targets_of(a)):

@@ -359,7 +359,9 @@ class Service(WorkQueue):
       _, snapshot, scale = self.sampler(paths[0])
       return self._merged(paths[0], base, snapshot, scale), None
     if self._last_bank[0] != tuple(paths):
-      bank = lora.bank(base.model.params, [self.sampler(p)[1:] for p in paths])
+      # the bank padded to a power of two: a few shapes to compile, whatever the count
+      bank = lora.bank(base.model.params, [self.sampler(p)[1:] for p in paths],
+                       size=1 << (len(paths) - 1).bit_length())
       self._last_bank = (tuple(paths), bank)
     return self._last_bank[1], {w: paths.index(w) if w in paths else -1 for w in wheres}
 
