@@ -7,6 +7,7 @@ policy then scored by one shared greedy evaluation.
     python benchmarks/trl_compare.py [--model models/SmolLM2-135M-Instruct] [--task word_sums]
         [--steps 30] [--seeds 0,1,2] [--trl-python .venv-trl/bin/python] [--threads 2]
         [--eval-prompts 200] [--workdir runs/trl_compare] [--skip trl|rlx]
+        [--rlx-arg=--config.mesh.mode=colocated ...]
 
 The settings are the SmolLM2 recipe's (``configs/smollm2_math.py``): 4 prompts x 8 samples a
 step, 32 new tokens at temperature 0.7 (top-k and top-p off), learning rate 1e-5 held
@@ -15,7 +16,8 @@ batch, GRPO's group-normalised advantages with the sequence-mean-token-mean loss
 0.2, no KL. Both train on the same ``steps x 4`` training prompts of ``--task`` (written to one
 JSONL file, rendered by the model's chat template), scored by rlx's reward for that task (TRL
 imports the same function). rlx runs its recipe (split: one device generates while one learns,
-one step of policy lag); TRL runs on-policy in torch with ``--threads`` threads.
+one step of policy lag; ``--rlx-arg`` passes a config override to it, e.g. colocated, on-policy
+as TRL is); TRL runs on-policy in torch with ``--threads`` threads.
 
 Prints one JSON object: for each seed and trainer, the median step time, the training wall
 clock and the held-out greedy accuracy of the final policy; the base model's accuracy; and
@@ -106,7 +108,8 @@ def run_rlx(args, data: pathlib.Path, workdir: pathlib.Path, seed: int) -> dict:
              f"--workdir={workdir}", f"--config.model.path={args.model}",
              f"--config.data.source={data}", f"--config.reward.name={args.task}",
              f"--config.trainer.steps={args.steps}", "--config.trainer.eval_prompts=0",
-             f"--config.trainer.seed={seed}", f"--config.data.shuffle_seed={seed}"]
+             f"--config.trainer.seed={seed}", f"--config.data.shuffle_seed={seed}",
+             *args.rlx_arg]
   started = time.perf_counter()
   subprocess.run(command, check=True, cwd=REPO)
   wall = time.perf_counter() - started
@@ -157,12 +160,15 @@ def main():
   parser.add_argument("--eval-prompts", type=int, default=200)
   parser.add_argument("--workdir", default="runs/trl_compare")
   parser.add_argument("--skip", choices=["trl", "rlx"], default=None)
+  parser.add_argument("--rlx-arg", action="append", default=[],
+                      help="a flag for rlx.main's recipe run (repeatable)")
   args = parser.parse_args()
   args.model = str(pathlib.Path(args.model).resolve())
   root = pathlib.Path(args.workdir).resolve()
   root.mkdir(parents=True, exist_ok=True)
   trainers = [t for t in ("rlx", "trl") if t != args.skip]
-  results = {"model": args.model, "task": args.task, "steps": args.steps, "seeds": {}}
+  results = {"model": args.model, "task": args.task, "steps": args.steps,
+             "rlx_args": args.rlx_arg, "seeds": {}}
   results["base_accuracy"] = held_out_accuracy(args, args.model, root / "eval_base")
   for seed in map(int, args.seeds.split(",")):
     data = root / f"train_seed{seed}.jsonl"

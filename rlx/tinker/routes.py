@@ -17,6 +17,8 @@ REFUSED = {
     "copy_weights": "copying weights between training runs is not served",
     "save_weights_external": "external storage is not served; save_weights writes to this host",
     "join_sampling_session": "sampling sessions are per client here; create one instead",
+    "retrieve_futures": "this service's client config leaves sample_use_retrieve_futures off: "
+                        "poll each call with retrieve_future",
 }
 """Calls the SDK knows that this service refuses, and why."""
 

@@ -510,3 +510,16 @@ def test_the_rest_client_lists_sessions_and_reads_one(service_url):
     assert found.user_metadata == {"experiment": "sessions"}
     with pytest.raises(Exception, match="unknown"):
       rest.get_session("session-none").result()
+
+
+@pytest.mark.parametrize("name", sorted(routes.REFUSED))
+def test_calls_the_service_does_not_serve_are_refused_naming_the_call(service_url, name):
+  import urllib.error
+  import urllib.request
+
+  request = urllib.request.Request(f"{service_url[0]}/api/v1/{name}", data=b"{}",
+                                   headers={"Content-Type": "application/json"})
+  with pytest.raises(urllib.error.HTTPError) as refused:
+    urllib.request.urlopen(request, timeout=10)
+  assert refused.value.code == 400
+  assert json.loads(refused.value.read())["error"].startswith(f"{name} is not served by rlx: ")
