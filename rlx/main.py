@@ -5,7 +5,9 @@ on a CPU machine, the multi-process runtime when ``mesh.multihost``), and runs
 the loop of ``mesh.mode`` (colocated or split); a workdir with a checkpoint
 resumes. At the end it prints the held-out accuracy before and after RL and
 where the metrics and checkpoints are. ``kill -USR1 PID`` prints every thread's stack to
-stderr (what a run that seems stuck is doing) and lets it go on.
+stderr (what a run that seems stuck is doing) and lets it go on. Every process the run starts
+(an environment's, a reward's, a tool's, in any session) ends when it ends, by any path, a
+SIGKILL included (``rlx.reaper``).
 """
 
 from __future__ import annotations
@@ -302,6 +304,9 @@ def _main(argv: list[str] | None) -> int:
 if __name__ == "__main__":
   if hasattr(signal, "SIGUSR1"):  # every thread's stack on demand, the run going on
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+  from rlx import reaper
+
+  reaper.start()  # whatever the run starts ends with it, however it ends
   status = main()
   if _stopped_at_start:
     sys.stdout.flush()

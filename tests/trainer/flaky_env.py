@@ -2,6 +2,8 @@
 one row in five (as a user's environment that cannot load some rows does), and one whose
 first message is long (as tool schemas make it)."""
 
+import os
+import subprocess
 import threading
 import zlib
 
@@ -69,3 +71,21 @@ class _Broken(_Flaky):
 
 def make_broken_env(row):
   return _Broken(row)
+
+
+class _Forking(_Flaky):
+  """Starts a sleeping process in a session of its own at every reset (as an environment that
+  launches a simulator does) and writes its pid to ``$RLX_TEST_PIDS``."""
+
+  def reset(self):
+    sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    with open(os.environ["RLX_TEST_PIDS"], "a") as pids:
+      pids.write(f"{sleeper.pid}\n")
+    return self.inner.reset()
+
+  def step(self, text):
+    return self.inner.step(text)
+
+
+def make_forking_env(row):
+  return _Forking(row)

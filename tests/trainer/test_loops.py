@@ -182,6 +182,50 @@ def test_the_watchdog_names_each_stage_of_the_start(tmp_path, monkeypatch):
     run.close()
 
 
+def test_a_run_killed_with_sigkill_leaves_nothing_its_environment_started(tmp_path):
+  """An environment starts a sleeping process in a session of its own at every reset; SIGKILL
+  of the trainer mid-run leaves none of them running 10 s later (``rlx.reaper``)."""
+  import os
+  import signal
+
+  pids_file = tmp_path / "pids"
+  pids_file.write_text("")
+  command = [sys.executable, "-m", "rlx.main", "--config", "configs/agent_calc.py",
+             "--workdir", str(tmp_path / "run"), *tiny.OVERRIDES, "--config.trainer.steps=200",
+             "--config.mesh.mode=colocated",
+             "--config.env.name=tests/trainer/flaky_env.py:make_forking_env",
+             "--config.trainer.warmup_sft_steps=0", "--config.env.max_tokens=8",
+             "--config.env.turn_max_new_tokens=4"]
+  trainer = subprocess.Popen(command, cwd=tiny.ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, RLX_TEST_PIDS=str(pids_file)))
+  try:
+    deadline = time.monotonic() + 200
+    while len(pids_file.read_text().split()) < 8 and time.monotonic() < deadline:
+      assert trainer.poll() is None, "the run ended before its environment started"
+      time.sleep(0.2)
+  finally:
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+  pids = [int(p) for p in pids_file.read_text().split()]
+  assert len(pids) >= 8
+
+  def alive(pid):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+      return False
+
+  deadline = time.monotonic() + 10
+  while any(map(alive, pids)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  left = [p for p in pids if alive(p)]
+  for pid in left:
+    os.kill(pid, signal.SIGKILL)
+  assert not left, f"{len(left)} of the environment's {len(pids)} processes outlived the run"
+
+
 @pytest.mark.parametrize("env", ["make_hung_env", "make_broken_env"])
 def test_an_environment_whose_every_reset_fails_ends_the_run_at_start_in_one_line(env, tmp_path):
   """All resets hang or all raise: the run ends within one env.step_timeout_s of its start
