@@ -53,13 +53,14 @@ ALLOWED = {
     # JAX's persistent compilation cache and compile-time counters
     "compilation": set(),
     "hostmem": set(),
+    "reaper": set(),
     # plots of finished runs from their metrics.jsonl and config.json: plain Python + matplotlib
     "report": set(),
     "trainer": {"config", "cli", "types", "kernels", "mesh", "models", "algorithms", "update",
                 "rollout", "sync", "versions", "rewards", "data", "envs", "serve", "checkpoint",
                 "metrics", "distributed", "progress"},
     "main": {"trainer", "config", "cli", "mesh", "models", "distributed", "compilation",
-             "hostmem", "progress"},
+             "hostmem", "progress", "reaper"},
     # compiling the learner step and decode for an accelerator that is not here
     # memory traffic read from compiled programs' optimized HLO: text and jax only
     "hlo_traffic": set(),
