@@ -217,6 +217,10 @@ class OptimizerConfig:
   """Gradient accumulation: micro-batches per update."""
   critic_learning_rate: float = 1e-5
   """Peak learning rate of the critic (PPO)."""
+  moments_dtype: Literal["float32", "bfloat16"] = "float32"
+  """Where Adam's two moments are kept between steps (each update computes in float32):
+  bfloat16 halves their memory (SmolLM2-135M: 1.08 -> 0.54 GB) at a rounding of each moment
+  to 8 bits of mantissa per step."""
   max_update_ratio: float = 1.0
   """An update whose global norm exceeds this fraction of the trained params' own norm is skipped and counted (train/skipped_steps), like one that makes them non-finite: it would replace the weights rather than adjust them. Adam moves each weight by about the learning rate per step, against weights of about 0.02 at initialisation, so a sane step has a ratio near learning_rate / 0.02 (1e-4 to 5e-2); at 1 the update is as large as the weights. 0 disables the check."""
 

@@ -41,12 +41,34 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def moments_held_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """``inner`` with the floating-point arrays of its state (Adam's two moments) held in
+  ``dtype`` between steps: read up to float32 for each update, its math done there, and
+  rounded back (to nearest) when kept. Half the moments' memory in bfloat16."""
+  def cast(state, to):
+    return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        state)
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
+
+
 def make_optimizer(config: OptimizerConfig, total_steps: int, peak: float | None = None):
-  """AdamW with global-norm clipping; returns (optimizer, schedule)."""
+  """AdamW with global-norm clipping; returns (optimizer, schedule). Adam's moments are kept in
+  ``config.moments_dtype``."""
   schedule = make_schedule(config, total_steps, peak)
   parts = [clip_by_global_norm(config.max_grad_norm)] if config.max_grad_norm > 0 else []
-  parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
-                           weight_decay=config.weight_decay))
+  if config.moments_dtype == "float32":
+    parts.append(optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                             weight_decay=config.weight_decay))
+  else:  # optax.adamw's own chain, its moments held in bfloat16
+    parts += [moments_held_in(optax.scale_by_adam(config.b1, config.b2, config.eps),
+                              jnp.dtype(config.moments_dtype)),
+              optax.add_decayed_weights(config.weight_decay),
+              optax.scale_by_learning_rate(schedule)]
   return optax.chain(*parts), schedule
 
 
