@@ -4,7 +4,7 @@ weights, one after the other in one process.
     python -m rlx.fetch --out models/SmolLM2-135M-Instruct     # once
     python benchmarks/real_model.py [--model models/SmolLM2-135M-Instruct] [--sequences 32,64]
         [--new-tokens 64] [--learner-batch 64] [--repeats 2] [--threads 2] [--skip-torch]
-        [--parts decode,learner]
+        [--parts decode,learner] [--dtype float32|bfloat16]
 
 Prints one JSON object:
 
@@ -19,6 +19,9 @@ Prints one JSON object:
   micro-batches of ``--torch-micro`` sequences with the gradients accumulated, AdamW);
   tokens/s counts the sequences' own tokens, and the ratio rlx / torch.
 - ``peak_rss_gib``: the process's peak resident memory when it ends (both frameworks).
+
+``--dtype bfloat16`` decodes with both models' weights and compute in bfloat16 (rlx's
+``model.dtype`` and ``param_dtype``, transformers' ``dtype``), with ``--parts decode``.
 
 Each figure is the median of ``--repeats`` runs after one that compiles (or warms torch up).
 torch runs with ``--threads`` threads (the CPU's cores); compare on a quiet machine: torch and
@@ -161,6 +164,8 @@ def main():
   parser.add_argument("--threads", type=int, default=2)
   parser.add_argument("--skip-torch", action="store_true")
   parser.add_argument("--parts", default="decode,learner")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="the decode's weights and compute, both frameworks")
   parser.add_argument("--torch-micro", type=int, default=8,
                       help="sequences per torch forward/backward (gradients accumulated)")
   parser.add_argument("--remat", default="full",
@@ -168,17 +173,20 @@ def main():
                            "none keeps every layer's activations, ~9.5 GB at 64 sequences)")
   args = parser.parse_args()
   parts = args.parts.split(",")
+  if args.dtype != "float32" and "learner" in parts:
+    parser.error("--dtype bfloat16 times the decode only: add --parts decode")
 
   tokenizer = load_tokenizer(args.model)
-  model = from_pretrained(args.model)
+  model = from_pretrained(args.model, dtype=args.dtype, param_dtype=args.dtype)
   hf = None
-  report = {"model": args.model, "device": jax.devices()[0].device_kind,
+  report = {"model": args.model, "device": jax.devices()[0].device_kind, "dtype": args.dtype,
             "new_tokens": args.new_tokens, "decode": {}, "learner": {}}
   if not args.skip_torch:
     import torch
     import transformers
     torch.set_num_threads(args.threads)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype)).eval()
     report.update(torch=torch.__version__, transformers=transformers.__version__,
                   threads=args.threads)
   for count in map(int, args.sequences.split(",") if "decode" in parts else []):
