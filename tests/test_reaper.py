@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlx import reaper
+from tests.processes import alive, left_after
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /
 _RUN = r"""
 import os, signal, subprocess, sys, time
 from rlx import reaper
+from tests.processes import alive, left_after
 reaper.start()
 daemon = subprocess.Popen(["sleep", "300"], start_new_session=True)
 grandchild = subprocess.Popen(["sh", "-c", "setsid sleep 300 & echo $!"], stdout=subprocess.PIPE,
@@ -34,30 +36,16 @@ time.sleep(300)  # until a signal
 """
 
 
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
 @pytest.mark.parametrize("end", ["return", "raise", "exit70", "SIGTERM", "SIGINT", "SIGKILL"])
 def test_what_a_run_started_in_its_own_session_ends_with_it(end):
   run = subprocess.Popen([sys.executable, "-c", _RUN, end], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
   pids = [int(p) for p in run.stdout.readline().split()]
-  assert len(pids) == 2 and all(map(_alive, pids))
+  assert len(pids) == 2 and all(map(alive, pids))
   if end.startswith("SIG"):
     run.send_signal(getattr(signal, end))
   run.wait(30)
-  deadline = time.monotonic() + 10
-  while any(map(_alive, pids)) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  left = [p for p in pids if _alive(p)]
-  for pid in left:
-    os.kill(pid, signal.SIGKILL)
-  assert not left, f"outlived the run ({end})"
+  assert not left_after(pids, 10), f"outlived the run ({end})"
 
 
 def test_the_reaper_kills_only_its_own_runs_processes():

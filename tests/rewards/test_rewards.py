@@ -13,6 +13,7 @@ import pytest
 
 from rlx import rewards
 from rlx.rewards import verifiers
+from tests.processes import alive
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -237,14 +238,6 @@ def _spawner(response, row):
   return 1.0
 
 
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_processes_a_reward_call_starts_end_with_the_call(tmp_path):
   pids_file = tmp_path / "pids"
@@ -255,9 +248,9 @@ def test_processes_a_reward_call_starts_end_with_the_call(tmp_path):
     pids = [int(p) for p in pids_file.read_text().split()]
     assert len(pids) == 8
     deadline = time.monotonic() + 10
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
       time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "a reward call's processes outlived it"
+    assert not [p for p in pids if alive(p)], "a reward call's processes outlived it"
     # a call that times out: its worker is killed with its process group
     pids_file.write_text("")
     scores, _, counts, _ = pool.score(["hang"], [row])
@@ -265,9 +258,9 @@ def test_processes_a_reward_call_starts_end_with_the_call(tmp_path):
     # the child in its group and the daemon in a session of its own both end with the call
     pids = [int(p) for p in pids_file.read_text().split()]
     deadline = time.monotonic() + 10
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
       time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "a timed-out call's processes outlived it"
+    assert not [p for p in pids if alive(p)], "a timed-out call's processes outlived it"
 
 
 _TRAINER = """
@@ -298,9 +291,9 @@ def test_a_trainer_killed_mid_call_leaves_no_process_of_its_reward_behind(tmp_pa
     trainer.kill()
     trainer.wait()
   deadline = time.monotonic() + 10
-  while any(map(_alive, pids + [worker])) and time.monotonic() < deadline:
+  while any(map(alive, pids + [worker])) and time.monotonic() < deadline:
     time.sleep(0.1)
-  assert not [p for p in pids + [worker] if _alive(p)], "processes outlived the trainer"
+  assert not [p for p in pids + [worker] if alive(p)], "processes outlived the trainer"
 
 
 def test_the_math_verifier_scores_in_a_thread_without_workers():

@@ -188,6 +188,8 @@ def test_a_run_killed_with_sigkill_leaves_nothing_its_environment_started(tmp_pa
   import os
   import signal
 
+  from tests.processes import left_after
+
   pids_file = tmp_path / "pids"
   pids_file.write_text("")
   command = [sys.executable, "-m", "rlx.main", "--config", "configs/agent_calc.py",
@@ -210,19 +212,7 @@ def test_a_run_killed_with_sigkill_leaves_nothing_its_environment_started(tmp_pa
   pids = [int(p) for p in pids_file.read_text().split()]
   assert len(pids) >= 8
 
-  def alive(pid):
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-      return False
-
-  deadline = time.monotonic() + 10
-  while any(map(alive, pids)) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  left = [p for p in pids if alive(p)]
-  for pid in left:
-    os.kill(pid, signal.SIGKILL)
+  left = left_after(pids, 10)
   assert not left, f"{len(left)} of the environment's {len(pids)} processes outlived the run"
 
 
