@@ -417,11 +417,10 @@ class _Run:
     for row, p in enumerate(chosen):
       tokens[row, :len(self.prompts[p])] = self.prompts[p]
       true_length[row] = len(self.prompts[p])
-    adapter = None
-    if self.engine.slot_adapters:
+    adapter = None  # the engine's default for a slot_adapters engine: -1, the base alone
+    if self.adapters is not None:
       adapter = np.full((rows,), -1, np.int32)
-      if self.adapters is not None:
-        adapter[:count] = [self.adapters[p] for p in chosen]
+      adapter[:count] = [self.adapters[p] for p in chosen]
     prefix = self.engine.prefill(self.params, tokens, true_length, adapter)
     for row, p in enumerate(chosen):
       self.prefixes.append([prefix, row, p, 0, self.policy_version])

@@ -51,7 +51,8 @@ from rlx.models.transformer import (CacheLayout, Params, Transformer, cache_layo
                                     logical_axes, param_shapes, unstack_layers)
 from rlx.rollout.sampling import sample
 from rlx.rollout.state import (  # noqa: F401 - part of the engine's interface
-    NO_STOP, DecodeState, Prefix, SamplingParams, StepResult, cache_len, resize_cache)
+    NO_STOP, DecodeState, Prefix, SamplingParams, StepResult, cache_len, np_stop_ids,
+    resize_cache, slot_axes)
 
 
 def _buckets(limit: int, smallest: int) -> tuple[int, ...]:
@@ -475,21 +476,12 @@ def _generate_chunk(transformer: Transformer, params: Params, state: DecodeState
   return state, out
 
 
-def _slot_axes(state: DecodeState) -> DecodeState:
-  """The slot axis of every array of a decode state (a stacked cache's keys and values hold
-  it second, after the layers)."""
-  axes = jax.tree.map(lambda _: 0, state)
-  if cache_layout(state.cache) == "stacked":
-    axes = axes.replace(cache=dict(axes.cache, k=1, v=1))
-  return axes
-
-
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 7), donate_argnums=2)
 def _generate_prefix(transformer: Transformer, params: Params, state: DecodeState, steps: int,
                      max_len: int, attend_len: int | None, refill_at: jax.Array, width: int):
   """``_generate_chunk`` over the first ``width`` slots only (they hold every active one), the
   others untouched; the result padded to [steps, S] with slots that emitted nothing."""
-  axes = _slot_axes(state)
+  axes = slot_axes(state)
   sub = jax.tree.map(lambda x, axis: jax.lax.slice_in_dim(x, 0, width, axis=axis), state, axes)
   sub, out = _generate_chunk(transformer, params, sub, steps, max_len, attend_len, refill_at)
   state = jax.tree.map(lambda x, new, axis: jax.lax.dynamic_update_slice_in_dim(x, new, 0, axis),
@@ -503,11 +495,3 @@ def shard_params(params: Params, transformer: Transformer, mesh: Mesh, rules) ->
   shardings = mesh_lib.logical_shardings(logical_axes(transformer.arch),
                                          param_shapes(transformer.arch), mesh, rules)
   return jax.device_put(params, shardings)
-
-
-def np_stop_ids(stop_token_ids, width: int) -> np.ndarray:
-  """Stop ids padded with NO_STOP to ``width``."""
-  ids = list(stop_token_ids)
-  if len(ids) > width:
-    raise ValueError(f"{len(ids)} stop tokens exceed the engine's max_stop_tokens={width}")
-  return np.array(ids + [NO_STOP] * (width - len(ids)), np.int32)

@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from rlx.models.transformer import POSITION_AXIS, Cache, cache_layout
@@ -109,3 +110,20 @@ def resize_cache(state: DecodeState, length: int) -> DecodeState:
                                cache[name])
   cache["valid"] = fit(cache["valid"], 1)
   return state.replace(cache=cache)
+
+
+def slot_axes(state: DecodeState) -> DecodeState:
+  """The slot axis of every array of a decode state (a stacked cache's keys and values hold
+  it second, after the layers)."""
+  axes = jax.tree.map(lambda _: 0, state)
+  if cache_layout(state.cache) == "stacked":
+    axes = axes.replace(cache=dict(axes.cache, k=1, v=1))
+  return axes
+
+
+def np_stop_ids(stop_token_ids, width: int) -> np.ndarray:
+  """Stop ids padded with NO_STOP to ``width``."""
+  ids = list(stop_token_ids)
+  if len(ids) > width:
+    raise ValueError(f"{len(ids)} stop tokens exceed the engine's max_stop_tokens={width}")
+  return np.array(ids + [NO_STOP] * (width - len(ids)), np.int32)
