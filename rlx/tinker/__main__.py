@@ -1,5 +1,5 @@
-"""``python -m rlx.tinker --model NAME=DIR [--model ...] [--port 8000]``: serves the base
-models at DIR under the names clients pass as ``base_model``."""
+"""``python -m rlx.tinker --model NAME=DIR [--model ...] [--port 8000] [--sampling beside]``:
+serves the base models at DIR under the names clients pass as ``base_model``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="the key clients must send (default: any; the SDK wants 'tml-...')")
   parser.add_argument("--max-length", type=int, default=4096,
                       help="the longest sequence (prompt and response) a call may hold")
+  parser.add_argument("--sampling", choices=("auto", "beside", "inline"), default="auto",
+                      help="beside: sampling runs on a device of its own, beside training (on "
+                           "a CPU, the host is split into two devices); inline: one call at a "
+                           "time on one device; auto: beside where the accelerator has two "
+                           "devices or more")
   args = parser.parse_args(argv)
   models = {}
   for spec in args.model:
@@ -41,15 +46,29 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return 2
 
+  import jax  # noqa: PLC0415
+
+  if args.sampling == "beside":
+    jax.config.update("jax_num_cpu_devices", 2)  # a CPU's two devices; no other platform's
+  split = args.sampling == "beside" or (args.sampling == "auto"
+                                        and len(jax.local_devices()) >= 2)
+  if split and len(jax.local_devices()) < 2:
+    print(f"rlx.tinker: --sampling beside needs two devices; {jax.default_backend()} has one "
+          "here (use --sampling inline)", file=sys.stderr)
+    return 2
+
   from rlx.tinker.routes import app  # noqa: PLC0415
   from rlx.tinker.server import HEARTBEAT_TIMEOUT_S, Service  # noqa: PLC0415
   from rlx.tinker.training import Base  # noqa: PLC0415
 
   logging.basicConfig(level=logging.INFO, format="%(message)s")
   bases = {name: Base.load(name, path, args.max_length) for name, path in models.items()}
-  service = Service(bases, args.workdir, api_key=args.api_key)
-  print(f"rlx.tinker: serving {sorted(bases)} on http://{args.host}:{args.port}; a session "
-        f"without a heartbeat for {HEARTBEAT_TIMEOUT_S:g} s releases its adapters", flush=True)
+  service = Service(bases, args.workdir, api_key=args.api_key, split=split)
+  where = (f"sampling on {service.sample_device} beside training on {jax.local_devices()[0]}"
+           if split else f"one call at a time on {jax.local_devices()[0]}")
+  print(f"rlx.tinker: serving {sorted(bases)} on http://{args.host}:{args.port} ({where}); a "
+        f"session without a heartbeat for {HEARTBEAT_TIMEOUT_S:g} s releases its adapters",
+        flush=True)
   uvicorn.run(app(service), host=args.host, port=args.port, log_level="warning")
   return 0
 

@@ -1,9 +1,16 @@
 """The Tinker service's queue of calls: every call that computes is queued and answered at
-once with a future id; one worker thread runs the queue in order, and takes every queued
+once with a future id; a worker thread runs the queue in order, and takes every queued
 sampling call of the same batch key (the same weights and settings) together.
 
     queue.submit(fn, model_id)                  # {"request_id": ...}
     queue.retrieve(request_id)                  # a dict, protobuf bytes, or "try again"
+
+Split (``WorkQueue(split=True)``): two lanes, each with its own worker, so that sampling runs
+beside training (the service puts each lane on devices of its own). The training lane runs
+every call but sampling, in order; the sampling lane runs the sampling calls, in order. A
+sampling call never waits for a training call queued before it: what it samples from is
+already there when it is queued (a base, or a sampler checkpoint whose save has finished: the
+service checks the path as the call comes), and sampling changes no training state.
 """
 
 import collections
@@ -53,17 +60,26 @@ class _Job:
   run_batch: Callable[[list], list] | None = None
   queued: float = dataclasses.field(default_factory=time.monotonic)
 
+  @property
+  def lane(self) -> str:
+    return "sample" if self.run_batch is not None else "train"
+
 
 class WorkQueue:
-  """The calls of a service, run in order by one worker thread (see the module docstring)."""
+  """The calls of a service, run in order by one worker thread, or by one per lane when
+  ``split`` (see the module docstring)."""
 
-  def __init__(self):
+  def __init__(self, split: bool = False):
     self.futures: dict[str, _Future] = {}
+    self.split = split
     self._work: collections.deque[_Job] = collections.deque()
     self._queued = threading.Condition()
     self._ids = itertools.count()
-    self._worker = threading.Thread(target=self._run, name="rlx-tinker-worker", daemon=True)
-    self._worker.start()
+    self._workers = [threading.Thread(target=self._run, args=(lane,), daemon=True,
+                                      name=f"rlx-tinker-{lane or 'worker'}")
+                     for lane in (("train", "sample") if split else (None,))]
+    for worker in self._workers:
+      worker.start()
 
   def submit(self, fn: Callable[[], dict | bytes] | None, model_id: str | None = None,
              samples: int = 0, **batch) -> dict:
@@ -74,21 +90,21 @@ class WorkQueue:
     future = self.futures[request_id] = _Future()
     with self._queued:
       self._work.append(_Job(future, fn, **batch))
-      self._queued.notify()
+      self._queued.notify_all()  # split: the worker of the job's lane may be either
     answer = {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
     if samples:
       answer["sample_sequence_ids"] = [f"{request_id}:{i}" for i in range(samples)]
     return answer
 
-  def _next(self) -> list[_Job]:
-    """The next job, with every queued job of its batch key (taken out of the queue; the others
-    keep their order). A batch waits while more of its jobs keep arriving (``LINGER_S`` each,
-    ``MAX_LINGER_S`` in all): a client that sends a group's calls one by one sends them
-    milliseconds apart, and the first should not decode alone."""
+  def _next(self, lane: str | None) -> list[_Job]:
+    """The next job of ``lane`` (None: of any), with every queued job of its batch key (taken
+    out of the queue; the others keep their order). A batch waits while more of its jobs keep
+    arriving (``LINGER_S`` each, ``MAX_LINGER_S`` in all): a client that sends a group's calls
+    one by one sends them milliseconds apart, and the first should not decode alone."""
     with self._queued:
-      while not self._work:
+      while (job := next((j for j in self._work if lane in (None, j.lane)), None)) is None:
         self._queued.wait()
-      job = self._work.popleft()
+      self._work.remove(job)
       if job.batch is None:
         return [job]
       jobs, last = [job], time.monotonic()
@@ -103,9 +119,9 @@ class WorkQueue:
           return jobs
         self._queued.wait(LINGER_S - (now - last))
 
-  def _run(self) -> None:
+  def _run(self, lane: str | None) -> None:
     while True:
-      jobs = self._next()
+      jobs = self._next(lane)
       started = time.perf_counter()
       try:
         if jobs[0].run_batch is None:

@@ -5,9 +5,12 @@ clients, and every call's future.
     api = rlx.tinker.routes.app(service)   # FastAPI; ``python -m rlx.tinker`` serves it
 
 Every call that computes (``create_model``, ``forward_backward``, ``optim_step``, the weight
-saves and loads, ``asample``) is queued and answered at once with a future id; one worker
+saves and loads, ``asample``) is queued and answered at once with a future id; a worker
 thread runs the queue in order, so a client's ``forward_backward`` calls land before the
-``optim_step`` that follows them, as the SDK expects. Sampling calls are the exception that
+``optim_step`` that follows them, as the SDK expects. Split (``Service(..., split=True)``, where
+there are two devices or more): sampling runs beside training, on a device of its own with a
+copy of each base's weights, in a lane of the queue with its own worker; training keeps the
+first device. Sampling calls are the exception that
 keeps the order's meaning: a sampler's weights never change, so the worker takes every queued
 sampling call on the same weights with the same settings together and decodes them in one
 engine batch (a loop that samples each of a group's responses with its own call, as
@@ -18,6 +21,7 @@ input); no adapter changes on a failed call, and the service keeps serving.
 """
 
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -61,7 +65,7 @@ class Service(WorkQueue):
   (``WorkQueue``)."""
 
   def __init__(self, bases: dict[str, Base], workdir: str | pathlib.Path, api_key: str | None = None,
-               heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+               heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, split: bool = False):
     self.bases, self.workdir, self.api_key = bases, pathlib.Path(workdir), api_key
     self.heartbeat_timeout_s = heartbeat_timeout_s
     self.sessions: dict[str, _Session] = {}
@@ -71,7 +75,13 @@ class Service(WorkQueue):
     self.runs = Runs(self.workdir)  # the training runs and checkpoints, on disk
     self._last_merged: tuple = (None, None)
     self._last_bank: tuple = (None, None)
-    super().__init__()
+    if split and len(jax.local_devices()) < 2:
+      raise ValueError(f"split sampling needs two devices; this process has "
+                       f"{len(jax.local_devices())}")
+    self.sample_device = jax.local_devices()[-1] if split else None
+    """Where sampling runs (None: where training does, one call at a time)."""
+    self._sample_bases: dict[str, object] = {}  # base name -> its params on sample_device
+    super().__init__(split=split)
 
   def submit(self, fn: Callable[[], dict | bytes] | None, model_id: str | None = None,
              samples: int = 0, **batch) -> dict:
@@ -340,11 +350,24 @@ class Service(WorkQueue):
     session.samplers.append(session_id)
     return session_id
 
+  def _placed(self, tree):
+    """``tree`` on the sampling device (split), or as it is."""
+    return tree if self.sample_device is None else jax.device_put(tree, self.sample_device)
+
+  def _base_params(self, base: Base):
+    """The base's params where sampling runs (split: a copy on the sampling device, made once)."""
+    if self.sample_device is None:
+      return base.model.params
+    if base.name not in self._sample_bases:
+      self._sample_bases[base.name] = self._placed(base.model.params)
+    return self._sample_bases[base.name]
+
   def _merged(self, path: str, base: Base, snapshot, scale: float):
     """The base with ``path``'s adapters folded in, kept for the next call on the same path
     (a sampling client samples many times from one snapshot)."""
     if self._last_merged[0] != path:
-      self._last_merged = (path, lora.merge(base.model.params, snapshot, scale))
+      self._last_merged = (path, lora.merge(self._base_params(base), self._placed(snapshot),
+                                            scale))
     return self._last_merged[1]
 
   def _weights(self, base: Base, wheres: list[str]):
@@ -354,13 +377,14 @@ class Service(WorkQueue):
     bank kept for the next batch on the same samplers."""
     paths = [w for w in wheres if not w.startswith("base:")]
     if not paths:
-      return base.model.params, None
+      return self._base_params(base), None
     if len(wheres) == 1:
       _, snapshot, scale = self.sampler(paths[0])
       return self._merged(paths[0], base, snapshot, scale), None
     if self._last_bank[0] != tuple(paths):
       # the bank padded to a power of two: a few shapes to compile, whatever the count
-      bank = lora.bank(base.model.params, [self.sampler(p)[1:] for p in paths],
+      bank = lora.bank(self._base_params(base),
+                       [(self._placed(self.sampler(p)[1]), self.sampler(p)[2]) for p in paths],
                        size=1 << (len(paths) - 1).bit_length())
       self._last_bank = (tuple(paths), bank)
     return self._last_bank[1], {w: paths.index(w) if w in paths else -1 for w in wheres}
@@ -400,6 +424,11 @@ class Service(WorkQueue):
     def run_batch(payloads: list[tuple[str, list[int], bool]]) -> list[bytes]:
       """The calls of one batch, on the weights of up to ``BANK_SIZE`` samplers at a time,
       decoded together (each slot with its call's adapter)."""
+      with contextlib.nullcontext() if self.sample_device is None else jax.default_device(
+          self.sample_device):  # what the engine makes for itself lands there too
+        return decode(payloads)
+
+    def decode(payloads: list[tuple[str, list[int], bool]]) -> list[bytes]:
       wheres = list(dict.fromkeys(where for where, _, _ in payloads))
       answers = {}
       for first in range(0, len(wheres), BANK_SIZE):

@@ -1,5 +1,6 @@
 """The real ``tinker`` SDK drives rlx's Tinker-compatible service on a tiny model."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -21,10 +22,11 @@ from tests.conftest import FIXTURES  # noqa: E402
 BASE = "rlx/tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def service_url(tmp_path_factory):
+@contextlib.contextmanager
+def _serving(workdir, **options):
+  """A service of the tiny base (its own copy: engines are cached per model) over HTTP."""
   base = Base.load(BASE, str(FIXTURES / "hf" / "llama"), max_length=64)
-  service = server_lib.Service({BASE: base}, tmp_path_factory.mktemp("tinker"))
+  service = server_lib.Service({BASE: base}, workdir, **options)
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -37,6 +39,12 @@ def service_url(tmp_path_factory):
   yield f"http://127.0.0.1:{port}", service
   server.should_exit = True
   thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def service_url(tmp_path_factory):
+  with _serving(tmp_path_factory.mktemp("tinker")) as served:
+    yield served
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +298,43 @@ def test_calls_on_different_samplers_decode_together_each_with_its_own_adapter(c
     # the sampled tokens' log-probs are those of the call's own weights, no other's
     own = base.prompt_logprobs(service._weights(base, [where])[0], prompt + tokens)[len(prompt):]
     np.testing.assert_allclose(np.frombuffer(sequence.logprobs, np.float32), own, atol=1e-4)
+
+
+def test_split_sampling_runs_beside_training_on_a_device_of_its_own(service_url, tmp_path):
+  one_lane = service_url[1]
+  with _serving(tmp_path, split=True) as (url, split):
+    assert split.sample_device == jax.local_devices()[-1] != jax.local_devices()[0]
+    gate, running = threading.Event(), threading.Event()
+    held = split.submit(lambda: running.set() or gate.wait(60) and {})  # a long training call
+    assert running.wait(10)
+    request = _sample_request([1, 5, 9], seed=3)
+    answer = split.retrieve(split.sample(request)["request_id"], wait_s=30)
+    assert isinstance(answer, bytes), answer  # sampled while the training call still ran
+    assert not split.futures[held["request_id"]].done.is_set()
+    gate.set()
+    assert split.retrieve(held["request_id"]) == {}
+    # the same tokens as the one-lane service's, on the sampling device
+    assert wire_tokens(answer) == wire_tokens(
+        one_lane.retrieve(one_lane.sample(request)["request_id"]))
+    assert {d for leaf in jax.tree.leaves(split._base_params(split.bases[BASE]))
+            for d in leaf.devices()} == {split.sample_device}
+
+    # trained on the first device, sampled on the other: what the one-lane service gives
+    def train_and_sample(base_url):
+      with tinker.ServiceClient(base_url=base_url, api_key="tml-test") as client:
+        training = client.create_lora_training_client(base_model=BASE, rank=4, seed=9)
+        for _ in range(2):
+          training.forward_backward([_datum([1, 5, 9, 13, 17])], "cross_entropy").result()
+          training.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client("split-check").result()
+        return sampler.sample(tinker.ModelInput.from_ints([1, 5]), num_samples=2,
+                              sampling_params=tinker.SamplingParams(max_tokens=6, seed=4)
+                              ).result().sequences
+
+    ours, theirs = train_and_sample(url), train_and_sample(service_url[0])
+    assert [s.tokens for s in ours] == [s.tokens for s in theirs]
+    np.testing.assert_allclose([s.logprobs for s in ours], [s.logprobs for s in theirs],
+                               atol=1e-5)
 
 
 def wire_tokens(proto: bytes) -> list[list[int]]:
