@@ -242,4 +242,7 @@ def test_a_save_holds_its_write_buffer_not_a_copy_of_the_state(tmp_path):
   rise = {mb: int(subprocess.run([sys.executable, "-c", WRITE, str(tmp_path / str(mb)), str(mb)],
                                  capture_output=True, text=True, check=True).stdout.split()[-1])
           for mb in (8, 100_000)}
-  assert rise[8] < 100 < 160 < rise[100_000], rise  # measured: 69 and 239
+  # measured: 69 and 239 on a quiet machine, 37 and 124 on a loaded one (the disk then keeps up
+  # with the slower encoding, and fewer chunks wait): the bound holds, and the unbounded save
+  # holds clearly more
+  assert rise[8] < 100 and rise[100_000] > rise[8] + 60, rise
