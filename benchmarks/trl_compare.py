@@ -85,6 +85,9 @@ trainer.train()
 wall = time.perf_counter() - started
 trainer.save_model(settings["out"])
 tokenizer.save_pretrained(settings["out"])
+# TRL's own per-step figures (reward, grad_norm, clip ratios, entropy), beside rlx's metrics.jsonl
+with open(f"{settings['out']}/log_history.json", "w") as f:
+  json.dump(trainer.state.log_history, f)
 print("TRL_RESULT " + json.dumps({"step_s": statistics.median(clock.times[1:] or clock.times),
                                   "wall_s": wall, "steps": len(clock.times)}))
 '''
