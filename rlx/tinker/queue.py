@@ -71,7 +71,6 @@ class WorkQueue:
 
   def __init__(self, split: bool = False):
     self.futures: dict[str, _Future] = {}
-    self.split = split
     self._work: collections.deque[_Job] = collections.deque()
     self._queued = threading.Condition()
     self._ids = itertools.count()

@@ -21,7 +21,6 @@ input); no adapter changes on a failed call, and the service keeps serving.
 """
 
 
-import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -384,7 +383,8 @@ class Service(WorkQueue):
     if self._last_bank[0] != tuple(paths):
       # the bank padded to a power of two: a few shapes to compile, whatever the count
       bank = lora.bank(self._base_params(base),
-                       [(self._placed(self.sampler(p)[1]), self.sampler(p)[2]) for p in paths],
+                       [(self._placed(adapters), scale)
+                        for _, adapters, scale in map(self.sampler, paths)],
                        size=1 << (len(paths) - 1).bit_length())
       self._last_bank = (tuple(paths), bank)
     return self._last_bank[1], {w: paths.index(w) if w in paths else -1 for w in wheres}
@@ -424,8 +424,8 @@ class Service(WorkQueue):
     def run_batch(payloads: list[tuple[str, list[int], bool]]) -> list[bytes]:
       """The calls of one batch, on the weights of up to ``BANK_SIZE`` samplers at a time,
       decoded together (each slot with its call's adapter)."""
-      with contextlib.nullcontext() if self.sample_device is None else jax.default_device(
-          self.sample_device):  # what the engine makes for itself lands there too
+      # what the engine makes for itself lands where sampling runs too (None: the default)
+      with jax.default_device(self.sample_device):
         return decode(payloads)
 
     def decode(payloads: list[tuple[str, list[int], bool]]) -> list[bytes]:
